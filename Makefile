@@ -1,0 +1,39 @@
+# Two commands do all set-up on a fresh machine with Python 3.11:
+#   make demo    the main job (local end-to-end demo)
+#   make test    the test suite (what CI runs, via .ci/run)
+
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.deltasync-installed
+EXTRAS ?= vllm,hub,service,trl,test
+
+.PHONY: venv check test demo bench clean
+
+# (Re)create the virtualenv whenever the project's requirements change.
+$(STAMP): pyproject.toml Makefile
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	# torch first: pip takes the local CPU wheel, and later ranges it satisfies pull nothing more
+	$(PY) -m pip install --quiet torch==2.13.0
+	$(PY) -m pip install --quiet -e '.[$(EXTRAS)]'
+	# PyPI's torchvision/torchaudio/torchcodec do not match torch 2.13.0+cpu and break `import transformers`
+	$(PY) -m pip uninstall --quiet -y torchvision torchaudio torchcodec
+	touch $@
+
+venv: $(STAMP)
+
+check: venv
+	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" scripts/check
+
+test: venv
+	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" scripts/test
+
+demo: venv
+	$(PY) examples/local_stream.py --out demo-out
+
+bench: venv
+	$(PY) benchmarks/bench_codec.py
+
+clean:
+	rm -rf $(VENV) demo-out bench-out .pytest_cache .mypy_cache .ruff_cache .hypothesis

@@ -1,0 +1,122 @@
+"""Lossless array codecs of the ``packed`` encoding: gap coding, ordinal deltas, byte planes, zstd."""
+
+from __future__ import annotations
+
+import sys
+
+import numpy as np
+import numpy.typing as npt
+import zstandard
+
+__all__ = [
+    "decode_gaps",
+    "encode_gaps",
+    "from_ordinal",
+    "join_planes",
+    "planes_needed",
+    "split_planes",
+    "to_ordinal",
+    "zigzag_decode",
+    "zigzag_encode",
+    "zstd_compress",
+    "zstd_decompress",
+]
+
+assert sys.byteorder == "little", "deltasync's codecs assume a little-endian host"
+
+UIntArray = npt.NDArray[np.unsignedinteger]
+IntArray = npt.NDArray[np.signedinteger]
+
+
+def planes_needed(values: UIntArray) -> int:
+    """Return how many low byte planes hold every value (0 for an empty or all-zero array)."""
+    if values.size == 0:
+        return 0
+    top = int(values.max())
+    return (top.bit_length() + 7) // 8
+
+
+def split_planes(values: UIntArray, planes: int) -> bytes:
+    """Return the ``planes`` low bytes of each value, plane by plane (all low bytes first)."""
+    as_bytes = values.reshape(-1, 1).view(np.uint8)
+    return np.ascontiguousarray(as_bytes[:, :planes].T).tobytes()
+
+
+def join_planes(buf: bytes, n: int, planes: int, dtype: type[np.unsignedinteger]) -> UIntArray:
+    """Inverse of :func:`split_planes`: rebuild ``n`` unsigned values of ``dtype``."""
+    out = np.zeros((n, np.dtype(dtype).itemsize), dtype=np.uint8)
+    out[:, :planes] = np.frombuffer(buf, dtype=np.uint8).reshape(planes, n).T
+    return out.view(dtype).reshape(n)
+
+
+def encode_gaps(indices: IntArray, work: type[np.unsignedinteger]) -> UIntArray:
+    """Strictly increasing indices -> gaps ``i[0]`` and ``i[k] - i[k-1] - 1`` (all >= 0)."""
+    gaps = np.empty(indices.size, dtype=work)
+    if indices.size:
+        gaps[0] = indices[0]
+        np.subtract(indices[1:], indices[:-1], out=gaps[1:], casting="unsafe")
+        gaps[1:] -= 1
+    return gaps
+
+
+def decode_gaps(gaps: UIntArray) -> npt.NDArray[np.int64]:
+    """Inverse of :func:`encode_gaps`. The caller checks the result is in range and increasing."""
+    out = np.cumsum(gaps, dtype=np.uint64)
+    out += np.arange(gaps.size, dtype=np.uint64)
+    return out.view(np.int64)
+
+
+def to_ordinal(bits: IntArray) -> IntArray:
+    """Map sign-magnitude float bit patterns (as signed ints) to integers in float order.
+
+    ``-0.0`` maps to -1 and ``+0.0`` to 0, so the map is a bijection on bit patterns (NaN payloads
+    included). The map is an involution: :func:`from_ordinal` is the same operation.
+    """
+    width = bits.dtype.itemsize * 8
+    mask = np.array((1 << (width - 1)) - 1, dtype=bits.dtype)
+    out: IntArray = np.bitwise_xor(bits, (bits >> (width - 1)) & mask)
+    return out
+
+
+from_ordinal = to_ordinal
+
+
+def zigzag_encode(d: IntArray, unsigned: type[np.unsignedinteger]) -> UIntArray:
+    """Signed -> unsigned with small magnitudes first: 0, -1, 1, -2, 2 -> 0, 1, 2, 3, 4."""
+    width = d.dtype.itemsize * 8
+    return ((d << 1) ^ (d >> (width - 1))).view(unsigned)
+
+
+def zigzag_decode(z: UIntArray, signed: type[np.signedinteger]) -> IntArray:
+    """Inverse of :func:`zigzag_encode`."""
+    half: IntArray = (z >> 1).view(signed)
+    sign: IntArray = (z & 1).view(signed)
+    out: IntArray = np.bitwise_xor(half, np.negative(sign))
+    return out
+
+
+def zstd_compress(data: bytes, level: int) -> bytes:
+    """One zstd frame with its content size recorded."""
+    return zstandard.ZstdCompressor(level=level, write_content_size=True).compress(data)
+
+
+def zstd_decompress(frame: bytes | memoryview, expected: int) -> bytes:
+    """Decompress one frame that must hold exactly ``expected`` bytes.
+
+    Raises:
+        ValueError: the frame is corrupt or does not declare ``expected`` bytes; the caller
+            turns this into a FormatError naming the file and tensor.
+    """
+    try:
+        declared = zstandard.frame_content_size(frame)
+    except zstandard.ZstdError as exc:
+        raise ValueError(f"not a zstd frame ({exc})") from None
+    if declared != expected:
+        raise ValueError(f"zstd frame declares {declared} bytes, expected {expected}")
+    try:
+        out = zstandard.ZstdDecompressor().decompress(frame, max_output_size=expected)
+    except zstandard.ZstdError as exc:
+        raise ValueError(f"corrupt zstd frame ({exc})") from None
+    if len(out) != expected:
+        raise ValueError(f"zstd frame holds {len(out)} bytes, expected {expected}")
+    return out

@@ -1,0 +1,464 @@
+"""Encode and decode one delta or anchor shard (a safetensors file); pure: no I/O, no network.
+
+``docs/FORMAT.md`` is the normative description. Two encodings share one container:
+
+* ``raw``: ``N:indices`` (I32, or I64 when ``numel > 2**31 - 1``) and ``N:values`` per sparse
+  entry; ``N`` itself per whole dense tensor (so a raw anchor is a plain checkpoint), or
+  ``N:values`` alone for a dense span of a tensor.
+* ``packed``: ``N:packed_indices`` (U8: gap-coded positions, byte planes, one zstd frame) and
+  ``N:packed_values`` (U8: byte planes of the zigzagged ordinal difference to the base value,
+  ``ordinal-delta``, or of the raw bits, ``bits``; one zstd frame).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, Literal, TypeVar
+
+import numpy as np
+import torch
+import xxhash
+
+from . import _codec
+from ._header import (
+    DTYPE_NAMES,
+    DTYPES,
+    ENCODINGS,
+    FORMAT_VERSION,
+    KINDS,
+    META_PREFIX,
+    Encoding,
+    Kind,
+    ShardHeader,
+    TensorInfo,
+    bits_dtype,
+    info_to_json,
+    parse_shard,
+    read_shard_header,
+    wide_dtypes,
+)
+from ._safetensors import SafetensorsEntry, SafetensorsFile, encode_safetensors
+from .errors import FormatError
+
+__all__ = [
+    "DEFAULT_ZSTD_LEVEL",
+    "FORMAT_VERSION",
+    "ShardHeader",
+    "TensorDelta",
+    "TensorInfo",
+    "decode_shard",
+    "encode_shard",
+    "read_shard_header",
+    "tensor_checksum",
+]
+
+DEFAULT_ZSTD_LEVEL = 3
+"""zstd level of ``packed``; benchmarks/bench_codec.py measures the alternatives."""
+
+_INT_TORCH = {np.int16: torch.int16, np.int32: torch.int32}
+
+
+def tensor_checksum(tensor: torch.Tensor, span: tuple[int, int] | None = None) -> str:
+    """Digest of a tensor's bytes in row-major order: ``"xxh3_128:<32 hex digits>"``.
+
+    Args:
+        tensor: any CPU tensor.
+        span: hash only the flat elements ``[start, stop)``.
+
+    xxh3-128 hashes at memory speed (~35 GB/s here, against ~2 GB/s for sha256 and ~15 GB/s for
+    two-thread blake3), and 128 bits make an accidental collision negligible. It proves that a
+    receiver holds the trainer's exact bits; it is no defence against a forger (the sha256 of
+    each shard file in the manifest is).
+    """
+    flat = tensor.detach().reshape(-1)
+    if span is not None:
+        flat = flat[span[0] : span[1]]
+    data = flat.contiguous().view(torch.uint8).numpy()
+    return "xxh3_128:" + xxhash.xxh3_128_hexdigest(data.data)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class TensorDelta:
+    """The change of one tensor between two versions, or one tensor of an anchor (dense).
+
+    Values are always the new absolute values, so applying a decoded delta twice is harmless.
+    """
+
+    ckpt_name: str
+    """Checkpoint name, e.g. ``model.layers.0.self_attn.q_proj.weight``."""
+    shape: tuple[int, ...]
+    """Full shape of the tensor."""
+    dtype: torch.dtype
+    """bfloat16, float16 or float32."""
+    indices: torch.Tensor | None
+    """Sparse: 1-D int64 flat indices into the full tensor, strictly increasing. ``None``: dense."""
+    values: torch.Tensor
+    """Sparse: 1-D new values at ``indices``. Dense: the whole tensor, or 1-D over ``span``."""
+    span: tuple[int, int] | None = None
+    """Flat element range ``[start, stop)`` the entry covers (one FSDP rank's rows); ``None``:
+    the whole tensor."""
+    base_values: torch.Tensor | None = None
+    """What the base version held where ``values`` go; ``packed`` codes values against them.
+    ``None`` makes ``packed`` store raw bits."""
+    checksum: str | None = None
+    """:func:`tensor_checksum` of the span (or whole tensor) after the change; needed to encode."""
+
+    @property
+    def nnz(self) -> int:
+        """Stored elements (the span's length for a dense entry)."""
+        return int(self.values.numel())
+
+    @property
+    def bounds(self) -> tuple[int, int]:
+        """The span, or ``(0, numel)``."""
+        if self.span is not None:
+            return self.span
+        return (0, math.prod(self.shape))
+
+
+_T = TypeVar("_T")
+_R = TypeVar("_R")
+
+
+def _parallel_map(fn: Callable[[_T], _R], items: Sequence[_T]) -> list[_R]:
+    # zstd and numpy's large kernels release the GIL: two cores give close to 2x.
+    workers = min(len(items), os.cpu_count() or 1)
+    if workers <= 1:
+        return [fn(item) for item in items]
+    with ThreadPoolExecutor(max_workers=workers) as pool:
+        return list(pool.map(fn, items))
+
+
+def _bits_of(t: torch.Tensor, dtype_name: str) -> np.ndarray:
+    return t.detach().contiguous().reshape(-1).view(_INT_TORCH[bits_dtype(dtype_name)]).numpy()
+
+
+def _validate_for_encoding(d: TensorDelta, kind: Kind) -> str:
+    name = d.ckpt_name
+    if not name or ":" in name:
+        raise ValueError(f"tensor {name!r}: checkpoint names must be non-empty and contain no ':'")
+    if d.dtype not in DTYPE_NAMES:
+        raise ValueError(
+            f"tensor {name!r}: dtype {d.dtype} is not supported; expected bfloat16, float16 or float32"
+        )
+    if d.checksum is None:
+        raise ValueError(f"tensor {name!r}: checksum is missing; set it to tensor_checksum(new tensor, span)")
+    if kind == "anchor" and d.indices is not None:
+        raise ValueError(f"tensor {name!r}: an anchor holds dense entries only, got a sparse one")
+    if d.values.dtype != d.dtype:
+        raise ValueError(f"tensor {name!r}: values are {d.values.dtype}, expected {d.dtype}")
+    start, stop = d.bounds
+    if d.span is not None and not 0 <= start < stop <= math.prod(d.shape):
+        raise ValueError(
+            f"tensor {name!r}: span {d.span} must satisfy 0 <= start < stop <= {math.prod(d.shape)}"
+        )
+    if d.indices is None:
+        want = d.shape if d.span is None else (stop - start,)
+        if tuple(d.values.shape) != want:
+            raise ValueError(
+                f"tensor {name!r}: dense values have shape {tuple(d.values.shape)}, expected {want}"
+            )
+    elif d.values.dim() != 1 or d.indices.shape != d.values.shape:
+        raise ValueError(f"tensor {name!r}: {d.indices.numel()} indices but {d.values.numel()} values")
+    elif d.indices.dtype != torch.int64:
+        raise ValueError(f"tensor {name!r}: indices must be int64, got {d.indices.dtype}")
+    if d.base_values is not None and d.base_values.shape != d.values.shape:
+        raise ValueError(f"tensor {name!r}: base_values must have the shape of values")
+    if torch.isnan(d.values).any():
+        raise ValueError(
+            f"tensor {name!r}: values contain NaN, which vLLM reads as 'unchanged'; deltasync refuses "
+            "to publish NaN weights (check the training run for divergence)"
+        )
+    return DTYPE_NAMES[d.dtype]
+
+
+def _info(d: TensorDelta, dtype_name: str, **packed: Any) -> TensorInfo:
+    return TensorInfo(
+        shape=d.shape,
+        dtype=dtype_name,
+        layout="dense" if d.indices is None else "sparse",
+        nnz=d.nnz,
+        checksum=str(d.checksum),
+        span=d.span,
+        **packed,
+    )
+
+
+def _encode_raw(d: TensorDelta, dtype_name: str) -> tuple[TensorInfo, list[SafetensorsEntry]]:
+    values = d.values.detach().contiguous().reshape(-1).view(torch.uint8).numpy().data
+    info = _info(d, dtype_name)
+    if d.indices is None and d.span is None:
+        return info, [SafetensorsEntry(key=d.ckpt_name, dtype=dtype_name, shape=d.shape, data=values)]
+    entries = [SafetensorsEntry(key=f"{d.ckpt_name}:values", dtype=dtype_name, shape=(d.nnz,), data=values)]
+    if d.indices is not None:
+        wide = info.numel > 2**31 - 1
+        idx = d.indices.to(torch.int64 if wide else torch.int32).contiguous().numpy()
+        entries.append(
+            SafetensorsEntry(
+                key=f"{d.ckpt_name}:indices",
+                dtype="I64" if wide else "I32",
+                shape=(d.nnz,),
+                data=idx.data.cast("B"),
+            )
+        )
+    return info, entries
+
+
+def _u8_entry(key: str, blob: bytes) -> SafetensorsEntry:
+    return SafetensorsEntry(key=key, dtype="U8", shape=(len(blob),), data=memoryview(blob))
+
+
+def _encode_packed(d: TensorDelta, dtype_name: str, level: int) -> tuple[TensorInfo, list[SafetensorsEntry]]:
+    entries = []
+    index_planes = 0
+    if d.indices is not None:
+        numel = math.prod(d.shape)
+        gaps = _codec.encode_gaps(d.indices.numpy(), np.uint32 if numel <= 2**32 else np.uint64)
+        index_planes = _codec.planes_needed(gaps)
+        blob = _codec.zstd_compress(_codec.split_planes(gaps, index_planes), level)
+        entries.append(_u8_entry(f"{d.ckpt_name}:packed_indices", blob))
+    new = _bits_of(d.values, dtype_name)
+    coding: Literal["ordinal-delta", "bits"]
+    if d.base_values is not None:
+        signed, unsigned = wide_dtypes(dtype_name)
+        diff = _codec.to_ordinal(new).astype(signed)
+        diff -= _codec.to_ordinal(_bits_of(d.base_values, dtype_name))
+        coded, coding = _codec.zigzag_encode(diff, unsigned), "ordinal-delta"
+    else:
+        coded, coding = new.view(np.uint16 if new.dtype == np.int16 else np.uint32), "bits"
+    value_planes = _codec.planes_needed(coded)
+    blob = _codec.zstd_compress(_codec.split_planes(coded, value_planes), level)
+    entries.append(_u8_entry(f"{d.ckpt_name}:packed_values", blob))
+    info = _info(d, dtype_name, index_planes=index_planes, value_planes=value_planes, value_coding=coding)
+    return info, entries
+
+
+def encode_shard(
+    deltas: Iterable[TensorDelta],
+    *,
+    kind: Kind,
+    encoding: Encoding,
+    target_version: int,
+    base_version: int | None = None,
+    zstd_level: int = DEFAULT_ZSTD_LEVEL,
+) -> bytes:
+    """Encode tensor deltas (or an anchor's dense tensors) into one shard file.
+
+    Args:
+        deltas: one entry per changed tensor (or span), each with its ``checksum``.
+        kind: ``"delta"`` (needs ``base_version``) or ``"anchor"`` (dense entries only).
+        encoding: ``"raw"`` or ``"packed"``.
+        target_version: the version the shard produces.
+        base_version: the version a delta applies to.
+        zstd_level: compression level of ``packed``.
+
+    Returns:
+        The shard's bytes; identical inputs give identical bytes.
+
+    Raises:
+        ValueError: an entry is malformed or holds NaN (the message names the tensor).
+    """
+    if kind not in KINDS:
+        raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
+    if encoding not in ENCODINGS:
+        raise ValueError(f"encoding must be one of {ENCODINGS}, got {encoding!r}")
+    if kind == "delta" and (base_version is None or not 0 <= base_version < target_version):
+        raise ValueError(
+            f"a delta needs 0 <= base_version < target_version, got {base_version} -> {target_version}"
+        )
+    if kind == "anchor" and (base_version is not None or target_version < 0):
+        raise ValueError(f"an anchor needs target_version >= 0 and no base_version, got {base_version}")
+    items = list(deltas)
+    names = [d.ckpt_name for d in items]
+    if len(set(names)) != len(names):
+        raise ValueError("a tensor may appear once per shard; split spans of one tensor across shards")
+    dtype_names = [_validate_for_encoding(d, kind) for d in items]
+
+    def encode_one(i: int) -> tuple[TensorInfo, list[SafetensorsEntry]]:
+        if encoding == "raw":
+            return _encode_raw(items[i], dtype_names[i])
+        return _encode_packed(items[i], dtype_names[i], zstd_level)
+
+    encoded = _parallel_map(encode_one, range(len(items)))
+    tensors_json = {d.ckpt_name: info_to_json(info) for d, (info, _) in zip(items, encoded, strict=True)}
+    metadata = {
+        META_PREFIX + "format_version": FORMAT_VERSION,
+        META_PREFIX + "kind": kind,
+        META_PREFIX + "encoding": encoding,
+        META_PREFIX + "target_version": str(target_version),
+        META_PREFIX + "tensors": _json_dumps(tensors_json),
+    }
+    if base_version is not None:
+        metadata[META_PREFIX + "base_version"] = str(base_version)
+    return encode_safetensors([e for _, es in encoded for e in es], metadata)
+
+
+def _json_dumps(obj: object) -> str:
+    return json.dumps(obj, sort_keys=True, separators=(",", ":"))
+
+
+def _bad(file: str, what: str) -> FormatError:
+    return FormatError(f"{file}: {what}")
+
+
+def _check_indices(file: str, name: str, idx: np.ndarray, bounds: tuple[int, int]) -> None:
+    if idx.size == 0:
+        return
+    if idx[0] < bounds[0] or idx.max() >= bounds[1]:
+        raise _bad(
+            file,
+            f"tensor {name!r}: indices must lie in [{bounds[0]}, {bounds[1]}), "
+            f"found {int(idx.min())}..{int(idx.max())}",
+        )
+    steps = np.diff(idx)
+    if steps.size and steps.min() <= 0:
+        k = int(np.argmax(steps <= 0))
+        raise _bad(
+            file,
+            f"tensor {name!r}: indices must be strictly increasing, found {int(idx[k + 1])} "
+            f"after {int(idx[k])} at position {k + 1}",
+        )
+
+
+def decode_shard(
+    buf: bytes | bytearray | memoryview,
+    *,
+    name: str,
+    base: Mapping[str, torch.Tensor] | None = None,
+) -> tuple[ShardHeader, dict[str, TensorDelta]]:
+    """Validate and decode a whole shard; nothing is returned unless everything is valid.
+
+    Args:
+        buf: the shard's bytes. A writable buffer (``bytearray``) is decoded without copying
+            the raw values.
+        name: the file's name for error messages.
+        base: full tensors of the base version, by checkpoint name; needed for ``packed``
+            entries coded as ``ordinal-delta`` (only the values at the changed indices are read).
+
+    Returns:
+        The header and one :class:`TensorDelta` per tensor, holding new absolute values.
+
+    Raises:
+        FormatError: any malformation: container, metadata, entry shapes, indices not sorted,
+            not unique or out of range, NaN values, a corrupt zstd frame, or a ``base`` tensor
+            whose shape or dtype differs from the shard's (a delta for another model).
+        ValueError: ``base`` is needed but was not given.
+    """
+    header, st = parse_shard(buf, name)
+    needs_base = [t for t, i in header.tensors.items() if i.value_coding == "ordinal-delta"]
+    if needs_base and base is None:
+        raise ValueError(
+            f"{name}: {len(needs_base)} tensors are coded against base version "
+            f"{header.base_version}; pass base= the tensors of that version"
+        )
+    writable = not memoryview(buf).readonly
+
+    def decode_one(t: str) -> TensorDelta:
+        try:
+            return _decode_tensor(t, header.tensors[t], header.encoding, st, base, writable, name)
+        except FormatError:
+            raise
+        except ValueError as exc:  # codec errors carry no file or tensor name: add them
+            raise _bad(name, f"tensor {t!r}: {exc}") from None
+
+    decoded = _parallel_map(decode_one, list(header.tensors))
+    return header, {d.ckpt_name: d for d in decoded}
+
+
+def _frombuffer(data: memoryview, np_dtype: type[np.generic], writable: bool) -> np.ndarray:
+    arr = np.frombuffer(data, dtype=np_dtype)
+    return arr if writable else arr.copy()
+
+
+def _decode_tensor(
+    t: str,
+    info: TensorInfo,
+    encoding: Encoding,
+    st: SafetensorsFile,
+    base: Mapping[str, torch.Tensor] | None,
+    writable: bool,
+    file: str,
+) -> TensorDelta:
+    ibits = bits_dtype(info.dtype)
+    sparse = info.layout == "sparse"
+    n = info.nnz
+    indices: np.ndarray | None = None
+    if encoding == "raw":
+        if sparse:
+            ie = st.entries[f"{t}:indices"]
+            raw_idx = _frombuffer(ie.data, np.int32 if ie.dtype == "I32" else np.int64, False)
+            indices = raw_idx.astype(np.int64, copy=False)
+            _check_indices(file, t, indices, info.bounds)
+        key = t if info.layout == "dense" and info.span is None else f"{t}:values"
+        bits = _frombuffer(st.entries[key].data, ibits, writable)
+    else:
+        if sparse:
+            work = np.uint32 if info.numel <= 2**32 else np.uint64
+            raw_gaps = _codec.zstd_decompress(st.entries[f"{t}:packed_indices"].data, n * info.index_planes)
+            indices = _codec.decode_gaps(_codec.join_planes(raw_gaps, n, info.index_planes, work))
+            _check_indices(file, t, indices, info.bounds)
+        raw_vals = _codec.zstd_decompress(st.entries[f"{t}:packed_values"].data, n * info.value_planes)
+        if info.value_coding == "bits":
+            unsigned_bits = np.uint16 if ibits is np.int16 else np.uint32
+            bits = _codec.join_planes(raw_vals, n, info.value_planes, unsigned_bits).view(ibits)
+        else:
+            signed, unsigned = wide_dtypes(info.dtype)
+            coded = _codec.join_planes(raw_vals, n, info.value_planes, unsigned)
+            bits = _undo_ordinal_delta(file, t, info, coded, signed, base, indices)
+    shape = info.shape if info.layout == "dense" and info.span is None else (n,)
+    values = torch.from_numpy(bits).view(DTYPES[info.dtype]).reshape(shape)
+    if values.is_floating_point() and torch.isnan(values).any():
+        k = int(torch.isnan(values.reshape(-1)).nonzero()[0, 0])
+        raise _bad(
+            file,
+            f"tensor {t!r}: value {k} is NaN; NaN is vLLM's 'unchanged' sentinel and never valid in a delta",
+        )
+    return TensorDelta(
+        ckpt_name=t,
+        shape=info.shape,
+        dtype=DTYPES[info.dtype],
+        span=info.span,
+        checksum=info.checksum,
+        indices=None if indices is None else torch.from_numpy(indices),
+        values=values,
+    )
+
+
+def _undo_ordinal_delta(
+    file: str,
+    t: str,
+    info: TensorInfo,
+    coded: np.ndarray,
+    signed: type[np.signedinteger[Any]],
+    base: Mapping[str, torch.Tensor] | None,
+    indices: np.ndarray | None,
+) -> np.ndarray:
+    held = None if base is None else base.get(t)
+    if held is None:
+        raise _bad(file, f"tensor {t!r} is coded against the base version, but the base has no such tensor")
+    if tuple(held.shape) != info.shape or held.dtype != DTYPES[info.dtype]:
+        found = f"{DTYPE_NAMES.get(held.dtype, str(held.dtype))} {list(held.shape)}"
+        raise _bad(
+            file,
+            f"tensor {t!r}: the shard expects {info.dtype} {list(info.shape)}, the base holds "
+            f"{found} (a delta for another model?)",
+        )
+    flat = held.detach().reshape(-1)
+    if indices is not None:
+        flat = flat[torch.from_numpy(indices)]
+    else:
+        flat = flat[info.bounds[0] : info.bounds[1]]
+    base_bits = _bits_of(flat, info.dtype)
+    out = _codec.to_ordinal(base_bits).astype(signed)
+    out += _codec.zigzag_decode(coded, signed)
+    info_range = np.iinfo(base_bits.dtype)
+    if out.size and (out.min() < info_range.min or out.max() > info_range.max):
+        raise _bad(
+            file, f"tensor {t!r}: a coded value falls outside the {info.dtype} range; the shard is corrupt"
+        )
+    return np.asarray(_codec.from_ordinal(out.astype(base_bits.dtype)))

@@ -1,0 +1,304 @@
+"""The manifest of one published object (a delta or an anchor): its shards and tensors, as JSON.
+
+A manifest is written last, after every shard: its presence is the commit marker of a version.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+from ._header import DTYPES, ENCODINGS, FORMAT_VERSION, KINDS, Encoding, Kind
+from .errors import FormatError, UnsupportedFormatVersion
+
+__all__ = ["MAX_MANIFEST_BYTES", "DeltaManifest", "ShardEntry", "TensorEntry"]
+
+MAX_MANIFEST_BYTES = 16 * 1024 * 1024
+"""Readers refuse larger manifests (about 100k tensors fit in 16 MiB)."""
+
+_SHARD_FILE = re.compile(r"shard-\d{5}\.safetensors")
+_SHA256 = re.compile(r"[0-9a-f]{64}")
+_CHECKSUM = re.compile(r"xxh3_128:[0-9a-f]{32}")
+_MAX_VERSION = 2**63 - 1
+
+ChecksumPart = tuple[int, int, str]
+"""``(start, stop, digest)``: the checksum of flat elements ``[start, stop)`` of a tensor."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ShardEntry:
+    """One shard file of a published object."""
+
+    file: str
+    """File name, relative to the manifest's directory: ``shard-{i:05d}.safetensors``."""
+    bytes: int
+    """Exact size of the file."""
+    sha256: str
+    """Hex sha256 of the file."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class TensorEntry:
+    """One tensor of the model at the manifest's version."""
+
+    shape: tuple[int, ...]
+    """Full shape."""
+    dtype: str
+    """safetensors dtype name."""
+    nnz: int
+    """Elements this object stores for the tensor: changed ones in a delta (0 if unchanged),
+    ``numel`` in an anchor."""
+    shards: tuple[int, ...]
+    """Indices into ``DeltaManifest.shards`` of the shards holding entries; empty if unchanged."""
+    checksums: tuple[ChecksumPart, ...]
+    """Checksums of the whole tensor at this version, part by part: contiguous, covering
+    ``[0, numel)``. One part unless the tensor was published in spans (FSDP ranks)."""
+
+    @property
+    def numel(self) -> int:
+        """Number of elements of the full tensor."""
+        return math.prod(self.shape)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class DeltaManifest:
+    """Index of one published object: a delta ``base_version -> version`` or an anchor."""
+
+    kind: Kind
+    """``delta`` or ``anchor``."""
+    version: int
+    """The version this object produces."""
+    base_version: int | None
+    """The version a delta applies to; ``None`` for an anchor."""
+    encoding: Encoding
+    """Encoding of every shard."""
+    shards: tuple[ShardEntry, ...]
+    """Shard files, in order."""
+    tensors: dict[str, TensorEntry] = field(default_factory=dict)
+    """Every tensor of the model at ``version``, changed or not, by checkpoint name."""
+    format_version: str = FORMAT_VERSION
+    """``major.minor`` of the format."""
+
+    @property
+    def total_bytes(self) -> int:
+        """Bytes of all shard files."""
+        return sum(s.bytes for s in self.shards)
+
+    @property
+    def nnz(self) -> int:
+        """Stored elements over all tensors."""
+        return sum(t.nnz for t in self.tensors.values())
+
+    @property
+    def numel(self) -> int:
+        """Elements of the whole model."""
+        return sum(t.numel for t in self.tensors.values())
+
+    @property
+    def model_fingerprint(self) -> str:
+        """sha256 of the sorted names, dtypes and shapes: equal for two versions of one model."""
+        h = hashlib.sha256()
+        for name in sorted(self.tensors):
+            t = self.tensors[name]
+            h.update(f"{name}\0{t.dtype}\0{list(t.shape)}\n".encode())
+        return "sha256:" + h.hexdigest()
+
+    def to_json(self) -> bytes:
+        """Deterministic JSON (sorted keys, one line per shard and per tensor), as in ``manifest.json``."""
+
+        def dump(x: object) -> str:
+            return json.dumps(x, sort_keys=True, separators=(", ", ": "))
+
+        shards = ",\n".join(
+            f"  {dump({'file': s.file, 'bytes': s.bytes, 'sha256': s.sha256})}" for s in self.shards
+        )
+        tensors = ",\n".join(
+            f"  {dump(n)}: "
+            + dump(
+                {
+                    "shape": list(t.shape),
+                    "dtype": t.dtype,
+                    "nnz": t.nnz,
+                    "shards": list(t.shards),
+                    "checksums": [list(p) for p in t.checksums],
+                }
+            )
+            for n, t in sorted(self.tensors.items())
+        )
+        head = {
+            "format_version": self.format_version,
+            "kind": self.kind,
+            "version": self.version,
+            "base_version": self.base_version,
+            "encoding": self.encoding,
+        }
+        lines = [f" {dump(k)}: {dump(v)}," for k, v in sorted(head.items())]
+        body = "\n".join(
+            [
+                "{",
+                *lines,
+                f' "shards": [\n{shards}\n ],' if shards else ' "shards": [],',
+                f' "tensors": {{\n{tensors}\n }}' if tensors else ' "tensors": {}',
+                "}",
+            ]
+        )
+        return (body + "\n").encode()
+
+    @classmethod
+    def from_json(cls, data: bytes | str, *, name: str) -> DeltaManifest:
+        """Parse and validate a manifest.
+
+        Args:
+            data: the JSON document.
+            name: how to name the document in errors (a store key or path).
+
+        Raises:
+            FormatError: the manifest is too large, not JSON, or breaks a rule of docs/FORMAT.md
+                (the message names the field).
+            UnsupportedFormatVersion: the major format version is unknown.
+        """
+        raw_bytes = data.encode() if isinstance(data, str) else data
+        if len(raw_bytes) > MAX_MANIFEST_BYTES:
+            raise FormatError(
+                f"{name}: manifest is {len(raw_bytes)} bytes, more than the cap of {MAX_MANIFEST_BYTES}"
+            )
+        try:
+            obj = json.loads(raw_bytes)
+        except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
+            raise FormatError(f"{name}: manifest is not valid JSON ({exc})") from None
+        return _parse_manifest(obj, name)
+
+
+class _Check:
+    """Field validation that names the document and the field in every error."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def fail(self, where: str, what: str) -> FormatError:
+        return FormatError(f"{self.name}: {where} {what}")
+
+    def keys(self, where: str, obj: object, keys: set[str]) -> dict[str, Any]:
+        if not isinstance(obj, dict):
+            raise self.fail(where, f"must be a JSON object, found {type(obj).__name__}")
+        if set(obj) != keys:
+            raise self.fail(where, f"must have exactly the keys {sorted(keys)}, found {sorted(obj)}")
+        return obj
+
+    def int_in(self, where: str, x: object, lo: int, hi: int) -> int:
+        if type(x) is not int or not lo <= x <= hi:
+            raise self.fail(where, f"must be an int in [{lo}, {hi}], found {x!r}")
+        return x
+
+
+def _parse_manifest(obj: object, name: str) -> DeltaManifest:
+    c = _Check(name)
+    top = c.keys(
+        "manifest",
+        obj,
+        {"format_version", "kind", "version", "base_version", "encoding", "shards", "tensors"},
+    )
+    fmt = top["format_version"]
+    if not isinstance(fmt, str) or not re.fullmatch(r"\d+\.\d+", fmt):
+        raise c.fail("format_version", f"must be 'major.minor', found {fmt!r}")
+    if fmt.split(".")[0] != FORMAT_VERSION.split(".")[0]:
+        raise UnsupportedFormatVersion(
+            f"{name}: format_version {fmt} is not supported; this reader knows "
+            f"{FORMAT_VERSION.split('.')[0]}.x (upgrade deltasync)"
+        )
+    kind, encoding = top["kind"], top["encoding"]
+    if kind not in KINDS:
+        raise c.fail("kind", f"must be one of {list(KINDS)}, found {kind!r}")
+    if encoding not in ENCODINGS:
+        raise c.fail("encoding", f"must be one of {list(ENCODINGS)}, found {encoding!r}")
+    version = c.int_in("version", top["version"], 0, _MAX_VERSION)
+    base = top["base_version"]
+    if kind == "anchor" and base is not None:
+        raise c.fail("base_version", f"must be null for an anchor, found {base!r}")
+    if kind == "delta":
+        if version == 0:
+            raise c.fail("version", "of a delta must be > 0, found 0")
+        base = c.int_in("base_version", base, 0, version - 1)
+    if not isinstance(top["shards"], list):
+        raise c.fail("shards", f"must be a list, found {type(top['shards']).__name__}")
+    shards = []
+    for i, s in enumerate(top["shards"]):
+        s = c.keys(f"shards[{i}]", s, {"file", "bytes", "sha256"})
+        if not isinstance(s["file"], str) or not _SHARD_FILE.fullmatch(s["file"]):
+            raise c.fail(f"shards[{i}].file", f"must match shard-NNNNN.safetensors, found {s['file']!r}")
+        if not isinstance(s["sha256"], str) or not _SHA256.fullmatch(s["sha256"]):
+            raise c.fail(f"shards[{i}].sha256", f"must be 64 lowercase hex digits, found {s['sha256']!r}")
+        shards.append(
+            ShardEntry(
+                file=s["file"], bytes=c.int_in(f"shards[{i}].bytes", s["bytes"], 0, 2**62), sha256=s["sha256"]
+            )
+        )
+    if len({s.file for s in shards}) != len(shards):
+        raise c.fail("shards", "must name each file once")
+    if not isinstance(top["tensors"], dict):
+        raise c.fail("tensors", f"must be an object, found {type(top['tensors']).__name__}")
+    tensors = {t: _parse_tensor(c, t, raw, kind, len(shards)) for t, raw in top["tensors"].items()}
+    return DeltaManifest(
+        kind=kind,
+        version=version,
+        base_version=base,
+        encoding=encoding,
+        shards=tuple(shards),
+        tensors=tensors,
+        format_version=fmt,
+    )
+
+
+def _parse_tensor(c: _Check, t: str, raw: object, kind: str, n_shards: int) -> TensorEntry:
+    where = f"tensors[{t!r}]"
+    e = c.keys(where, raw, {"shape", "dtype", "nnz", "shards", "checksums"})
+    shape = e["shape"]
+    if not isinstance(shape, list) or not all(type(d) is int and 0 <= d <= 2**40 for d in shape):
+        raise c.fail(f"{where}.shape", f"must be a list of non-negative ints, found {shape!r}")
+    numel = math.prod(shape)
+    if e["dtype"] not in DTYPES:
+        raise c.fail(f"{where}.dtype", f"must be one of {sorted(DTYPES)}, found {e['dtype']!r}")
+    nnz = c.int_in(f"{where}.nnz", e["nnz"], numel if kind == "anchor" else 0, numel)
+    idx = e["shards"]
+    if (
+        not isinstance(idx, list)
+        or not all(type(i) is int and 0 <= i < n_shards for i in idx)
+        or idx != sorted(set(idx))
+    ):
+        raise c.fail(f"{where}.shards", f"must be sorted unique indices below {n_shards}, found {idx!r}")
+    if bool(idx) != (nnz > 0 or (kind == "anchor" and numel == 0)):
+        raise c.fail(f"{where}.shards", f"must be non-empty exactly when nnz > 0 (nnz={nnz}, shards={idx})")
+    parts = e["checksums"]
+    if not isinstance(parts, list) or not parts:
+        raise c.fail(
+            f"{where}.checksums", f"must be a non-empty list of [start, stop, digest], found {parts!r}"
+        )
+    pos = 0
+    for k, p in enumerate(parts):
+        if (
+            not isinstance(p, list)
+            or len(p) != 3
+            or type(p[0]) is not int
+            or type(p[1]) is not int
+            or not isinstance(p[2], str)
+            or not _CHECKSUM.fullmatch(p[2])
+            or p[0] != pos
+            or p[1] < p[0]
+        ):
+            raise c.fail(
+                f"{where}.checksums[{k}]", f"must be [{pos}, stop >= {pos}, 'xxh3_128:<32 hex>'], found {p!r}"
+            )
+        pos = p[1]
+    if pos != numel:
+        raise c.fail(f"{where}.checksums", f"must cover [0, {numel}), they end at {pos}")
+    return TensorEntry(
+        shape=tuple(shape),
+        dtype=e["dtype"],
+        nnz=nnz,
+        shards=tuple(idx),
+        checksums=tuple((p[0], p[1], p[2]) for p in parts),
+    )

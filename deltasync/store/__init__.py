@@ -1,0 +1,54 @@
+"""Stores: where versions live, and the URI registry that opens them."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from urllib.parse import unquote, urlparse
+
+from .base import Store, check_key
+from .local import LocalStore
+
+__all__ = ["LocalStore", "Store", "check_key", "open_store", "register_store_scheme"]
+
+StoreFactory = Callable[[str], Store]
+_SCHEMES: dict[str, StoreFactory] = {}
+
+
+def register_store_scheme(scheme: str, factory: StoreFactory) -> None:
+    """Make :func:`open_store` map ``scheme://...`` URIs to ``factory(uri)``.
+
+    Registering a scheme again replaces its factory.
+    """
+    if not scheme.isidentifier() or scheme.lower() != scheme:
+        raise ValueError(f"scheme {scheme!r} must be a lowercase identifier")
+    _SCHEMES[scheme] = factory
+
+
+def _open_file_uri(uri: str) -> Store:
+    parsed = urlparse(uri)
+    if parsed.netloc not in ("", "localhost"):
+        raise ValueError(f"store URI {uri!r}: file:// URIs must name a local path (file:///path)")
+    return LocalStore(unquote(parsed.path))
+
+
+register_store_scheme("file", _open_file_uri)
+
+
+def open_store(uri: str) -> Store:
+    """Open the store a URI names.
+
+    * a plain path or ``file:///path``: :class:`LocalStore`;
+    * any scheme added with :func:`register_store_scheme`.
+
+    Raises:
+        ValueError: the URI has a scheme no store is registered for.
+    """
+    if "://" not in uri:
+        return LocalStore(uri)
+    scheme = uri.split("://", 1)[0].lower()
+    factory = _SCHEMES.get(scheme)
+    if factory is None:
+        raise ValueError(
+            f"store URI {uri!r}: no store for scheme {scheme!r}; known schemes: {sorted(_SCHEMES)}"
+        )
+    return factory(uri)

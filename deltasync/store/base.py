@@ -1,0 +1,74 @@
+"""The Store protocol: where shards and manifests live (a local directory, a Hub bucket, ...)."""
+
+from __future__ import annotations
+
+import os
+import re
+from typing import BinaryIO, Protocol, runtime_checkable
+
+__all__ = ["Store", "check_key"]
+
+_KEY_SEGMENT = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,254}")
+MAX_KEY_CHARS = 1024
+
+
+def check_key(key: str) -> str:
+    """Return ``key`` if it is a safe store key, else raise ``ValueError`` naming it.
+
+    A key is a relative ``/``-separated path of segments made of letters, digits, ``.``, ``_``
+    and ``-``, each starting with a letter or digit: no absolute paths, no ``..``, no
+    backslashes, no empty segments, no hidden names. This rules out path traversal everywhere.
+    """
+    if not isinstance(key, str) or not key or len(key) > MAX_KEY_CHARS:
+        raise ValueError(
+            f"store key {key!r} must be a non-empty string of at most {MAX_KEY_CHARS} characters"
+        )
+    for seg in key.split("/"):
+        if not _KEY_SEGMENT.fullmatch(seg):
+            raise ValueError(
+                f"store key {key!r} has an invalid segment {seg!r}: expected letters, digits, '.', '_' "
+                "or '-', starting with a letter or digit (no '..', no absolute paths)"
+            )
+    return key
+
+
+@runtime_checkable
+class Store(Protocol):
+    """Object storage for published versions.
+
+    Keys are relative paths (see :func:`check_key`). ``put`` is atomic: a reader sees the whole
+    object or none of it. Implementations are safe to call from several threads.
+    """
+
+    @property
+    def uri(self) -> str:
+        """The URI that :func:`deltasync.open_store` maps back to this store."""
+        ...
+
+    def put(self, key: str, data: bytes | bytearray | memoryview) -> None:
+        """Write an object atomically, replacing any object under ``key``."""
+        ...
+
+    def put_file(self, key: str, path: str | os.PathLike[str]) -> None:
+        """Write an object atomically from a local file, streaming."""
+        ...
+
+    def get(self, key: str) -> bytes:
+        """Read a whole object. Raises ObjectNotFound if there is none."""
+        ...
+
+    def open(self, key: str) -> BinaryIO:
+        """Open an object for streaming reads. Raises ObjectNotFound if there is none."""
+        ...
+
+    def exists(self, key: str) -> bool:
+        """Whether an object is stored under ``key``."""
+        ...
+
+    def list(self, prefix: str = "") -> list[str]:
+        """Keys under ``prefix`` (a directory-like prefix ending in ``/``, or ``""``), sorted."""
+        ...
+
+    def delete(self, key: str) -> None:
+        """Delete an object. Raises ObjectNotFound if there is none."""
+        ...

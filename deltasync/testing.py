@@ -1,0 +1,221 @@
+"""Deterministic tiny models and a realistic update stream, for tests, demos and benchmarks.
+
+Building models needs ``transformers`` and ``tokenizers`` (the ``test`` extra); the update
+stream needs only torch.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+__all__ = [
+    "QWEN3_0_6B_CONFIG",
+    "TINY_QWEN3_CONFIG",
+    "UpdateStream",
+    "build_tiny_model",
+    "qwen3_shapes",
+    "write_config_only_model",
+]
+
+TINY_QWEN3_CONFIG: dict[str, Any] = {
+    "vocab_size": 512,
+    "hidden_size": 128,
+    "intermediate_size": 256,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 1,
+    "head_dim": 64,  # vLLM's CPU attention rejects head_dim 16
+    "max_position_embeddings": 512,
+    "tie_word_embeddings": True,
+}
+"""A random Qwen3 of 0.36M parameters that vLLM on CPU serves."""
+
+QWEN3_0_6B_CONFIG: dict[str, Any] = {
+    "vocab_size": 151936,
+    "hidden_size": 1024,
+    "intermediate_size": 3072,
+    "num_hidden_layers": 28,
+    "num_attention_heads": 16,
+    "num_key_value_heads": 8,
+    "head_dim": 128,
+    "max_position_embeddings": 40960,
+    "tie_word_embeddings": True,
+}
+"""Qwen3-0.6B's shapes: 310 tensors, 596,049,920 elements, 1.19 GB in bf16."""
+
+_CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+_CORPUS = [
+    "You are playing Wordle. Guess the secret five letter word in six tries.",
+    "Feedback: G means the letter is right, Y means it is in the word elsewhere, X means it is absent.",
+    "crane slate audio raise stare trace adieu guess: <guess>crane</guess> reply with your next guess",
+    "the quick brown fox jumps over the lazy dog 0123456789 !?.,:;'\"()[]{}<>",
+]
+
+
+def qwen3_shapes(config: Mapping[str, Any]) -> dict[str, tuple[int, ...]]:
+    """Checkpoint names and shapes of a Qwen3 causal LM (tied embeddings: no ``lm_head``)."""
+    h, inter, hd = config["hidden_size"], config["intermediate_size"], config["head_dim"]
+    q, kv = config["num_attention_heads"] * hd, config["num_key_value_heads"] * hd
+    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (config["vocab_size"], h)}
+    for i in range(config["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        shapes |= {
+            p + "input_layernorm.weight": (h,),
+            p + "self_attn.q_proj.weight": (q, h),
+            p + "self_attn.k_proj.weight": (kv, h),
+            p + "self_attn.v_proj.weight": (kv, h),
+            p + "self_attn.o_proj.weight": (h, q),
+            p + "self_attn.q_norm.weight": (hd,),
+            p + "self_attn.k_norm.weight": (hd,),
+            p + "post_attention_layernorm.weight": (h,),
+            p + "mlp.gate_proj.weight": (inter, h),
+            p + "mlp.up_proj.weight": (inter, h),
+            p + "mlp.down_proj.weight": (h, inter),
+        }
+    shapes["model.norm.weight"] = (h,)
+    if not config.get("tie_word_embeddings", True):
+        shapes["lm_head.weight"] = (config["vocab_size"], h)
+    return shapes
+
+
+def _build_tokenizer(path: Path, vocab_size: int) -> Any:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE(unk_token=None))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(_CORPUS * 20, trainer)
+    fast = PreTrainedTokenizerFast(  # type: ignore[no-untyped-call]
+        tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>", bos_token=None
+    )
+    fast.chat_template = _CHAT_TEMPLATE
+    fast.save_pretrained(str(path))
+    return fast
+
+
+def _config(values: Mapping[str, Any], eos_token_id: int) -> Any:
+    from transformers import Qwen3Config
+
+    return Qwen3Config(**values, eos_token_id=eos_token_id, pad_token_id=0, dtype="bfloat16")
+
+
+def build_tiny_model(path: str | Path, *, seed: int = 0, config: Mapping[str, Any] | None = None) -> Path:
+    """Write a random bf16 Qwen3 with a locally trained tokenizer and a chat template.
+
+    The same seed gives bit-identical weights. Takes about a second.
+
+    Args:
+        path: output directory (created).
+        seed: torch seed of the random weights.
+        config: Qwen3 config values; default :data:`TINY_QWEN3_CONFIG`.
+
+    Returns:
+        ``path``, loadable by ``transformers`` and by vLLM.
+    """
+    from transformers import Qwen3ForCausalLM
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    values = dict(TINY_QWEN3_CONFIG if config is None else config)
+    tok = _build_tokenizer(path, min(values["vocab_size"], 512))
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        config_obj = _config(values, tok.convert_tokens_to_ids("<|im_end|>"))
+        model = Qwen3ForCausalLM(config_obj).to(torch.bfloat16)  # type: ignore[no-untyped-call,arg-type]
+    model.save_pretrained(str(path))
+    return path
+
+
+def write_config_only_model(path: str | Path, config: Mapping[str, Any] | None = None) -> Path:
+    """Write ``config.json`` and a tokenizer only, for vLLM's ``load_format="dummy"``.
+
+    Args:
+        path: output directory (created).
+        config: Qwen3 config values; default :data:`QWEN3_0_6B_CONFIG`.
+    """
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    values = dict(QWEN3_0_6B_CONFIG if config is None else config)
+    tok = _build_tokenizer(path, 512)
+    cfg = _config(values, tok.convert_tokens_to_ids("<|im_end|>"))
+    cfg.architectures = ["Qwen3ForCausalLM"]
+    (path / "config.json").write_text(json.dumps(cfg.to_dict(), indent=1, sort_keys=True) + "\n")
+    return path
+
+
+class UpdateStream:
+    """A realistic stream of bf16 weights: fp32 master weights trained by AdamW on noise.
+
+    DESIGN section 7: AdamW (betas 0.9/0.999, eps 1e-8, no weight decay), gradients
+    ~N(0, grad_std), a bf16 cast after each step. With lr 1e-6 about 1-3% of bf16 elements
+    change per step, as measured in real RL runs. Deterministic for a given seed.
+
+    Example:
+        >>> stream = UpdateStream.from_shapes({"w": (4, 4)}, seed=0)
+        >>> w1 = stream.step()["w"]
+    """
+
+    def __init__(
+        self,
+        weights: Mapping[str, torch.Tensor],
+        *,
+        lr: float = 1e-6,
+        grad_std: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        seed: int = 0,
+    ) -> None:
+        if lr <= 0 or grad_std <= 0:
+            raise ValueError(f"lr and grad_std must be > 0, got {lr} and {grad_std}")
+        self.master = {n: t.detach().to(torch.float32).clone() for n, t in weights.items()}
+        self.exp_avg = {n: torch.zeros_like(t) for n, t in self.master.items()}
+        self.exp_avg_sq = {n: torch.zeros_like(t) for n, t in self.master.items()}
+        self.lr, self.grad_std, self.betas, self.eps = lr, grad_std, betas, eps
+        self.steps = 0
+        self._gen = torch.Generator().manual_seed(seed)
+
+    @classmethod
+    def from_shapes(
+        cls, shapes: Mapping[str, tuple[int, ...]], *, seed: int = 0, **kwargs: Any
+    ) -> UpdateStream:
+        """Initialise like a model: matrices ~N(0, 0.02), vectors (norms) 1.0."""
+        gen = torch.Generator().manual_seed(seed + 1_000_003)
+        weights = {
+            n: torch.randn(s, generator=gen) * 0.02 if len(s) > 1 else torch.ones(s)
+            for n, s in shapes.items()
+        }
+        return cls(weights, seed=seed, **kwargs)
+
+    def bf16(self) -> dict[str, torch.Tensor]:
+        """The current weights cast to bf16 (new tensors)."""
+        return {n: p.to(torch.bfloat16) for n, p in self.master.items()}
+
+    def step(self) -> dict[str, torch.Tensor]:
+        """Take one AdamW step and return the new bf16 weights (new tensors)."""
+        self.steps += 1
+        b1, b2 = self.betas
+        bc1, bc2 = 1 - b1**self.steps, 1 - b2**self.steps
+        for n, p in self.master.items():
+            g = torch.randn(p.shape, generator=self._gen).mul_(self.grad_std)
+            m, v = self.exp_avg[n], self.exp_avg_sq[n]
+            m.mul_(b1).add_(g, alpha=1 - b1)
+            v.mul_(b2).addcmul_(g, g, value=1 - b2)
+            denom = v.sqrt().div_(math.sqrt(bc2)).add_(self.eps)
+            p.addcdiv_(m, denom, value=-self.lr / bc1)
+        return self.bf16()

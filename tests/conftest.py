@@ -1,0 +1,53 @@
+"""Shared fixtures: seeded bf16 state dicts, the tiny model, local stores."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from deltasync.store import LocalStore
+from deltasync.testing import TINY_QWEN3_CONFIG, UpdateStream, build_tiny_model, qwen3_shapes
+
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+
+SMALL_QWEN3 = {**TINY_QWEN3_CONFIG, "vocab_size": 300, "hidden_size": 64, "intermediate_size": 96}
+"""Even smaller shapes for unit tests of the update stream (12 layers' worth of names in 2)."""
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    """Integer view of a tensor's bit patterns, for bit-exact comparisons."""
+    return t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
+
+
+def assert_bit_equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    assert list(a) == list(b) or set(a) == set(b)
+    for name in a:
+        assert a[name].shape == b[name].shape, name
+        assert a[name].dtype == b[name].dtype, name
+        assert torch.equal(bits(a[name]), bits(b[name])), f"{name} differs"
+
+
+@pytest.fixture
+def tiny_state_dict() -> dict[str, torch.Tensor]:
+    """A seeded bf16 state dict with Qwen3 checkpoint names."""
+    return UpdateStream.from_shapes(qwen3_shapes(SMALL_QWEN3), seed=0).bf16()
+
+
+@pytest.fixture
+def update_stream() -> UpdateStream:
+    """A realistic AdamW update stream over small Qwen3 shapes (lr 1e-6)."""
+    return UpdateStream.from_shapes(qwen3_shapes(SMALL_QWEN3), seed=0)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A random bf16 Qwen3 with a locally trained tokenizer (built once per session)."""
+    return build_tiny_model(tmp_path_factory.mktemp("models") / "tiny-qwen3", seed=0)
+
+
+@pytest.fixture
+def local_store(tmp_path: Path) -> LocalStore:
+    return LocalStore(tmp_path / "store")

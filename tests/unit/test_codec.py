@@ -1,0 +1,57 @@
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from deltasync import _codec
+
+
+def test_ordinal_is_a_monotonic_bijection_over_all_bf16_patterns() -> None:
+    bits = np.arange(-(2**15), 2**15, dtype=np.int64).astype(np.int16)
+    ords = _codec.to_ordinal(bits)
+    assert np.unique(ords).size == 2**16
+    assert np.array_equal(_codec.from_ordinal(ords), bits)
+    values = torch.from_numpy(bits).view(torch.bfloat16).float().numpy()
+    finite = np.isfinite(values)
+    order = np.argsort(ords[finite], kind="stable")
+    assert np.all(np.diff(values[finite][order]) >= 0)
+    # -0.0 sits just below +0.0
+    assert _codec.to_ordinal(np.array([-(2**15)], dtype=np.int16))[0] == -1
+
+
+@given(st.lists(st.integers(-(2**31), 2**31 - 1), max_size=50))
+def test_zigzag_round_trip(values: list[int]) -> None:
+    d = np.array(values, dtype=np.int64)
+    z = _codec.zigzag_encode(d, np.uint64)
+    assert np.array_equal(_codec.zigzag_decode(z, np.int64), d)
+    assert np.all(z[np.abs(d) <= 1] <= 2)
+
+
+@given(st.lists(st.integers(0, 2**32 - 1), max_size=60))
+def test_planes_round_trip(values: list[int]) -> None:
+    a = np.array(values, dtype=np.uint32)
+    planes = _codec.planes_needed(a)
+    assert planes == (0 if not values or max(values) == 0 else (max(values).bit_length() + 7) // 8)
+    buf = _codec.split_planes(a, planes)
+    assert len(buf) == planes * a.size
+    assert np.array_equal(_codec.join_planes(buf, a.size, planes, np.uint32), a)
+
+
+@given(st.sets(st.integers(0, 10**6), max_size=80))
+def test_gaps_round_trip(indices: set[int]) -> None:
+    idx = np.array(sorted(indices), dtype=np.int64)
+    gaps = _codec.encode_gaps(idx, np.uint32)
+    assert np.all(gaps <= 10**6)
+    assert np.array_equal(_codec.decode_gaps(gaps), idx)
+
+
+def test_zstd_decompress_refuses_a_wrong_size() -> None:
+    frame = _codec.zstd_compress(b"abc" * 10, 3)
+    assert _codec.zstd_decompress(frame, 30) == b"abc" * 10
+    with pytest.raises(ValueError, match="declares 30 bytes, expected 31"):
+        _codec.zstd_decompress(frame, 31)
+    with pytest.raises(ValueError, match="not a zstd frame"):
+        _codec.zstd_decompress(b"nope", 3)

@@ -1,0 +1,145 @@
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import jsonschema
+import pytest
+
+from deltasync import DeltaManifest, FormatError, ShardEntry, TensorEntry, UnsupportedFormatVersion
+
+SCHEMA = json.loads((Path(__file__).parents[2] / "docs" / "manifest.schema.json").read_text())
+C0, C1 = "xxh3_128:" + "0" * 32, "xxh3_128:" + "1" * 32
+SHA = "a" * 64
+
+
+def _manifest() -> DeltaManifest:
+    return DeltaManifest(
+        kind="delta",
+        version=5,
+        base_version=4,
+        encoding="packed",
+        shards=(
+            ShardEntry(file="shard-00000.safetensors", bytes=10, sha256=SHA),
+            ShardEntry(file="shard-00001.safetensors", bytes=20, sha256=SHA),
+        ),
+        tensors={
+            "a": TensorEntry(
+                shape=(2, 3), dtype="BF16", nnz=2, shards=(0, 1), checksums=((0, 3, C0), (3, 6, C1))
+            ),
+            "b": TensorEntry(shape=(4,), dtype="F32", nnz=0, shards=(), checksums=((0, 4, C0),)),
+        },
+    )
+
+
+def test_round_trip_and_schema() -> None:
+    m = _manifest()
+    data = m.to_json()
+    jsonschema.validate(json.loads(data), SCHEMA)
+    back = DeltaManifest.from_json(data, name="m")
+    assert back == m
+    assert back.to_json() == data
+    assert (m.total_bytes, m.nnz, m.numel) == (30, 2, 10)
+    assert m.model_fingerprint == DeltaManifest.from_json(data, name="m").model_fingerprint
+    assert m.model_fingerprint.startswith("sha256:")
+
+
+def _broken(path: list, value: object) -> bytes:
+    obj = json.loads(_manifest().to_json())
+    target = obj
+    for key in path[:-1]:
+        target = target[key]
+    if value is KeyError:
+        del target[path[-1]]
+    else:
+        target[path[-1]] = value
+    return json.dumps(obj).encode()
+
+
+CASES = [
+    (["kind"], "diff", "m: kind must be one of ['delta', 'anchor'], found 'diff'"),
+    (["encoding"], "lz4", "m: encoding must be one of ['raw', 'packed'], found 'lz4'"),
+    (["version"], -1, "m: version must be an int in [0, 9223372036854775807], found -1"),
+    (["base_version"], 5, "m: base_version must be an int in [0, 4], found 5"),
+    (["format_version"], "x", "m: format_version must be 'major.minor', found 'x'"),
+    (["shards"], {}, "m: shards must be a list, found dict"),
+    (["shards", 0, "file"], "../x", "m: shards[0].file must match shard-NNNNN.safetensors, found '../x'"),
+    (["shards", 0, "sha256"], "AB", "m: shards[0].sha256 must be 64 lowercase hex digits, found 'AB'"),
+    (
+        ["shards", 0, "bytes"],
+        "10",
+        "m: shards[0].bytes must be an int in [0, 4611686018427387904], found '10'",
+    ),
+    (["shards", 1, "file"], "shard-00000.safetensors", "m: shards must name each file once"),
+    (
+        ["shards", 0, "extra"],
+        1,
+        "m: shards[0] must have exactly the keys ['bytes', 'file', 'sha256'], found ['bytes', 'extra', 'file', 'sha256']",
+    ),
+    (["tensors"], [], "m: tensors must be an object, found list"),
+    (
+        ["tensors", "a", "dtype"],
+        "I8",
+        "m: tensors['a'].dtype must be one of ['BF16', 'F16', 'F32'], found 'I8'",
+    ),
+    (
+        ["tensors", "a", "shape"],
+        [2, -3],
+        "m: tensors['a'].shape must be a list of non-negative ints, found [2, -3]",
+    ),
+    (["tensors", "a", "nnz"], 7, "m: tensors['a'].nnz must be an int in [0, 6], found 7"),
+    (
+        ["tensors", "a", "shards"],
+        [1, 0],
+        "m: tensors['a'].shards must be sorted unique indices below 2, found [1, 0]",
+    ),
+    (
+        ["tensors", "a", "shards"],
+        [],
+        "m: tensors['a'].shards must be non-empty exactly when nnz > 0 (nnz=2, shards=[])",
+    ),
+    (
+        ["tensors", "a", "checksums"],
+        [],
+        "m: tensors['a'].checksums must be a non-empty list of [start, stop, digest], found []",
+    ),
+    (
+        ["tensors", "a", "checksums", 1, 0],
+        4,
+        "m: tensors['a'].checksums[1] must be [3, stop >= 3, 'xxh3_128:<32 hex>'], found [4, 6, 'xxh3_128:11111111111111111111111111111111']",
+    ),
+    (["tensors", "a", "checksums", 1, 1], 5, "m: tensors['a'].checksums must cover [0, 6), they end at 5"),
+    (
+        ["tensors", "b", "checksums", 0, 2],
+        "sha1:00",
+        "m: tensors['b'].checksums[0] must be [0, stop >= 0, 'xxh3_128:<32 hex>'], found [0, 4, 'sha1:00']",
+    ),
+    (
+        ["tensors", "b", "nnz"],
+        KeyError,
+        "m: tensors['b'] must have exactly the keys ['checksums', 'dtype', 'nnz', 'shape', 'shards'], found ['checksums', 'dtype', 'shape', 'shards']",
+    ),
+]
+
+
+@pytest.mark.parametrize(("path", "value", "message"), CASES, ids=[m.split(" must")[0] for _, _, m in CASES])
+def test_exact_messages(path: list, value: object, message: str) -> None:
+    with pytest.raises(FormatError) as exc:
+        DeltaManifest.from_json(_broken(path, value), name="m")
+    assert str(exc.value) == message
+
+
+def test_document_level_errors() -> None:
+    with pytest.raises(FormatError, match=r"^m: manifest is not valid JSON \(Expecting value"):
+        DeltaManifest.from_json(b"nope", name="m")
+    with pytest.raises(FormatError, match=r"^m: manifest is 16777217 bytes, more than the cap of 16777216$"):
+        DeltaManifest.from_json(b" " * (16 * 1024 * 1024 + 1), name="m")
+    with pytest.raises(FormatError, match=r"^m: manifest must be a JSON object, found list$"):
+        DeltaManifest.from_json(b"[]", name="m")
+    with pytest.raises(FormatError, match=r"^m: base_version must be null for an anchor, found 4$"):
+        DeltaManifest.from_json(_broken(["kind"], "anchor"), name="m")
+    with pytest.raises(UnsupportedFormatVersion, match=r"^m: format_version 2.1 is not supported"):
+        DeltaManifest.from_json(_broken(["format_version"], "2.1"), name="m")
+    delta0 = json.loads(_broken(["version"], 0))
+    with pytest.raises(FormatError, match=r"^m: version of a delta must be > 0, found 0$"):
+        DeltaManifest.from_json(json.dumps(delta0), name="m")
