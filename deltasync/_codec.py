@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
@@ -42,11 +43,16 @@ def split_planes(values: UIntArray, planes: int) -> bytes:
     return np.ascontiguousarray(as_bytes[:, :planes].T).tobytes()
 
 
-def join_planes(buf: bytes, n: int, planes: int, dtype: type[np.unsignedinteger]) -> UIntArray:
+def join_planes(buf: bytes, n: int, planes: int, dtype: type[np.unsignedinteger[Any]]) -> UIntArray:
     """Inverse of :func:`split_planes`: rebuild ``n`` unsigned values of ``dtype``."""
-    out = np.zeros((n, np.dtype(dtype).itemsize), dtype=np.uint8)
-    out[:, :planes] = np.frombuffer(buf, dtype=np.uint8).reshape(planes, n).T
-    return out.view(dtype).reshape(n)
+    src = np.frombuffer(buf, dtype=np.uint8).reshape(planes, n)
+    out: UIntArray = np.zeros(n, dtype=dtype)
+    for k in range(planes):  # one pass per plane: cheaper than a strided transpose for 1-3 planes
+        plane = src[k].astype(dtype)
+        if k:
+            plane <<= 8 * k
+        out |= plane
+    return out
 
 
 def encode_gaps(indices: IntArray, work: type[np.unsignedinteger]) -> UIntArray:
@@ -59,11 +65,12 @@ def encode_gaps(indices: IntArray, work: type[np.unsignedinteger]) -> UIntArray:
     return gaps
 
 
-def decode_gaps(gaps: UIntArray) -> npt.NDArray[np.int64]:
-    """Inverse of :func:`encode_gaps`. The caller checks the result is in range and increasing."""
+def decode_gaps(gaps: UIntArray) -> npt.NDArray[np.uint64]:
+    """Inverse of :func:`encode_gaps`, as uint64. The caller checks bounds (and, for uint64 gaps,
+    which may wrap around, that the result is strictly increasing)."""
     out = np.cumsum(gaps, dtype=np.uint64)
     out += np.arange(gaps.size, dtype=np.uint64)
-    return out.view(np.int64)
+    return out
 
 
 def to_ordinal(bits: IntArray) -> IntArray:

@@ -572,6 +572,40 @@ def test_ordinal_out_of_range_is_corrupt() -> None:
     assert str(exc.value) == "f: tensor 'w': a coded value falls outside the BF16 range; the shard is corrupt"
 
 
+def _packed_gaps_file(numel: int, gaps: list[int], planes: int) -> bytes:
+    import zstandard
+
+    g = np.array(gaps, dtype=np.uint64)
+    idx_blob = zstandard.ZstdCompressor().compress(g.view(np.uint8).reshape(-1, 8)[:, :planes].T.tobytes())
+    val_blob = zstandard.ZstdCompressor().compress(b"\x01" * len(gaps))
+    info = _info(
+        shape=[numel], nnz=len(gaps), value_coding="ordinal-delta", value_planes=1, index_planes=planes
+    )
+    entries = [
+        SafetensorsEntry(
+            key="w:packed_indices", dtype="U8", shape=(len(idx_blob),), data=memoryview(idx_blob)
+        ),
+        SafetensorsEntry(
+            key="w:packed_values", dtype="U8", shape=(len(val_blob),), data=memoryview(val_blob)
+        ),
+    ]
+    return encode_safetensors(entries, _meta({"w": info}, encoding="packed"))
+
+
+def test_gap_coded_indices_cannot_wrap_or_overflow() -> None:
+    # uint64 gaps (tensors over 2**32 elements) can wrap around 2**64: the reader must notice
+    with pytest.raises(FormatError) as exc:
+        decode_shard(_packed_gaps_file(2**33, [2**64 - 1, 5], 8), name="f", base={})
+    assert (
+        str(exc.value)
+        == "f: tensor 'w': indices must be strictly increasing, found 5 after 18446744073709551615 at position 1"
+    )
+    # a uint32-gap index above 2**63 must not pass as a negative int64
+    with pytest.raises(FormatError) as exc:
+        decode_shard(_packed_gaps_file(4, [2**32 - 1], 4), name="f", base={})
+    assert str(exc.value) == "f: tensor 'w': indices must lie in [0, 4), found 4294967295..4294967295"
+
+
 # ---------------------------------------------------------------- fuzz: random and mutated bytes only raise FormatError
 
 
