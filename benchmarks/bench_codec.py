@@ -113,12 +113,8 @@ def _measure_step(step, curr, snapshot, host, scratch, out: Path):
         apply_deltas(host, deltas.values())
 
     t_dec, _ = _timed(decode_apply)
-    assert all(torch.equal(host[k].view(torch.int16), curr[k].view(torch.int16)) for k in curr), (
-        "not bit-exact"
-    )
-    u16 = sum(
-        _uint16_gap_bytes(d.indices.numpy()) + 2 * d.nnz for d in changes.values() if d.indices is not None
-    )
+    assert all(torch.equal(host[k].view(torch.int16), curr[k].view(torch.int16)) for k in curr), "not bit-exact"
+    u16 = sum(_uint16_gap_bytes(d.indices.numpy()) + 2 * d.nnz for d in changes.values() if d.indices is not None)
     u16 += sum(2 * d.nnz for d in changes.values() if d.indices is None)
     row = {
         "step": step,
@@ -151,9 +147,7 @@ def _measure_step(step, curr, snapshot, host, scratch, out: Path):
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--lr", type=float, default=1e-6)
     parser.add_argument("--out", type=Path, default=Path("bench-out"))

@@ -149,9 +149,7 @@ def _parse_info(file: str, name: str, raw: object, encoding: Encoding, kind: Kin
         raise fail(f"info must be a JSON object, found {type(raw).__name__}")
     expected = {"shape", "dtype", "layout", "nnz", "checksum"}
     if encoding == "packed":
-        expected |= {"value_coding", "value_planes"} | (
-            {"index_planes"} if raw.get("layout") == "sparse" else set()
-        )
+        expected |= {"value_coding", "value_planes"} | ({"index_planes"} if raw.get("layout") == "sparse" else set())
     if set(raw) - {"span"} != expected:
         raise fail(f"info must have the keys {sorted(expected)} (and optionally span), found {sorted(raw)}")
     shape, dtype, layout, nnz, checksum = (raw[k] for k in ("shape", "dtype", "layout", "nnz", "checksum"))
@@ -181,9 +179,7 @@ def _parse_info(file: str, name: str, raw: object, encoding: Encoding, kind: Kin
         raise fail(f"nnz must be {want}, found {nnz!r}")
     if not isinstance(checksum, str) or not checksum.startswith("xxh3_128:") or len(checksum) != 41:
         raise fail(f"checksum must be 'xxh3_128:' and 32 hex digits, found {checksum!r}")
-    common: dict[str, Any] = dict(
-        shape=tuple(shape), dtype=dtype, layout=layout, nnz=nnz, checksum=checksum, span=span
-    )
+    common: dict[str, Any] = dict(shape=tuple(shape), dtype=dtype, layout=layout, nnz=nnz, checksum=checksum, span=span)
     if encoding == "raw":
         return TensorInfo(**common)
     coding = raw["value_coding"]
@@ -197,9 +193,7 @@ def _parse_info(file: str, name: str, raw: object, encoding: Encoding, kind: Kin
     index_planes = raw.get("index_planes", 0)
     if not _is_count(index_planes, 0, max_index_planes):
         raise fail(f"index_planes must be an int in [0, {max_index_planes}], found {index_planes!r}")
-    return TensorInfo(
-        **common, index_planes=index_planes, value_planes=raw["value_planes"], value_coding=coding
-    )
+    return TensorInfo(**common, index_planes=index_planes, value_planes=raw["value_planes"], value_coding=coding)
 
 
 EntrySpec = tuple[set[str], tuple[int, ...] | None]
@@ -240,9 +234,7 @@ def parse_shard(buf: bytes | bytearray | memoryview, name: str) -> tuple[ShardHe
     if kind not in KINDS:
         raise _bad(name, f"metadata {META_PREFIX}kind must be one of {list(KINDS)}, found {kind!r}")
     if encoding not in ENCODINGS:
-        raise _bad(
-            name, f"metadata {META_PREFIX}encoding must be one of {list(ENCODINGS)}, found {encoding!r}"
-        )
+        raise _bad(name, f"metadata {META_PREFIX}encoding must be one of {list(ENCODINGS)}, found {encoding!r}")
     target = _parse_version(name, "target_version", meta.get(META_PREFIX + "target_version"))
     base: int | None = None
     if kind == "delta":
@@ -250,17 +242,13 @@ def parse_shard(buf: bytes | bytearray | memoryview, name: str) -> tuple[ShardHe
         if base >= target:
             raise _bad(name, f"base_version {base} must be lower than target_version {target}")
     elif META_PREFIX + "base_version" in meta:
-        raise _bad(
-            name, f"an anchor has no {META_PREFIX}base_version, found {meta[META_PREFIX + 'base_version']!r}"
-        )
+        raise _bad(name, f"an anchor has no {META_PREFIX}base_version, found {meta[META_PREFIX + 'base_version']!r}")
     try:
         raw_infos = json.loads(meta.get(META_PREFIX + "tensors", ""))
     except (json.JSONDecodeError, RecursionError) as exc:
         raise _bad(name, f"metadata {META_PREFIX}tensors is not valid JSON ({exc})") from None
     if not isinstance(raw_infos, dict):
-        raise _bad(
-            name, f"metadata {META_PREFIX}tensors must be a JSON object, found {type(raw_infos).__name__}"
-        )
+        raise _bad(name, f"metadata {META_PREFIX}tensors must be a JSON object, found {type(raw_infos).__name__}")
     infos = {t: _parse_info(name, t, raw, encoding, kind) for t, raw in raw_infos.items()}
     expected: dict[str, EntrySpec] = {}
     for t, info in infos.items():
@@ -273,9 +261,7 @@ def parse_shard(buf: bytes | bytearray | memoryview, name: str) -> tuple[ShardHe
         if e.dtype not in dtypes or (e.shape != shape if shape is not None else len(e.shape) != 1):
             want = f"{'/'.join(sorted(dtypes))} of shape {list(shape) if shape is not None else '[n]'}"
             raise _bad(name, f"entry {key!r} must be {want}, found {e.dtype} of shape {list(e.shape)}")
-    header = ShardHeader(
-        kind=kind, encoding=encoding, base_version=base, target_version=target, tensors=infos
-    )
+    header = ShardHeader(kind=kind, encoding=encoding, base_version=base, target_version=target, tensors=infos)
     return header, st
 
 

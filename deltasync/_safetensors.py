@@ -154,9 +154,7 @@ def parse_safetensors(buf: bytes | bytearray | memoryview, *, name: str) -> Safe
                 f"{numel * DTYPE_ITEMSIZE[dtype]} bytes but data_offsets span {offsets[1] - offsets[0]}",
             )
         spans.append((offsets[0], offsets[1], key))
-        entries[key] = SafetensorsEntry(
-            key=key, dtype=dtype, shape=tuple(shape), data=data[offsets[0] : offsets[1]]
-        )
+        entries[key] = SafetensorsEntry(key=key, dtype=dtype, shape=tuple(shape), data=data[offsets[0] : offsets[1]])
     spans.sort()
     end = 0
     for start, stop, key in spans:

@@ -54,10 +54,7 @@ def _shard_rows(data: bytes, name: str) -> tuple[dict[str, Any], list[dict[str, 
 
 
 def _print_rows(rows: list[dict[str, Any]]) -> None:
-    print(
-        f"{'tensor':60s} {'layout':6s} {'nnz':>12s} {'density':>8s} "
-        f"{'bytes':>12s} {'B/elem':>7s} {'raw B':>12s}"
-    )
+    print(f"{'tensor':60s} {'layout':6s} {'nnz':>12s} {'density':>8s} {'bytes':>12s} {'B/elem':>7s} {'raw B':>12s}")
     for r in rows:
         per = r["bytes"] / r["nnz"] if r["nnz"] else 0.0
         print(
@@ -161,6 +158,22 @@ def _cmd_verify(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_coordinator(args: argparse.Namespace) -> int:
+    try:
+        import uvicorn
+
+        from services.coordinator.app import create_app
+        from services.coordinator.settings import Settings
+    except ImportError as exc:
+        raise SystemExit(
+            f"deltasync coordinator needs the service extra: pip install 'deltasync[service]' ({exc})"
+        ) from None
+    flags = {k: v for k, v in vars(args).items() if k in Settings.model_fields and v is not None}
+    settings = Settings(**flags)
+    uvicorn.run(create_app(settings), host=settings.host, port=settings.port, log_level="info")
+    return 0
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="deltasync", description=__doc__)
     parser.add_argument("--debug", action="store_true", help="show tracebacks and debug logs")
@@ -169,9 +182,7 @@ def _parser() -> argparse.ArgumentParser:
     ls.add_argument("store", help="store URI or path")
     ls.add_argument("--json", action="store_true", help="print JSON")
     ls.set_defaults(func=_cmd_ls)
-    inspect = sub.add_parser(
-        "inspect", help="tensors, nnz, density and bytes of a shard file or a store version"
-    )
+    inspect = sub.add_parser("inspect", help="tensors, nnz, density and bytes of a shard file or a store version")
     inspect.add_argument("target", help="a shard file, or a store URI with --version")
     inspect.add_argument("--version", type=int, help="version to inspect in a store")
     inspect.add_argument("--anchor", action="store_true", help="inspect the version's anchor, not its delta")
@@ -182,6 +193,20 @@ def _parser() -> argparse.ArgumentParser:
     verify.add_argument("--version", type=int, required=True, help="version to rebuild")
     verify.add_argument("--json", action="store_true", help="print JSON")
     verify.set_defaults(func=_cmd_verify)
+    coord = sub.add_parser(
+        "coordinator",
+        help="run the coordinator service (tokens come from DELTASYNC_PUBLISHER_TOKEN, DELTASYNC_AGENT_TOKEN, "
+        "DELTASYNC_READ_TOKEN, never from flags)",
+    )
+    coord.add_argument("--db", help="SQLite file (default deltasync-coordinator.db)")
+    coord.add_argument("--store", help="store URI, needed for garbage collection")
+    coord.add_argument("--host", help="interface to bind (default 127.0.0.1)")
+    coord.add_argument("--port", type=int, help="port to bind (default 8600)")
+    coord.add_argument("--max-wait-s", type=float, help="cap of a long-poll's wait (default 60)")
+    coord.add_argument("--agent-stale-after-s", type=float, help="an agent not seen this long is stale (default 60)")
+    coord.add_argument("--max-body-bytes", type=int, help="larger request bodies get 413 (default 1 MiB)")
+    coord.add_argument("--read-requires-token", action="store_true", default=None, help="reads need a token")
+    coord.set_defaults(func=_cmd_coordinator)
     return parser
 
 

@@ -142,9 +142,7 @@ def _tensor_delta(
         values = curr.clone()
         base = values.clone()
         _bits(base)[idx] = old
-        return TensorDelta(
-            ckpt_name=name, shape=shape, dtype=curr.dtype, indices=None, values=values, base_values=base
-        )
+        return TensorDelta(ckpt_name=name, shape=shape, dtype=curr.dtype, indices=None, values=values, base_values=base)
     return TensorDelta(
         ckpt_name=name,
         shape=shape,

@@ -143,9 +143,7 @@ def _validate_for_encoding(d: TensorDelta, kind: Kind) -> str:
     if not name or ":" in name:
         raise ValueError(f"tensor {name!r}: checkpoint names must be non-empty and contain no ':'")
     if d.dtype not in DTYPE_NAMES:
-        raise ValueError(
-            f"tensor {name!r}: dtype {d.dtype} is not supported; expected bfloat16, float16 or float32"
-        )
+        raise ValueError(f"tensor {name!r}: dtype {d.dtype} is not supported; expected bfloat16, float16 or float32")
     if d.checksum is None:
         raise ValueError(f"tensor {name!r}: checksum is missing; set it to tensor_checksum(new tensor, span)")
     if kind == "anchor" and d.indices is not None:
@@ -154,15 +152,11 @@ def _validate_for_encoding(d: TensorDelta, kind: Kind) -> str:
         raise ValueError(f"tensor {name!r}: values are {d.values.dtype}, expected {d.dtype}")
     start, stop = d.bounds
     if d.span is not None and not 0 <= start < stop <= math.prod(d.shape):
-        raise ValueError(
-            f"tensor {name!r}: span {d.span} must satisfy 0 <= start < stop <= {math.prod(d.shape)}"
-        )
+        raise ValueError(f"tensor {name!r}: span {d.span} must satisfy 0 <= start < stop <= {math.prod(d.shape)}")
     if d.indices is None:
         want = d.shape if d.span is None else (stop - start,)
         if tuple(d.values.shape) != want:
-            raise ValueError(
-                f"tensor {name!r}: dense values have shape {tuple(d.values.shape)}, expected {want}"
-            )
+            raise ValueError(f"tensor {name!r}: dense values have shape {tuple(d.values.shape)}, expected {want}")
     elif d.values.dim() != 1 or d.indices.shape != d.values.shape:
         raise ValueError(f"tensor {name!r}: {d.indices.numel()} indices but {d.values.numel()} values")
     elif d.indices.dtype != torch.int64:
@@ -268,9 +262,7 @@ def encode_shard(
     if encoding not in ENCODINGS:
         raise ValueError(f"encoding must be one of {ENCODINGS}, got {encoding!r}")
     if kind == "delta" and (base_version is None or not 0 <= base_version < target_version):
-        raise ValueError(
-            f"a delta needs 0 <= base_version < target_version, got {base_version} -> {target_version}"
-        )
+        raise ValueError(f"a delta needs 0 <= base_version < target_version, got {base_version} -> {target_version}")
     if kind == "anchor" and (base_version is not None or target_version < 0):
         raise ValueError(f"an anchor needs target_version >= 0 and no base_version, got {base_version}")
     items = list(deltas)
@@ -306,9 +298,7 @@ def _bad(file: str, what: str) -> FormatError:
     return FormatError(f"{file}: {what}")
 
 
-def _check_indices(
-    file: str, name: str, idx: np.ndarray, bounds: tuple[int, int], *, increasing: bool
-) -> None:
+def _check_indices(file: str, name: str, idx: np.ndarray, bounds: tuple[int, int], *, increasing: bool) -> None:
     """Indices must be strictly increasing (checked unless known ``increasing``) and inside ``bounds``.
 
     ``idx`` is int64 (raw) or uint64 (decoded gaps); comparisons happen in its own type, so a
@@ -328,8 +318,7 @@ def _check_indices(
     if idx[0] < bounds[0] or idx[-1] >= bounds[1]:
         raise _bad(
             file,
-            f"tensor {name!r}: indices must lie in [{bounds[0]}, {bounds[1]}), "
-            f"found {int(idx[0])}..{int(idx[-1])}",
+            f"tensor {name!r}: indices must lie in [{bounds[0]}, {bounds[1]}), found {int(idx[0])}..{int(idx[-1])}",
         )
 
 
@@ -465,7 +454,5 @@ def _undo_ordinal_delta(
     out += _codec.zigzag_decode(coded, signed)
     info_range = np.iinfo(base_bits.dtype)
     if out.size and (out.min() < info_range.min or out.max() > info_range.max):
-        raise _bad(
-            file, f"tensor {t!r}: a coded value falls outside the {info.dtype} range; the shard is corrupt"
-        )
+        raise _bad(file, f"tensor {t!r}: a coded value falls outside the {info.dtype} range; the shard is corrupt")
     return np.asarray(_codec.from_ordinal(out.astype(base_bits.dtype)))

@@ -113,9 +113,7 @@ class DeltaManifest:
         def dump(x: object) -> str:
             return json.dumps(x, sort_keys=True, separators=(", ", ": "))
 
-        shards = ",\n".join(
-            f"  {dump({'file': s.file, 'bytes': s.bytes, 'sha256': s.sha256})}" for s in self.shards
-        )
+        shards = ",\n".join(f"  {dump({'file': s.file, 'bytes': s.bytes, 'sha256': s.sha256})}" for s in self.shards)
         tensors = ",\n".join(
             f"  {dump(n)}: "
             + dump(
@@ -163,9 +161,7 @@ class DeltaManifest:
         """
         raw_bytes = data.encode() if isinstance(data, str) else data
         if len(raw_bytes) > MAX_MANIFEST_BYTES:
-            raise FormatError(
-                f"{name}: manifest is {len(raw_bytes)} bytes, more than the cap of {MAX_MANIFEST_BYTES}"
-            )
+            raise FormatError(f"{name}: manifest is {len(raw_bytes)} bytes, more than the cap of {MAX_MANIFEST_BYTES}")
         try:
             obj = json.loads(raw_bytes)
         except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
@@ -233,9 +229,7 @@ def _parse_manifest(obj: object, name: str) -> DeltaManifest:
         if not isinstance(s["sha256"], str) or not _SHA256.fullmatch(s["sha256"]):
             raise c.fail(f"shards[{i}].sha256", f"must be 64 lowercase hex digits, found {s['sha256']!r}")
         shards.append(
-            ShardEntry(
-                file=s["file"], bytes=c.int_in(f"shards[{i}].bytes", s["bytes"], 0, 2**62), sha256=s["sha256"]
-            )
+            ShardEntry(file=s["file"], bytes=c.int_in(f"shards[{i}].bytes", s["bytes"], 0, 2**62), sha256=s["sha256"])
         )
     if len({s.file for s in shards}) != len(shards):
         raise c.fail("shards", "must name each file once")
@@ -274,9 +268,7 @@ def _parse_tensor(c: _Check, t: str, raw: object, kind: str, n_shards: int) -> T
         raise c.fail(f"{where}.shards", f"must be non-empty exactly when nnz > 0 (nnz={nnz}, shards={idx})")
     parts = e["checksums"]
     if not isinstance(parts, list) or not parts:
-        raise c.fail(
-            f"{where}.checksums", f"must be a non-empty list of [start, stop, digest], found {parts!r}"
-        )
+        raise c.fail(f"{where}.checksums", f"must be a non-empty list of [start, stop, digest], found {parts!r}")
     pos = 0
     for k, p in enumerate(parts):
         if (
@@ -289,9 +281,7 @@ def _parse_tensor(c: _Check, t: str, raw: object, kind: str, n_shards: int) -> T
             or p[0] != pos
             or p[1] < p[0]
         ):
-            raise c.fail(
-                f"{where}.checksums[{k}]", f"must be [{pos}, stop >= {pos}, 'xxh3_128:<32 hex>'], found {p!r}"
-            )
+            raise c.fail(f"{where}.checksums[{k}]", f"must be [{pos}, stop >= {pos}, 'xxh3_128:<32 hex>'], found {p!r}")
         pos = p[1]
     if pos != numel:
         raise c.fail(f"{where}.checksums", f"must cover [0, {numel}), they end at {pos}")

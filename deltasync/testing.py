@@ -8,17 +8,25 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import torch
 
 __all__ = [
     "QWEN3_0_6B_CONFIG",
+    "CoordinatorProcess",
     "TINY_QWEN3_CONFIG",
     "UpdateStream",
     "build_tiny_model",
+    "free_port",
     "qwen3_shapes",
     "write_config_only_model",
 ]
@@ -191,15 +199,10 @@ class UpdateStream:
         self._gen = torch.Generator().manual_seed(seed)
 
     @classmethod
-    def from_shapes(
-        cls, shapes: Mapping[str, tuple[int, ...]], *, seed: int = 0, **kwargs: Any
-    ) -> UpdateStream:
+    def from_shapes(cls, shapes: Mapping[str, tuple[int, ...]], *, seed: int = 0, **kwargs: Any) -> UpdateStream:
         """Initialise like a model: matrices ~N(0, 0.02), vectors (norms) 1.0."""
         gen = torch.Generator().manual_seed(seed + 1_000_003)
-        weights = {
-            n: torch.randn(s, generator=gen) * 0.02 if len(s) > 1 else torch.ones(s)
-            for n, s in shapes.items()
-        }
+        weights = {n: torch.randn(s, generator=gen) * 0.02 if len(s) > 1 else torch.ones(s) for n, s in shapes.items()}
         return cls(weights, seed=seed, **kwargs)
 
     def bf16(self) -> dict[str, torch.Tensor]:
@@ -219,3 +222,96 @@ class UpdateStream:
             denom = v.sqrt().div_(math.sqrt(bc2)).add_(self.eps)
             p.addcdiv_(m, denom, value=-self.lr / bc1)
         return self.bf16()
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+class CoordinatorProcess:
+    """``deltasync coordinator`` as a real subprocess on 127.0.0.1, for tests and benchmarks.
+
+    It can be killed (``kill -9``) and restarted on the same port and database. Tokens go through
+    the environment, as in production. Use as a context manager; the process is always stopped.
+
+    Args:
+        db: SQLite file.
+        store: store URI (for garbage collection).
+        env: extra environment, e.g. ``{"DELTASYNC_PUBLISHER_TOKEN": "..."}``.
+        args: extra command-line flags.
+        log: where the server's output goes (default: a ``coordinator.log`` next to ``db``).
+    """
+
+    def __init__(
+        self,
+        db: str | Path,
+        *,
+        store: str | None = None,
+        env: Mapping[str, str] | None = None,
+        args: list[str] | None = None,
+        log: str | Path | None = None,
+    ) -> None:
+        self.db = Path(db)
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.store, self.env, self.args = store, dict(env or {}), list(args or [])
+        self.log_path = Path(log) if log is not None else self.db.with_name("coordinator.log")
+        self.proc: subprocess.Popen[bytes] | None = None
+        self._log: IO[bytes] | None = None
+
+    def start(self, timeout_s: float = 30.0) -> CoordinatorProcess:
+        """Start the server and wait until ``/healthz`` answers."""
+        import httpx
+
+        cmd = [sys.executable, "-m", "deltasync.cli", "coordinator", "--db", str(self.db), "--port", str(self.port)]
+        if self.store:
+            cmd += ["--store", self.store]
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        self._log = open(self.log_path, "ab")
+        self.proc = subprocess.Popen(
+            cmd + self.args, env={**os.environ, **self.env}, stdout=self._log, stderr=subprocess.STDOUT
+        )
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"the coordinator exited with {self.proc.returncode}; see {self.log_path}")
+            try:
+                if httpx.get(self.url + "/healthz", timeout=1).status_code == 200:
+                    return self
+            except httpx.TransportError:
+                pass
+            time.sleep(0.05)
+        self.stop()
+        raise RuntimeError(f"the coordinator did not answer within {timeout_s} s; see {self.log_path}")
+
+    def kill(self) -> None:
+        """``kill -9``: no shutdown handlers run."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+            self.proc.wait(10)
+        self._close_log()
+
+    def stop(self) -> None:
+        """SIGTERM, then SIGKILL after 10 s."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+        self._close_log()
+
+    def _close_log(self) -> None:
+        if self._log is not None:
+            self._log.close()
+            self._log = None
+
+    def __enter__(self) -> CoordinatorProcess:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

@@ -79,9 +79,7 @@ def list_versions(store: Store) -> list[VersionListing]:
             continue
         v = int(m.group(1))
         prev = found.get(v, VersionListing(version=v, delta=False, anchor=False))
-        found[v] = (
-            dataclasses.replace(prev, anchor=True) if m.group(2) else dataclasses.replace(prev, delta=True)
-        )
+        found[v] = dataclasses.replace(prev, anchor=True) if m.group(2) else dataclasses.replace(prev, delta=True)
     return [found[v] for v in sorted(found)]
 
 
@@ -104,9 +102,7 @@ def read_manifest(store: Store, version: int, kind: Kind = "delta") -> DeltaMani
 
 def put_shard(store: Store, version: int, kind: Kind, index: int, data: bytes) -> ShardEntry:
     """Write one shard of an object and return its manifest entry (size and sha256)."""
-    entry = ShardEntry(
-        file=f"shard-{index:05d}.safetensors", bytes=len(data), sha256=hashlib.sha256(data).hexdigest()
-    )
+    entry = ShardEntry(file=f"shard-{index:05d}.safetensors", bytes=len(data), sha256=hashlib.sha256(data).hexdigest())
     store.put(object_prefix(version, kind) + entry.file, data)
     return entry
 
@@ -194,9 +190,7 @@ def write_anchor(
         t = t.detach().contiguous()
         checksum = tensor_checksum(t)
         deltas.append(
-            TensorDelta(
-                ckpt_name=name, shape=tuple(t.shape), dtype=t.dtype, indices=None, values=t, checksum=checksum
-            )
+            TensorDelta(ckpt_name=name, shape=tuple(t.shape), dtype=t.dtype, indices=None, values=t, checksum=checksum)
         )
         tensors[name] = TensorEntry(
             shape=tuple(t.shape),
@@ -285,9 +279,7 @@ def load_object(
         name = f"{store.uri}/{prefix}{entry.file}"
         data = store.get(prefix + entry.file)
         if len(data) != entry.bytes:
-            raise IntegrityError(
-                f"{name}: size is {len(data)} bytes, the manifest says {entry.bytes}; refetch it"
-            )
+            raise IntegrityError(f"{name}: size is {len(data)} bytes, the manifest says {entry.bytes}; refetch it")
         digest = hashlib.sha256(data).hexdigest()
         if digest != entry.sha256:
             raise IntegrityError(f"{name}: sha256 is {digest}, the manifest says {entry.sha256}; refetch it")
@@ -295,9 +287,7 @@ def load_object(
         want = (manifest.kind, manifest.encoding, manifest.base_version, manifest.version)
         got = (header.kind, header.encoding, header.base_version, header.target_version)
         if got != want:
-            raise FormatError(
-                f"{name}: shard is {got} (kind, encoding, base, target), the manifest says {want}"
-            )
+            raise FormatError(f"{name}: shard is {got} (kind, encoding, base, target), the manifest says {want}")
         for t, d in deltas.items():
             e = manifest.tensors.get(t)
             if e is None or e.shape != d.shape or e.dtype != DTYPE_NAMES[d.dtype] or i not in e.shards:

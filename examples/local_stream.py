@@ -26,9 +26,7 @@ def _run(*args: str) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=Path("demo-out"), help="output directory (replaced)")
     parser.add_argument("--steps", type=int, default=12, help="optimizer steps to publish")
     parser.add_argument("--anchor-every", type=int, default=5, help="write a full anchor every K versions")
@@ -48,16 +46,12 @@ def main() -> None:
     print(f"store: {store.uri}\n")
     manifest = write_anchor(store, weights, version=0, encoding=args.encoding)
     print(f"v0   anchor  {manifest.total_bytes:>9d} B")
-    print(
-        f"{'':4s} {'changed':>8s} {'delta bytes':>12s} {'B/changed':>10s} {'vs full':>8s} {'diff+write':>10s}"
-    )
+    print(f"{'':4s} {'changed':>8s} {'delta bytes':>12s} {'B/changed':>10s} {'vs full':>8s} {'diff+write':>10s}")
     for version in range(1, args.steps + 1):
         curr = stream.step()
         t0 = time.perf_counter()
         changes = compute_delta(snapshot, curr, update_prev=True)
-        manifest = write_delta(
-            store, changes, state=curr, version=version, base=manifest, encoding=args.encoding
-        )
+        manifest = write_delta(store, changes, state=curr, version=version, base=manifest, encoding=args.encoding)
         ms = (time.perf_counter() - t0) * 1e3
         per = manifest.total_bytes / max(manifest.nnz, 1)
         print(

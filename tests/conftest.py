@@ -51,3 +51,63 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture
 def local_store(tmp_path: Path) -> LocalStore:
     return LocalStore(tmp_path / "store")
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+PUBLISHER_TOKEN, AGENT_TOKEN = "pub-secret-token", "agent-secret-token"
+
+
+def version_body(version: int, kind: str = "delta", base: int | None = None, nbytes: int = 100) -> dict:
+    """A valid ``POST /v1/versions`` body."""
+    import hashlib
+
+    if kind == "delta" and base is None:
+        base = version - 1
+    prefix = f"v{version:08d}/" + ("anchor/" if kind == "anchor" else "")
+    return {
+        "version": version,
+        "kind": kind,
+        "base_version": base if kind == "delta" else None,
+        "manifest_key": prefix + "manifest.json",
+        "bytes": nbytes,
+        "nnz": 10,
+        "tensors": 3,
+        "checksum": "sha256:" + hashlib.sha256(f"{version}{kind}{nbytes}".encode()).hexdigest(),
+    }
+
+
+class ServerThread:
+    """A real uvicorn server for an ASGI app, on a free 127.0.0.1 port, in a background thread."""
+
+    def __init__(self, app) -> None:
+        import socket
+        import threading
+
+        import uvicorn
+
+        sock = socket.socket()
+        sock.bind(("127.0.0.1", 0))
+        self.port = sock.getsockname()[1]
+        sock.close()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+
+    def __enter__(self) -> ServerThread:
+        import time
+
+        self.thread.start()
+        deadline = time.monotonic() + 10
+        while not self.server.started:
+            if time.monotonic() > deadline or not self.thread.is_alive():
+                raise RuntimeError("uvicorn did not start")
+            time.sleep(0.01)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.server.should_exit = True
+        self.thread.join(10)

@@ -48,7 +48,5 @@ def open_store(uri: str) -> Store:
     scheme = uri.split("://", 1)[0].lower()
     factory = _SCHEMES.get(scheme)
     if factory is None:
-        raise ValueError(
-            f"store URI {uri!r}: no store for scheme {scheme!r}; known schemes: {sorted(_SCHEMES)}"
-        )
+        raise ValueError(f"store URI {uri!r}: no store for scheme {scheme!r}; known schemes: {sorted(_SCHEMES)}")
     return factory(uri)

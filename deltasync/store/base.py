@@ -20,9 +20,7 @@ def check_key(key: str) -> str:
     backslashes, no empty segments, no hidden names. This rules out path traversal everywhere.
     """
     if not isinstance(key, str) or not key or len(key) > MAX_KEY_CHARS:
-        raise ValueError(
-            f"store key {key!r} must be a non-empty string of at most {MAX_KEY_CHARS} characters"
-        )
+        raise ValueError(f"store key {key!r} must be a non-empty string of at most {MAX_KEY_CHARS} characters")
     for seg in key.split("/"):
         if not _KEY_SEGMENT.fullmatch(seg):
             raise ValueError(

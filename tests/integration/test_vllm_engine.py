@@ -20,6 +20,4 @@ def test_engine_generates_greedy_and_deterministic(vllm_engine: Any) -> None:
         assert len(a.outputs[0].token_ids) == 12
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
         assert all(t < 512 for t in a.outputs[0].token_ids)  # the tiny vocabulary
-    assert (
-        first[0].outputs[0].token_ids != first[1].outputs[0].token_ids or first[0].prompt != first[1].prompt
-    )
+    assert first[0].outputs[0].token_ids != first[1].outputs[0].token_ids or first[0].prompt != first[1].prompt

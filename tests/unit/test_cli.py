@@ -19,9 +19,7 @@ def published(local_store: LocalStore, update_stream: UpdateStream) -> LocalStor
     prev = {k: v.clone() for k, v in prev.items()}
     for v in (1, 2, 3):
         curr = update_stream.step()
-        base = write_delta(
-            local_store, compute_delta(prev, curr, update_prev=True), state=curr, version=v, base=base
-        )
+        base = write_delta(local_store, compute_delta(prev, curr, update_prev=True), state=curr, version=v, base=base)
     write_anchor(local_store, curr, version=3, encoding="raw")
     return local_store
 
@@ -93,7 +91,5 @@ def test_usage_errors_exit_2(tmp_path: Path, capsys: pytest.CaptureFixture[str])
 
 def test_console_script_is_installed(published: LocalStore) -> None:
     exe = Path(sys.executable).with_name("deltasync")
-    out = subprocess.run(
-        [str(exe), "ls", str(published.root), "--json"], capture_output=True, text=True, check=True
-    )
+    out = subprocess.run([str(exe), "ls", str(published.root), "--json"], capture_output=True, text=True, check=True)
     assert len(json.loads(out.stdout)) == 5

@@ -25,9 +25,7 @@ from tests.conftest import bits
 CHECKSUM = "xxh3_128:" + "0" * 32
 
 
-def _delta(
-    name: str, full: torch.Tensor, idx: list[int] | None, base: torch.Tensor | None = None
-) -> TensorDelta:
+def _delta(name: str, full: torch.Tensor, idx: list[int] | None, base: torch.Tensor | None = None) -> TensorDelta:
     flat = full.reshape(-1)
     if idx is None:
         return TensorDelta(
@@ -93,9 +91,7 @@ def _deltas(draw: st.DrawFn) -> tuple[list[TensorDelta], dict[str, torch.Tensor]
 
 @settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(case=_deltas(), encoding=st.sampled_from(["raw", "packed"]), writable=st.booleans())
-def test_round_trip(
-    case: tuple[list[TensorDelta], dict[str, torch.Tensor]], encoding: str, writable: bool
-) -> None:
+def test_round_trip(case: tuple[list[TensorDelta], dict[str, torch.Tensor]], encoding: str, writable: bool) -> None:
     deltas, base = case
     buf = encode_shard(deltas, kind="delta", encoding=encoding, base_version=3, target_version=4)
     assert encode_shard(deltas, kind="delta", encoding=encoding, base_version=3, target_version=4) == buf
@@ -106,9 +102,7 @@ def test_round_trip(
         3,
         4,
     )
-    assert list(decoded) == sorted(d.ckpt_name for d in deltas) or set(decoded) == {
-        d.ckpt_name for d in deltas
-    }
+    assert list(decoded) == sorted(d.ckpt_name for d in deltas) or set(decoded) == {d.ckpt_name for d in deltas}
     for d in deltas:
         _assert_same(decoded[d.ckpt_name], d)
 
@@ -136,9 +130,7 @@ def test_int64_indices_for_huge_tensors_without_allocating_them() -> None:
         buf = encode_shard([d], kind="delta", encoding=encoding, base_version=0, target_version=1)
         _, out = decode_shard(buf, name="h")
         _assert_same(out["huge"], d)
-    raw = safetensors.torch.load(
-        encode_shard([d], kind="delta", encoding="raw", base_version=0, target_version=1)
-    )
+    raw = safetensors.torch.load(encode_shard([d], kind="delta", encoding="raw", base_version=0, target_version=1))
     assert raw["huge:indices"].dtype == torch.int64
 
 
@@ -244,9 +236,7 @@ def test_packed_needs_the_base_to_decode_ordinal_deltas() -> None:
     old = torch.zeros(4, dtype=torch.bfloat16)
     new = old.clone()
     new[1] = 1
-    buf = encode_shard(
-        [_delta("w", new, [1], old)], kind="delta", encoding="packed", base_version=0, target_version=1
-    )
+    buf = encode_shard([_delta("w", new, [1], old)], kind="delta", encoding="packed", base_version=0, target_version=1)
     with pytest.raises(ValueError, match="1 tensors are coded against base version 0; pass base="):
         decode_shard(buf, name="p")
     with pytest.raises(FormatError) as exc:
@@ -256,9 +246,7 @@ def test_packed_needs_the_base_to_decode_ordinal_deltas() -> None:
     )
     with pytest.raises(FormatError) as exc:
         decode_shard(buf, name="p", base={})
-    assert (
-        str(exc.value) == "p: tensor 'w' is coded against the base version, but the base has no such tensor"
-    )
+    assert str(exc.value) == "p: tensor 'w' is coded against the base version, but the base has no such tensor"
 
 
 # ---------------------------------------------------------------- one exact message per FormatError case
@@ -308,9 +296,7 @@ def _header_file(header: object, data: bytes = b"") -> bytes:
 def _valid_packed() -> bytes:
     w = torch.zeros(4, dtype=torch.bfloat16)
     w[3] = 1
-    return encode_shard(
-        [_delta("w", w, [3])], kind="delta", encoding="packed", base_version=1, target_version=2
-    )
+    return encode_shard([_delta("w", w, [3])], kind="delta", encoding="packed", base_version=1, target_version=2)
 
 
 def _swap_blob(buf: bytes, key: str, blob: bytes) -> bytes:
@@ -552,9 +538,7 @@ def test_header_and_data_errors(case: str, buf: bytes, message: str) -> None:
 def test_unknown_major_version() -> None:
     with pytest.raises(UnsupportedFormatVersion) as exc:
         decode_shard(_file(_meta(T, format_version="2.0")), name="f")
-    assert (
-        str(exc.value) == "f: format_version 2.0 is not supported; this reader knows 1.x (upgrade deltasync)"
-    )
+    assert str(exc.value) == "f: format_version 2.0 is not supported; this reader knows 1.x (upgrade deltasync)"
     _, out = decode_shard(_file(_meta(T, format_version="1.7")), name="f")  # a newer minor version reads
     assert out["w"].indices.tolist() == [0, 3]
 
@@ -563,9 +547,7 @@ def test_ordinal_out_of_range_is_corrupt() -> None:
     old = torch.zeros(4, dtype=torch.bfloat16)
     new = old.clone()
     new[3] = 1
-    buf = encode_shard(
-        [_delta("w", new, [3], old)], kind="delta", encoding="packed", base_version=1, target_version=2
-    )
+    buf = encode_shard([_delta("w", new, [3], old)], kind="delta", encoding="packed", base_version=1, target_version=2)
     big = torch.full((4,), 3.0e38, dtype=torch.bfloat16)
     with pytest.raises(FormatError) as exc:
         decode_shard(buf, name="f", base={"w": big})
@@ -578,16 +560,10 @@ def _packed_gaps_file(numel: int, gaps: list[int], planes: int) -> bytes:
     g = np.array(gaps, dtype=np.uint64)
     idx_blob = zstandard.ZstdCompressor().compress(g.view(np.uint8).reshape(-1, 8)[:, :planes].T.tobytes())
     val_blob = zstandard.ZstdCompressor().compress(b"\x01" * len(gaps))
-    info = _info(
-        shape=[numel], nnz=len(gaps), value_coding="ordinal-delta", value_planes=1, index_planes=planes
-    )
+    info = _info(shape=[numel], nnz=len(gaps), value_coding="ordinal-delta", value_planes=1, index_planes=planes)
     entries = [
-        SafetensorsEntry(
-            key="w:packed_indices", dtype="U8", shape=(len(idx_blob),), data=memoryview(idx_blob)
-        ),
-        SafetensorsEntry(
-            key="w:packed_values", dtype="U8", shape=(len(val_blob),), data=memoryview(val_blob)
-        ),
+        SafetensorsEntry(key="w:packed_indices", dtype="U8", shape=(len(idx_blob),), data=memoryview(idx_blob)),
+        SafetensorsEntry(key="w:packed_values", dtype="U8", shape=(len(val_blob),), data=memoryview(val_blob)),
     ]
     return encode_safetensors(entries, _meta({"w": info}, encoding="packed"))
 

@@ -32,16 +32,12 @@ REGEN = os.environ.get("DELTASYNC_REGEN_GOLDEN") == "1"
 
 def _inputs() -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     base = {
-        "model.embed_tokens.weight": torch.tensor(
-            [[0.5, -0.25, 1.0], [2.0, -0.0, 0.125]], dtype=torch.bfloat16
-        ),
+        "model.embed_tokens.weight": torch.tensor([[0.5, -0.25, 1.0], [2.0, -0.0, 0.125]], dtype=torch.bfloat16),
         "model.norm.weight": torch.tensor([1.0, 1.0, 1.0, 1.0], dtype=torch.float32),
         "lm_head.bias": torch.tensor(0.75, dtype=torch.float16),
     }
     new = {k: v.clone() for k, v in base.items()}
-    new["model.embed_tokens.weight"].view(-1)[[1, 4]] = torch.tensor(
-        [-0.2490234375, 0.0], dtype=torch.bfloat16
-    )
+    new["model.embed_tokens.weight"].view(-1)[[1, 4]] = torch.tensor([-0.2490234375, 0.0], dtype=torch.bfloat16)
     new["model.norm.weight"].copy_(torch.tensor([1.0, 0.5, 1.5, -1.0]))
     new["lm_head.bias"].fill_(0.5)
     return base, new
@@ -102,9 +98,7 @@ def _cases() -> dict[str, bytes]:
         out[f"delta-{enc}.safetensors"] = encode_shard(
             _deltas(base, new), kind="delta", encoding=enc, base_version=6, target_version=7
         )
-        out[f"anchor-{enc}.safetensors"] = encode_shard(
-            _anchor(new), kind="anchor", encoding=enc, target_version=7
-        )
+        out[f"anchor-{enc}.safetensors"] = encode_shard(_anchor(new), kind="anchor", encoding=enc, target_version=7)
     shard = out["delta-packed.safetensors"]
     import hashlib
 
@@ -114,9 +108,7 @@ def _cases() -> dict[str, bytes]:
         base_version=6,
         encoding="packed",
         shards=(
-            ShardEntry(
-                file="shard-00000.safetensors", bytes=len(shard), sha256=hashlib.sha256(shard).hexdigest()
-            ),
+            ShardEntry(file="shard-00000.safetensors", bytes=len(shard), sha256=hashlib.sha256(shard).hexdigest()),
         ),
         tensors={
             k: TensorEntry(

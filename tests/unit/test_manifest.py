@@ -24,9 +24,7 @@ def _manifest() -> DeltaManifest:
             ShardEntry(file="shard-00001.safetensors", bytes=20, sha256=SHA),
         ),
         tensors={
-            "a": TensorEntry(
-                shape=(2, 3), dtype="BF16", nnz=2, shards=(0, 1), checksums=((0, 3, C0), (3, 6, C1))
-            ),
+            "a": TensorEntry(shape=(2, 3), dtype="BF16", nnz=2, shards=(0, 1), checksums=((0, 3, C0), (3, 6, C1))),
             "b": TensorEntry(shape=(4,), dtype="F32", nnz=0, shards=(), checksums=((0, 4, C0),)),
         },
     )

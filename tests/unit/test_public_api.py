@@ -9,9 +9,7 @@ import deltasync
 def test_all_is_sorted_and_complete() -> None:
     assert deltasync.__all__ == sorted(deltasync.__all__)
     public = {
-        n
-        for n in dir(deltasync)
-        if not n.startswith("_") and not isinstance(getattr(deltasync, n), type(deltasync))
+        n for n in dir(deltasync) if not n.startswith("_") and not isinstance(getattr(deltasync, n), type(deltasync))
     }
     assert public - {"annotations"} == set(deltasync.__all__)
 

@@ -48,9 +48,7 @@ def test_missing_objects(local_store: LocalStore) -> None:
         assert isinstance(exc.value, FileNotFoundError)
 
 
-@pytest.mark.parametrize(
-    "key", ["", "/abs", "../up", "a/../../b", "a//b", ".hidden", "a\\b", "a/./b", "a\x00b", "é"]
-)
+@pytest.mark.parametrize("key", ["", "/abs", "../up", "a/../../b", "a//b", ".hidden", "a\\b", "a/./b", "a\x00b", "é"])
 def test_path_traversal_and_odd_keys_are_refused(local_store: LocalStore, key: str) -> None:
     with pytest.raises(ValueError, match="store key"):
         local_store.put(key, b"x")
@@ -63,9 +61,7 @@ def test_temporary_files_are_invisible_and_cleaned_on_failure(local_store: Local
     (local_store.root / "v00000001" / ".tmp-manifest.json.123").write_bytes(b"partial")
 
     def failing_write() -> None:
-        local_store._write_atomic(
-            "v00000001/shard-00000.safetensors", lambda f: (_ for _ in ()).throw(OSError("disk"))
-        )
+        local_store._write_atomic("v00000001/shard-00000.safetensors", lambda f: (_ for _ in ()).throw(OSError("disk")))
 
     with pytest.raises(StoreError, match="could not write 'v00000001/shard-00000.safetensors' \\(disk\\)"):
         failing_write()

@@ -76,9 +76,7 @@ def test_corrupt_shards_are_detected(local_store: LocalStore, update_stream: Upd
     data = bytearray(local_store.get(key))
     data[len(data) // 2] ^= 0x01
     local_store.put(key, bytes(data))
-    with pytest.raises(
-        IntegrityError, match=r"shard-00000.safetensors: sha256 is [0-9a-f]{64}, the manifest says"
-    ):
+    with pytest.raises(IntegrityError, match=r"shard-00000.safetensors: sha256 is [0-9a-f]{64}, the manifest says"):
         read_weights(local_store, 2)
     local_store.put(key, bytes(data[:-3]))
     with pytest.raises(IntegrityError, match=r"size is \d+ bytes, the manifest says \d+; refetch it"):
@@ -94,12 +92,8 @@ def test_checksums_prove_the_rebuilt_weights(local_store: LocalStore, update_str
     name = next(n for n, t in m.tensors.items() if t.nnz)
     entry = m.tensors[name]
     wrong = dataclasses.replace(entry, checksums=((0, entry.numel, "xxh3_128:" + "0" * 32),))
-    local_store.put(
-        manifest_key(1, "delta"), dataclasses.replace(m, tensors={**m.tensors, name: wrong}).to_json()
-    )
-    with pytest.raises(
-        IntegrityError, match=rf"v1: 1 tensors differ from the published checksums: {name}\[0:"
-    ):
+    local_store.put(manifest_key(1, "delta"), dataclasses.replace(m, tensors={**m.tensors, name: wrong}).to_json())
+    with pytest.raises(IntegrityError, match=rf"v1: 1 tensors differ from the published checksums: {name}\[0:"):
         read_weights(local_store, 1)
     assert read_weights(local_store, 1, verify=False)[name].shape == entry.shape
 
@@ -116,9 +110,7 @@ def test_delta_for_another_model_is_refused(local_store: LocalStore) -> None:
     base = write_anchor(local_store, a, version=0)
     b = {"w": torch.ones(5, dtype=torch.bfloat16)}
     changes = compute_delta({"w": torch.zeros(5, dtype=torch.bfloat16)}, b)
-    with pytest.raises(
-        ValueError, match=r"tensor 'w' \(BF16 \[5\]\) does not match base v0 \(\['BF16', \[4\]\]\)"
-    ):
+    with pytest.raises(ValueError, match=r"tensor 'w' \(BF16 \[5\]\) does not match base v0 \(\['BF16', \[4\]\]\)"):
         write_delta(local_store, changes, state=b, version=1, base=base)
     # the same bytes forged into the store are refused on read
     other = LocalStore(local_store.root.parent / "other")

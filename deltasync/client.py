@@ -1,0 +1,326 @@
+"""CoordinatorClient: the coordinator's HTTP API for publishers and agents (httpx).
+
+This module is the only place where HTTP errors become deltasync errors (:func:`_raise_for_status`).
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any, Literal, TypeVar
+
+import httpx
+from pydantic import BaseModel, ValidationError
+
+from .errors import CoordinatorError
+from .protocol import (
+    AgentHeartbeat,
+    AgentPublic,
+    AgentsPublic,
+    GcPublic,
+    HealthPublic,
+    PlanPublic,
+    VersionCreate,
+    VersionPublic,
+    VersionsPublic,
+)
+
+__all__ = ["AgentStatus", "CoordinatorClient", "GcReport", "PublishedVersion", "SyncPlan"]
+
+logger = logging.getLogger(__name__)
+
+_M = TypeVar("_M", bound=BaseModel)
+_RETRY_STATUS = frozenset({500, 502, 503, 504})
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class PublishedVersion:
+    """A registered object."""
+
+    version: int
+    """The version it produces."""
+    kind: Literal["delta", "anchor"]
+    """``delta`` or ``anchor``."""
+    base_version: int | None
+    """What a delta applies to."""
+    manifest_key: str
+    """Store key of its manifest."""
+    bytes: int
+    """Bytes of its shards."""
+    nnz: int
+    """Elements it stores."""
+    tensors: int
+    """Tensors in the model."""
+    checksum: str
+    """``sha256:`` of its manifest."""
+    created_at: datetime
+    """When the coordinator registered it."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class SyncPlan:
+    """What to fetch, in apply order, to go from ``from_version`` to ``to_version``."""
+
+    from_version: int | None
+    """The agent's version, or ``None`` if it holds nothing."""
+    to_version: int
+    """The target."""
+    steps: tuple[PublishedVersion, ...]
+    """An anchor first (route ``anchor``), then deltas."""
+    bytes: int
+    """Total bytes to fetch."""
+    route: Literal["none", "deltas", "anchor"]
+    """``none`` when already at the target."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class AgentStatus:
+    """One agent in the fleet view."""
+
+    agent_id: str
+    """Its id."""
+    applied_version: int | None
+    """The version its engine serves."""
+    state: str
+    """idle, fetching, applying, error or paused."""
+    last_error: str | None
+    """Its last error message."""
+    timings: dict[str, float]
+    """Seconds spent, by phase."""
+    last_seen: datetime
+    """Its last heartbeat."""
+    lag: int | None
+    """Latest minus applied."""
+    stale: bool
+    """Not seen for longer than the coordinator's stale timeout."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class GcReport:
+    """Retention candidates and what was deleted."""
+
+    candidates: tuple[PublishedVersion, ...]
+    """Objects nothing can still need."""
+    deleted: tuple[PublishedVersion, ...]
+    """Objects deleted by this call (empty for a dry run)."""
+    keep_from: int | None
+    """Deltas above this version are kept."""
+
+
+def _version(m: VersionPublic) -> PublishedVersion:
+    return PublishedVersion(**m.model_dump())
+
+
+def _raise_for_status(response: httpx.Response) -> None:
+    """Turn an error response into :class:`CoordinatorError` (the one HTTP choke point)."""
+    if response.is_success:
+        return
+    try:
+        detail = response.json().get("detail", response.text)
+    except ValueError:
+        detail = response.text
+    if isinstance(detail, list):  # FastAPI's 422: name each invalid field
+        detail = "; ".join(f"{'.'.join(str(p) for p in d.get('loc', []))}: {d.get('msg')}" for d in detail)
+    request = response.request
+    raise CoordinatorError(
+        f"{request.method} {request.url.path}: {response.status_code} {detail}",
+        status_code=response.status_code,
+        method=request.method,
+        url=str(request.url),
+    )
+
+
+class CoordinatorClient:
+    """A synchronous client of the coordinator, safe to share between threads.
+
+    Connection errors, timeouts and 5xx answers are retried with exponential backoff and jitter;
+    every call is idempotent on the server (re-registering an identical version answers 200).
+
+    Args:
+        base_url: e.g. ``http://127.0.0.1:8600``.
+        token: bearer token (the publisher's or the agent's).
+        timeout_s: per-request timeout, on top of any long-poll wait.
+        retries: attempts after the first, for retryable failures.
+        backoff_s: first backoff; doubles each attempt, capped at 10 s.
+        http_client: an ``httpx.Client`` to use instead of a new one (tests pass an ASGI one).
+
+    Example:
+        >>> client = CoordinatorClient("http://127.0.0.1:8600", token="...")  # doctest: +SKIP
+        >>> client.latest_version()  # doctest: +SKIP
+    """
+
+    def __init__(
+        self,
+        base_url: str,
+        *,
+        token: str | None = None,
+        timeout_s: float = 30.0,
+        retries: int = 8,
+        backoff_s: float = 0.2,
+        http_client: httpx.Client | None = None,
+    ) -> None:
+        if retries < 0 or backoff_s < 0 or timeout_s <= 0:
+            raise ValueError(
+                f"need retries >= 0, backoff_s >= 0, timeout_s > 0; got {retries}, {backoff_s}, {timeout_s}"
+            )
+        headers = {"Authorization": f"Bearer {token}"} if token else {}
+        self._http = http_client or httpx.Client(base_url=base_url, timeout=timeout_s)
+        self._http.headers.update(headers)
+        self.base_url = base_url
+        self.timeout_s, self.retries, self.backoff_s = timeout_s, retries, backoff_s
+
+    def __repr__(self) -> str:  # never show the token
+        return f"CoordinatorClient({self.base_url!r})"
+
+    def close(self) -> None:
+        self._http.close()
+
+    def __enter__(self) -> CoordinatorClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _send(self, method: str, path: str, *, extra_timeout_s: float = 0, **kwargs: Any) -> httpx.Response:
+        """One request with retries; returns a 2xx response or raises CoordinatorError."""
+        timeout = httpx.Timeout(self.timeout_s + extra_timeout_s)
+        attempt = 0
+        while True:
+            try:
+                response = self._http.request(method, path, timeout=timeout, **kwargs)
+                if response.status_code not in _RETRY_STATUS or attempt >= self.retries:
+                    _raise_for_status(response)
+                    return response
+                reason = f"HTTP {response.status_code}"
+            except httpx.TransportError as exc:
+                if attempt >= self.retries:
+                    raise CoordinatorError(
+                        f"{method} {path}: no answer from {self.base_url} in {attempt + 1} attempts ({exc!r})",
+                        method=method,
+                        url=f"{self.base_url}{path}",
+                    ) from exc
+                reason = type(exc).__name__
+            delay = min(self.backoff_s * 2**attempt, 10.0) * (0.5 + random.random() / 2)
+            logger.warning(
+                "coordinator %s %s failed (%s); retry %d/%d in %.2f s",
+                method,
+                path,
+                reason,
+                attempt + 1,
+                self.retries,
+                delay,
+            )
+            time.sleep(delay)
+            attempt += 1
+
+    @staticmethod
+    def _parse(response: httpx.Response, model: type[_M]) -> _M:
+        try:
+            return model.model_validate_json(response.content)
+        except ValidationError as exc:
+            first = exc.errors()[0]
+            raise CoordinatorError(
+                f"{response.request.method} {response.request.url.path}: the answer does not match the "
+                f"protocol ({first['loc']}: {first['msg']}); is this a deltasync coordinator?",
+                status_code=response.status_code,
+                method=response.request.method,
+                url=str(response.request.url),
+            ) from None
+
+    def _request(self, method: str, path: str, model: type[_M], **kwargs: Any) -> _M:
+        return self._parse(self._send(method, path, **kwargs), model)
+
+    # ------------------------------------------------------------------ versions
+
+    def register_version(self, version: VersionCreate) -> tuple[PublishedVersion, bool]:
+        """Register a committed object; returns it and whether it was new (201) or known (200).
+
+        Raises:
+            CoordinatorError: status 409 if it conflicts with the ledger.
+        """
+        response = self._send("POST", "/v1/versions", json=version.model_dump(mode="json"))
+        return _version(self._parse(response, VersionPublic)), response.status_code == 201
+
+    def latest_version(self) -> PublishedVersion | None:
+        """The newest registered object, or ``None`` if nothing is registered."""
+        try:
+            return _version(self._request("GET", "/v1/versions/latest", VersionPublic))
+        except CoordinatorError as exc:
+            if exc.status_code == 404:
+                return None
+            raise
+
+    def get_version(self, version: int, kind: Literal["delta", "anchor"] | None = None) -> PublishedVersion:
+        """One registered object. Raises CoordinatorError (404) if unknown."""
+        params = {"kind": kind} if kind else {}
+        return _version(self._request("GET", f"/v1/versions/{version}", VersionPublic, params=params))
+
+    def wait_for_versions(self, after: int | None, wait_s: float = 30.0) -> list[PublishedVersion]:
+        """Long-poll: objects above ``after`` (all if ``None``) as soon as one exists, else ``[]`` after ``wait_s``."""
+        params = {"after": -1 if after is None else after, "wait_s": wait_s}
+        page = self._request("GET", "/v1/versions", VersionsPublic, params=params, extra_timeout_s=wait_s)
+        return [_version(v) for v in page.versions]
+
+    def plan(self, from_version: int | None, to_version: int | None = None) -> SyncPlan:
+        """What to fetch to go from ``from_version`` (``None``: nothing held) to ``to_version`` (or the latest)."""
+        params = {k: v for k, v in (("from", from_version), ("to", to_version)) if v is not None}
+        p = self._request("GET", "/v1/plan", PlanPublic, params=params)
+        return SyncPlan(
+            from_version=p.from_version,
+            to_version=p.to_version,
+            steps=tuple(map(_version, p.steps)),
+            bytes=p.bytes,
+            route=p.route,
+        )
+
+    # ------------------------------------------------------------------ agents
+
+    def heartbeat(
+        self,
+        agent_id: str,
+        *,
+        applied_version: int | None,
+        state: str,
+        last_error: str | None = None,
+        timings: dict[str, float] | None = None,
+    ) -> AgentStatus:
+        """Report this agent's state."""
+        body = AgentHeartbeat.model_validate(
+            {
+                "applied_version": applied_version,
+                "state": state,
+                "last_error": last_error,
+                "timings": timings or {},
+            }
+        )
+        a = self._request("POST", f"/v1/agents/{agent_id}/heartbeat", AgentPublic, json=body.model_dump(mode="json"))
+        return AgentStatus(**a.model_dump())
+
+    def agents(self) -> list[AgentStatus]:
+        """The fleet view."""
+        return [AgentStatus(**a.model_dump()) for a in self._request("GET", "/v1/agents", AgentsPublic).agents]
+
+    # ------------------------------------------------------------------ retention and health
+
+    def gc_candidates(self) -> GcReport:
+        """Objects the coordinator would delete now (a dry run)."""
+        return self._gc(self._request("GET", "/v1/gc/candidates", GcPublic))
+
+    def collect_garbage(self) -> GcReport:
+        """Delete every candidate from the store (needs the publisher token)."""
+        return self._gc(self._request("POST", "/v1/gc", GcPublic))
+
+    @staticmethod
+    def _gc(g: GcPublic) -> GcReport:
+        return GcReport(
+            candidates=tuple(map(_version, g.candidates)),
+            deleted=tuple(map(_version, g.deleted)),
+            keep_from=g.keep_from,
+        )
+
+    def health(self) -> dict[str, Any]:
+        """``/healthz`` as a dict."""
+        return self._request("GET", "/healthz", HealthPublic).model_dump()

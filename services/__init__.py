@@ -1,0 +1,1 @@
+"""deltasync's services (the coordinator)."""

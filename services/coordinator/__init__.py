@@ -1,0 +1,1 @@
+"""The deltasync coordinator: a FastAPI service over a SQLite ledger of versions, plans and agents."""

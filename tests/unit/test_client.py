@@ -1,0 +1,147 @@
+"""CoordinatorClient against the real app (in-process) and against transport faults."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from deltasync import CoordinatorError
+from deltasync.client import CoordinatorClient
+from deltasync.protocol import VersionCreate
+from services.coordinator.app import create_app
+from tests.conftest import AGENT_TOKEN, PUBLISHER_TOKEN, ServerThread, version_body
+from tests.unit.test_coordinator_api import make_settings
+
+
+@pytest.fixture
+def server(tmp_path: Path) -> Iterator[ServerThread]:
+    with ServerThread(create_app(make_settings(tmp_path))) as s:
+        yield s
+
+
+@pytest.fixture
+def publisher(server: ServerThread) -> Iterator[CoordinatorClient]:
+    with CoordinatorClient(server.url, token=PUBLISHER_TOKEN, backoff_s=0.01) as c:
+        yield c
+
+
+@pytest.fixture
+def agent(server: ServerThread) -> Iterator[CoordinatorClient]:
+    with CoordinatorClient(server.url, token=AGENT_TOKEN, backoff_s=0.01) as c:
+        yield c
+
+
+def test_publish_read_plan_and_heartbeat(publisher: CoordinatorClient, agent: CoordinatorClient) -> None:
+    assert publisher.latest_version() is None
+    v0, created = publisher.register_version(VersionCreate(**version_body(0, "anchor")))
+    assert created and v0.kind == "anchor" and v0.created_at.tzinfo is not None
+    assert publisher.register_version(VersionCreate(**version_body(0, "anchor")))[1] is False
+    publisher.register_version(VersionCreate(**version_body(1)))
+    assert publisher.latest_version().version == 1
+    assert agent.get_version(0, "anchor").manifest_key == "v00000000/anchor/manifest.json"
+    assert [v.version for v in agent.wait_for_versions(None, wait_s=0)] == [0, 1]
+    plan = agent.plan(None)
+    assert plan.route == "anchor" and [s.version for s in plan.steps] == [0, 1] and plan.to_version == 1
+    status = agent.heartbeat("vllm-0", applied_version=0, state="idle", timings={"apply": 0.1})
+    assert status.lag == 1 and not status.stale
+    assert [a.agent_id for a in publisher.agents()] == ["vllm-0"]
+    assert publisher.health()["latest"] == 1
+    assert publisher.gc_candidates().keep_from == 0
+    assert "pub-secret" not in repr(publisher)
+
+
+def test_errors_carry_status_method_and_url(
+    publisher: CoordinatorClient, agent: CoordinatorClient, server: ServerThread
+) -> None:
+    publisher.register_version(VersionCreate(**version_body(0, "anchor")))
+    with pytest.raises(CoordinatorError) as exc:
+        publisher.register_version(VersionCreate(**version_body(0, "anchor", nbytes=3)))
+    assert exc.value.status_code == 409 and exc.value.method == "POST" and exc.value.url == f"{server.url}/v1/versions"
+    assert str(exc.value).startswith("POST /v1/versions: 409 anchor v0 is already registered with other fields")
+    with pytest.raises(CoordinatorError) as exc:
+        agent.register_version(VersionCreate(**version_body(1)))
+    assert exc.value.status_code == 403
+    with pytest.raises(CoordinatorError) as exc:
+        agent.get_version(42)
+    assert exc.value.status_code == 404 and "version 42 is not registered" in str(exc.value)
+    with pytest.raises(CoordinatorError) as exc:
+        agent.heartbeat("bad id!", applied_version=0, state="idle")
+    assert exc.value.status_code in (404, 422)
+
+
+def test_long_poll_returns_when_a_version_is_published(publisher: CoordinatorClient, agent: CoordinatorClient) -> None:
+    publisher.register_version(VersionCreate(**version_body(0, "anchor")))
+    got: list = []
+    t = threading.Thread(target=lambda: got.extend(agent.wait_for_versions(0, wait_s=10)))
+    t0 = time.monotonic()
+    t.start()
+    time.sleep(0.3)
+    publisher.register_version(VersionCreate(**version_body(1)))
+    t.join(5)
+    assert [v.version for v in got] == [1] and time.monotonic() - t0 < 3
+
+
+def _client(handler, retries: int = 3) -> CoordinatorClient:
+    http = httpx.Client(transport=httpx.MockTransport(handler), base_url="http://c")
+    return CoordinatorClient("http://c", http_client=http, retries=retries, backoff_s=0.001)
+
+
+def test_retries_connection_errors_and_5xx_then_succeeds() -> None:
+    calls: list[int] = []
+    health = {"status": "ok", "latest": 3, "schema_version": 1}
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        calls.append(1)
+        if len(calls) == 1:
+            raise httpx.ConnectError("refused", request=request)
+        if len(calls) == 2:
+            return httpx.Response(503, json={"detail": "busy"})
+        return httpx.Response(200, json=health)
+
+    assert _client(handler).health()["latest"] == 3 and len(calls) == 3
+
+
+def test_gives_up_after_the_retries_with_a_clear_error() -> None:
+    calls: list[int] = []
+
+    def down(request: httpx.Request) -> httpx.Response:
+        calls.append(1)
+        raise httpx.ConnectError("refused", request=request)
+
+    with pytest.raises(CoordinatorError, match=r"GET /healthz: no answer from http://c in 3 attempts") as exc:
+        _client(down, retries=2).health()
+    assert exc.value.status_code is None and len(calls) == 3
+
+    def broken(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(500, json={"detail": "database is locked"})
+
+    with pytest.raises(CoordinatorError, match=r"GET /healthz: 500 database is locked") as exc:
+        _client(broken, retries=1).health()
+    assert exc.value.status_code == 500
+
+
+def test_4xx_is_not_retried_and_bad_answers_are_named() -> None:
+    calls: list[int] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        calls.append(1)
+        if request.url.path == "/healthz":
+            return httpx.Response(200, json={"hello": "world"})
+        return httpx.Response(422, json={"detail": [{"loc": ["body", "bytes"], "msg": "must be >= 0"}]})
+
+    client = _client(handler)
+    with pytest.raises(CoordinatorError, match=r"POST /v1/versions: 422 body.bytes: must be >= 0"):
+        client.register_version(VersionCreate(**version_body(0, "anchor")))
+    assert len(calls) == 1
+    with pytest.raises(CoordinatorError, match="does not match the protocol"):
+        client.health()
+
+
+def test_invalid_arguments() -> None:
+    with pytest.raises(ValueError, match="need retries >= 0"):
+        CoordinatorClient("http://c", retries=-1)
