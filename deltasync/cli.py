@@ -174,6 +174,33 @@ def _cmd_coordinator(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_agent(args: argparse.Namespace) -> int:
+    import dataclasses
+    import os
+    import signal
+    import threading
+
+    from .agent import Agent
+    from .client import CoordinatorClient
+    from .config import AgentConfig
+    from .targets import HttpVllmTarget
+
+    fields = {f.name for f in dataclasses.fields(AgentConfig)}
+    config = AgentConfig(**{k: v for k, v in vars(args).items() if k in fields and v is not None})
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    target = HttpVllmTarget(args.vllm_url, pause_mode=config.pause_mode)
+    with CoordinatorClient(args.coordinator, token=os.environ.get("DELTASYNC_AGENT_TOKEN")) as coordinator:
+        agent = Agent(store=open_store(args.store), coordinator=coordinator, target=target, config=config)
+        logging.getLogger("deltasync").info("agent %s: %s -> %s", config.agent_id, args.store, args.vllm_url)
+        try:
+            agent.run(stop)
+        finally:
+            target.close()
+    return 0
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="deltasync", description=__doc__)
     parser.add_argument("--debug", action="store_true", help="show tracebacks and debug logs")
@@ -207,6 +234,24 @@ def _parser() -> argparse.ArgumentParser:
     coord.add_argument("--max-body-bytes", type=int, help="larger request bodies get 413 (default 1 MiB)")
     coord.add_argument("--read-requires-token", action="store_true", default=None, help="reads need a token")
     coord.set_defaults(func=_cmd_coordinator)
+    agent = sub.add_parser(
+        "agent",
+        help="keep a vLLM server at the latest version (a sidecar; the token comes from DELTASYNC_AGENT_TOKEN)",
+    )
+    agent.add_argument("--vllm-url", required=True, help="the vLLM server (VLLM_SERVER_DEV_MODE=1; keep it private)")
+    agent.add_argument("--coordinator", required=True, help="the coordinator's URL")
+    agent.add_argument("--store", required=True, help="store URI or path")
+    agent.add_argument("--agent-id", help="name shown by the coordinator (default agent-0)")
+    agent.add_argument("--poll-wait-s", type=float, help="long-poll wait (default 30)")
+    agent.add_argument("--max-lag", type=int, help="stop serving while more than N versions behind")
+    agent.add_argument("--staging-dir", help="where shards are cached and staged (default: a temporary dir)")
+    agent.add_argument("--fetch-workers", type=int, help="shards fetched in parallel (default 4)")
+    agent.add_argument("--retries", type=int, help="retries of a fetch or checksum mismatch (default 5)")
+    agent.add_argument("--backoff-s", type=float, help="first backoff, doubling (default 0.5)")
+    agent.add_argument("--assume-version", type=int, help="the server was started from this version's weights")
+    agent.add_argument("--pause-mode", choices=["keep", "wait", "abort"], help="vLLM /pause mode (default keep)")
+    agent.add_argument("--tp-size", type=int, help="the server's tensor-parallel size (default 1)")
+    agent.set_defaults(func=_cmd_agent)
     return parser
 
 
@@ -214,7 +259,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run the CLI. Exit codes: 0 ok, 1 a deltasync error, 2 a usage error."""
     parser = _parser()
     args = parser.parse_args(argv)
-    setup_logging(logging.DEBUG if args.debug else logging.WARNING)
+    quiet = args.command in ("ls", "inspect", "verify")
+    setup_logging(logging.DEBUG if args.debug else logging.WARNING if quiet else logging.INFO)
     try:
         return int(args.func(args))
     except DeltaSyncError as exc:

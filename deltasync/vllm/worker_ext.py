@@ -1,0 +1,59 @@
+"""Optional vLLM worker extension: ``--worker-extension-cls deltasync.vllm.worker_ext.DeltaSyncWorkerExtension``.
+
+Importing it registers the backend (for set-ups without the entry point, e.g. ``VLLM_PLUGINS`` allow-lists),
+and it adds named RPCs: ``llm.collective_rpc("deltasync_status")`` or ``POST /collective_rpc
+{"method": "deltasync_status"}`` on a dev-mode server.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .plugin import register
+
+__all__ = ["DeltaSyncWorkerExtension"]
+
+register()
+
+
+class DeltaSyncWorkerExtension:
+    """Mixed into vLLM's worker class."""
+
+    def deltasync_status(self) -> dict[str, Any]:
+        """This rank's engine: backend class, mode, version, health, and its last updates."""
+        engine = getattr(self, "weight_transfer_engine", None)
+        if engine is None or not hasattr(engine, "status"):
+            return {"engine": None if engine is None else type(engine).__name__}
+        status: dict[str, Any] = engine.status()
+        return status
+
+    def deltasync_effective(self, checksums: bool = True) -> dict[str, Any]:
+        """This rank's effective weights, as the kernels see them, by vLLM module/parameter name.
+
+        vLLM's CPU build repacks linear weights (``weight`` becomes an empty tensor and the GEMM uses a
+        packed copy), which ``/weight_checker`` cannot see; here each such layer is read back exactly by
+        multiplying an identity matrix through its kernel (one non-zero term per output element). Fused
+        layers appear fused (``qkv_proj`` = q, k, v rows) and TP-sliced, as this rank holds them.
+
+        Args:
+            checksums: return ``xxh3_128`` digests (JSON-friendly) instead of tensors.
+        """
+        import torch
+
+        from ..format import tensor_checksum
+
+        model = self.model_runner.get_model()  # type: ignore[attr-defined]
+        out: dict[str, Any] = {}
+        with torch.no_grad():
+            for qualname, module in model.named_modules():
+                for pname, p in module.named_parameters(recurse=False):
+                    if p.numel():
+                        out[f"{qualname}.{pname}"] = p.detach().cpu().clone()
+                if hasattr(module, "cpu_linear") and "embed_tokens" not in qualname:
+                    w = getattr(module, "weight", None)
+                    k = w.shape[1] if w is not None and w.numel() else module.input_size_per_partition
+                    eye = torch.eye(k, dtype=torch.bfloat16)
+                    out[qualname] = module.cpu_linear(eye, w, None).t().contiguous()
+        if checksums:
+            return {name: tensor_checksum(t) for name, t in out.items()}
+        return out

@@ -1,0 +1,45 @@
+"""A fresh vLLM engine on a checkpoint: greedy ids, logprobs and effective-weight checksums as JSON.
+
+python -m tests.integration.fresh_engine MODEL_DIR PROMPTS_JSON [TP]
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+
+
+def generate(llm, prompts: list[str], max_tokens: int = 16) -> list[dict]:
+    from vllm import SamplingParams
+
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, logprobs=0, ignore_eos=True)
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    return [
+        {
+            "ids": list(o.outputs[0].token_ids),
+            "logprobs": [d[t].logprob for d, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids, strict=True)],
+        }
+        for o in outs
+    ]
+
+
+if __name__ == "__main__":
+    from vllm import LLM
+
+    model_dir, prompts = sys.argv[1], json.loads(sys.argv[2])
+    tp = int(sys.argv[3]) if len(sys.argv) > 3 else 1
+    llm = LLM(
+        model=model_dir,
+        dtype="bfloat16",
+        max_model_len=512,
+        enforce_eager=True,
+        seed=0,
+        tensor_parallel_size=tp,
+        worker_extension_cls="deltasync.vllm.worker_ext.DeltaSyncWorkerExtension",
+    )
+    result = {"outputs": generate(llm, prompts), "effective": llm.collective_rpc("deltasync_effective")}
+    print("RESULT " + json.dumps(result), flush=True)
+    llm.llm_engine.engine_core.shutdown()
