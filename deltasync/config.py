@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-__all__ = ["AgentConfig"]
+__all__ = ["AgentConfig", "PublisherConfig"]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -48,3 +48,43 @@ class AgentConfig:
             raise ValueError(f"pause_mode must be keep, wait or abort, got {self.pause_mode!r}")
         if self.tp_size < 1:
             raise ValueError(f"tp_size must be >= 1, got {self.tp_size}")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class PublisherConfig:
+    """How a publisher encodes, when it writes anchors, and how much it may queue."""
+
+    encoding: Literal["raw", "packed"] = "packed"
+    """Shard encoding (docs/FORMAT.md)."""
+    dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
+    """The published (inference) dtype; weights are cast while copied."""
+    anchor_every: int | None = 20
+    """Also write an anchor every this many versions; ``None``: never by count."""
+    anchor_bytes_fraction: float | None = 0.5
+    """Also write an anchor when the deltas since the last anchor exceed this fraction of its bytes."""
+    queue_size: int = 2
+    """Versions copied and waiting while another is written; a full queue blocks ``publish`` (or coalesces)."""
+    coalesce: bool = False
+    """With a full queue, merge the new version into the newest queued one (one exact delta) instead of blocking."""
+    max_shard_bytes: int = 1 << 30
+    """Tensors are grouped into shard files of about this size (single process)."""
+    zstd_level: int = 3
+    """zstd level of ``packed``."""
+    start_version: int | None = None
+    """The first version to publish; ``None``: one above the store's latest committed version."""
+
+    def __post_init__(self) -> None:
+        if self.encoding not in ("raw", "packed"):
+            raise ValueError(f"encoding must be raw or packed, got {self.encoding!r}")
+        if self.dtype not in ("bfloat16", "float16", "float32"):
+            raise ValueError(f"dtype must be bfloat16, float16 or float32, got {self.dtype!r}")
+        if self.anchor_every is not None and self.anchor_every < 1:
+            raise ValueError(f"anchor_every must be >= 1 or None, got {self.anchor_every}")
+        if self.anchor_bytes_fraction is not None and self.anchor_bytes_fraction <= 0:
+            raise ValueError(f"anchor_bytes_fraction must be > 0 or None, got {self.anchor_bytes_fraction}")
+        if self.queue_size < 1:
+            raise ValueError(f"queue_size must be >= 1, got {self.queue_size}")
+        if self.max_shard_bytes < 1:
+            raise ValueError(f"max_shard_bytes must be >= 1, got {self.max_shard_bytes}")
+        if self.start_version is not None and self.start_version < 0:
+            raise ValueError(f"start_version must be >= 0 or None, got {self.start_version}")

@@ -1,0 +1,3 @@
+"""Optional glue for training frameworks; each module imports its framework lazily."""
+
+__all__: list[str] = []

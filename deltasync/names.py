@@ -1,0 +1,106 @@
+"""Runtime names (what ``module.state_dict()`` says under FSDP, ``torch.compile``, DDP or PEFT) to
+checkpoint names (what vLLM's ``load_weights`` expects), tied tensors published once, LoRA merged."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+
+__all__ = ["WRAPPER_PREFIXES", "NameMap", "checkpoint_state", "lora_merged_state"]
+
+WRAPPER_PREFIXES = (
+    "_orig_mod.",
+    "module.",
+    "_fsdp_wrapped_module.",
+    "_checkpoint_wrapped_module.",
+    "base_model.model.",
+)
+"""Prefixes (anywhere in a dotted name) added by torch.compile, DDP, FSDP1, activation checkpointing and PEFT."""
+
+_LORA_PART = re.compile(r"\.lora_(A|B|embedding_A|embedding_B|magnitude_vector)\.")
+
+
+class NameMap:
+    """Maps a runtime name to a checkpoint name, or to ``None`` to leave a tensor out.
+
+    Args:
+        rename: applied after the built-in rules, for anything model-specific (return ``None`` to skip).
+
+    Example:
+        >>> NameMap()("_orig_mod.model.layers.0.mlp.up_proj.base_layer.weight")
+        'model.layers.0.mlp.up_proj.weight'
+    """
+
+    def __init__(self, rename: Callable[[str], str | None] | None = None) -> None:
+        self.rename = rename
+
+    def __call__(self, runtime_name: str) -> str | None:
+        if _LORA_PART.search(runtime_name):
+            return None  # adapters are published merged (lora_merged_state) or not at all
+        name = runtime_name
+        for prefix in WRAPPER_PREFIXES:
+            name = name.replace(prefix, "")
+        name = name.replace(".base_layer.", ".")
+        return self.rename(name) if self.rename is not None else name
+
+
+def _storage_key(t: torch.Tensor) -> tuple[Any, ...] | None:
+    if not isinstance(t, torch.Tensor) or t.device.type == "meta" or type(t) is not torch.Tensor:
+        return None
+    return (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype)
+
+
+def checkpoint_state(state: Mapping[str, torch.Tensor], name_map: NameMap | None = None) -> dict[str, torch.Tensor]:
+    """Rename a runtime state dict to checkpoint names and drop tied duplicates.
+
+    Tensors that share storage (``lm_head.weight`` tied to ``model.embed_tokens.weight``) are
+    published once, under the name that is not ``lm_head.*``, as HF checkpoints of tied models do.
+
+    Raises:
+        ValueError: two different tensors map to one checkpoint name.
+    """
+    name_map = name_map or NameMap()
+    out: dict[str, torch.Tensor] = {}
+    seen: dict[tuple[Any, ...], str] = {}
+    for runtime_name, tensor in state.items():
+        name = name_map(runtime_name)
+        if name is None:
+            continue
+        key = _storage_key(tensor)
+        if key is not None and key in seen:
+            if name.startswith("lm_head.") or not seen[key].startswith("lm_head."):
+                continue  # a tied duplicate
+            del out[seen[key]]
+        if name in out:
+            raise ValueError(
+                f"tensors {runtime_name!r} and another one both map to checkpoint name {name!r}; "
+                "pass NameMap(rename=...) to tell them apart"
+            )
+        out[name] = tensor
+        if key is not None:
+            seen[key] = name
+    return out
+
+
+def lora_merged_state(module: torch.nn.Module, dtype: torch.dtype = torch.bfloat16) -> dict[str, torch.Tensor]:
+    """The state dict of a PEFT LoRA model with every adapter merged into its base weight.
+
+    The merge is computed on copies (``base + get_delta_weight()`` in float32, then cast), so the
+    trainer's weights are never merged and unmerged in place (which would not round-trip exactly).
+    """
+    from peft.tuners.lora import LoraLayer
+
+    state = dict(module.state_dict())
+    for qualname, m in module.named_modules():
+        if isinstance(m, LoraLayer) and not getattr(m, "merged", False):
+            base_layer: Any = getattr(m, "get_base_layer")()  # noqa: B009
+            base = base_layer.weight
+            merged = base.detach().float().clone()
+            for adapter in m.active_adapters:
+                if adapter in m.lora_A or adapter in getattr(m, "lora_embedding_A", {}):
+                    merged += m.get_delta_weight(adapter).float()  # type: ignore[attr-defined]
+            state[f"{qualname}.base_layer.weight"] = merged.to(dtype)
+    return state
