@@ -28,7 +28,7 @@ from .manifest import ChecksumPart, DeltaManifest, ShardEntry, TensorEntry
 from .names import NameMap, checkpoint_state, lora_merged_state
 from .protocol import VersionCreate
 from .store import Store, open_store
-from .versions import commit_manifest, list_versions, put_shard
+from .versions import commit_manifest, list_versions, object_prefix, shard_entry
 
 __all__ = ["Publisher"]
 
@@ -387,6 +387,7 @@ class Publisher:
         """Write this rank's shards; rank 0 writes the manifest last and registers. Returns the object's bytes."""
         cfg = self.config
         entries: list[tuple[int, ShardEntry, list[str]]] = []
+        blobs: list[tuple[str, bytes]] = []
         groups = [deltas] if self.world > 1 else _groups(deltas, cfg.max_shard_bytes)
         for g, group in enumerate(groups):
             if not group:
@@ -400,8 +401,10 @@ class Publisher:
                 base_version=base_version,
                 zstd_level=cfg.zstd_level,
             )
-            entry = put_shard(self.store, version, kind, index, data)
+            entry = shard_entry(index, data)
+            blobs.append((object_prefix(version, kind) + entry.file, data))
             entries.append((index, entry, [d.ckpt_name for d in group]))
+        self.store.put_many(blobs)  # this rank's shards in one batch; rank 0 commits the manifest later
         meta: dict[str, Any] = {
             "entries": entries,
             "tensors": {d.ckpt_name: (d.nnz, (*(d.span or (0, math.prod(d.shape))), d.checksum)) for d in deltas},

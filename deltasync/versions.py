@@ -32,6 +32,7 @@ __all__ = [
     "manifest_key",
     "object_prefix",
     "put_shard",
+    "shard_entry",
     "read_chain",
     "read_manifest",
     "read_weights",
@@ -103,9 +104,14 @@ def read_manifest(store: Store, version: int, kind: Kind = "delta") -> DeltaMani
     return manifest
 
 
+def shard_entry(index: int, data: bytes) -> ShardEntry:
+    """The manifest entry of shard ``index`` (its file name, size and sha256)."""
+    return ShardEntry(file=f"shard-{index:05d}.safetensors", bytes=len(data), sha256=hashlib.sha256(data).hexdigest())
+
+
 def put_shard(store: Store, version: int, kind: Kind, index: int, data: bytes) -> ShardEntry:
     """Write one shard of an object and return its manifest entry (size and sha256)."""
-    entry = ShardEntry(file=f"shard-{index:05d}.safetensors", bytes=len(data), sha256=hashlib.sha256(data).hexdigest())
+    entry = shard_entry(index, data)
     store.put(object_prefix(version, kind) + entry.file, data)
     return entry
 
@@ -141,7 +147,7 @@ def _write_object(
     zstd_level: int,
 ) -> DeltaManifest:
     t0 = time.perf_counter()
-    shards = []
+    shards, blobs = [], []
     for i, group in enumerate(_group_by_size(deltas, max_shard_bytes)):
         data = encode_shard(
             group,
@@ -151,9 +157,11 @@ def _write_object(
             base_version=base_version,
             zstd_level=zstd_level,
         )
-        shards.append(put_shard(store, version, kind, i, data))
+        shards.append(shard_entry(i, data))
+        blobs.append((object_prefix(version, kind) + shards[-1].file, data))
         for d in group:
             tensors[d.ckpt_name] = dataclasses.replace(tensors[d.ckpt_name], shards=(i,), nnz=d.nnz)
+    store.put_many(blobs)  # one batch for the shards; the manifest (the commit marker) follows
     manifest = DeltaManifest(
         kind=kind,
         version=version,

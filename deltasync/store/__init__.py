@@ -31,13 +31,23 @@ def _open_file_uri(uri: str) -> Store:
     return LocalStore(unquote(parsed.path))
 
 
+def _open_hub_uri(uri: str) -> Store:
+    from .hub import HubBucketStore, parse_hub_uri
+
+    bucket_id, prefix = parse_hub_uri(uri)
+    return HubBucketStore(bucket_id, prefix)
+
+
 register_store_scheme("file", _open_file_uri)
+register_store_scheme("hf", _open_hub_uri)
 
 
 def open_store(uri: str) -> Store:
     """Open the store a URI names.
 
     * a plain path or ``file:///path``: :class:`LocalStore`;
+    * ``hf://buckets/<namespace>/<name>[/<prefix>]``: a Hugging Face Hub bucket
+      (:class:`~deltasync.store.hub.HubBucketStore`);
     * any scheme added with :func:`register_store_scheme`.
 
     Raises:

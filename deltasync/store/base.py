@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import re
+from collections.abc import Iterable
 from typing import BinaryIO, Protocol, runtime_checkable
 
 __all__ = ["Store", "check_key"]
@@ -45,6 +46,10 @@ class Store(Protocol):
 
     def put(self, key: str, data: bytes | bytearray | memoryview) -> None:
         """Write an object atomically, replacing any object under ``key``."""
+        ...
+
+    def put_many(self, items: Iterable[tuple[str, bytes | bytearray | memoryview]]) -> None:
+        """Write several objects (a version's shards) together: one batch where the store has batches."""
         ...
 
     def put_file(self, key: str, path: str | os.PathLike[str]) -> None:

@@ -6,6 +6,7 @@ import contextlib
 import os
 import shutil
 import uuid
+from collections.abc import Iterable
 from pathlib import Path
 from typing import BinaryIO
 
@@ -69,6 +70,11 @@ class LocalStore:
     def put(self, key: str, data: bytes | bytearray | memoryview) -> None:
         """Write an object atomically, replacing any object under ``key``."""
         self._write_atomic(key, lambda f: f.write(data))
+
+    def put_many(self, items: Iterable[tuple[str, bytes | bytearray | memoryview]]) -> None:
+        """Write several objects, each atomically."""
+        for key, data in items:
+            self.put(key, data)
 
     def put_file(self, key: str, path: str | os.PathLike[str]) -> None:
         """Copy a local file in atomically."""
