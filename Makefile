@@ -6,9 +6,9 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.deltasync-installed
-EXTRAS ?= vllm,hub,service,trl,test
+EXTRAS ?= vllm,hub,service,trl,demo,test
 
-.PHONY: venv check test demo bench clean
+.PHONY: venv check test demo demo-local bench clean
 
 # (Re)create the virtualenv whenever the project's requirements change.
 $(STAMP): pyproject.toml Makefile
@@ -29,8 +29,13 @@ check: venv
 test: venv
 	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" scripts/test
 
+# the Wordle RL demo: coordinator, vLLM + sidecar, environment and trainer as separate processes (~8 min)
 demo: venv
-	$(PY) examples/local_stream.py --out demo-out
+	$(PY) -m examples.wordle.run_demo --out demo-out
+
+# a realistic update stream of the tiny model published to a local store, then ls / inspect / verify
+demo-local: venv
+	$(PY) examples/local_stream.py --out demo-out/local
 
 bench: venv
 	$(PY) benchmarks/bench_codec.py

@@ -28,6 +28,8 @@ __all__ = [
     "UpdateStream",
     "build_tiny_model",
     "free_port",
+    "qwen3_effective",
+    "qwen3_effective_checksums",
     "qwen3_shapes",
     "write_config_only_model",
 ]
@@ -96,7 +98,32 @@ def qwen3_shapes(config: Mapping[str, Any]) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def _build_tokenizer(path: Path, vocab_size: int) -> Any:
+def qwen3_effective(weights: Mapping[str, torch.Tensor], num_layers: int) -> dict[str, torch.Tensor]:
+    """What vLLM's Qwen3 at TP=1 holds, by module or parameter name, for checkpoint ``weights``: q, k and v
+    fused into ``qkv_proj``, gate and up into ``gate_up_proj``, ``lm_head`` tied to the embeddings. Compare it
+    with the engine's ``collective_rpc("deltasync_effective")`` to prove what it serves."""
+    w = weights
+    out = {"model.embed_tokens.weight": w["model.embed_tokens.weight"], "model.norm.weight": w["model.norm.weight"]}
+    out["lm_head"] = out["lm_head.weight"] = w["model.embed_tokens.weight"]
+    for i in range(num_layers):
+        p = f"model.layers.{i}."
+        out[p + "self_attn.qkv_proj"] = torch.cat([w[p + f"self_attn.{x}_proj.weight"] for x in "qkv"])
+        out[p + "self_attn.o_proj"] = w[p + "self_attn.o_proj.weight"]
+        out[p + "mlp.gate_up_proj"] = torch.cat([w[p + "mlp.gate_proj.weight"], w[p + "mlp.up_proj.weight"]])
+        out[p + "mlp.down_proj"] = w[p + "mlp.down_proj.weight"]
+        for norm in ("input_layernorm", "post_attention_layernorm", "self_attn.q_norm", "self_attn.k_norm"):
+            out[p + norm + ".weight"] = w[p + norm + ".weight"]
+    return out
+
+
+def qwen3_effective_checksums(weights: Mapping[str, torch.Tensor], num_layers: int) -> dict[str, str]:
+    """:func:`qwen3_effective` as ``xxh3_128`` digests (what ``deltasync_effective`` returns by default)."""
+    from .format import tensor_checksum
+
+    return {k: tensor_checksum(v) for k, v in qwen3_effective(weights, num_layers).items()}
+
+
+def _build_tokenizer(path: Path, vocab_size: int, corpus: list[str] | None = None) -> Any:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -109,7 +136,7 @@ def _build_tokenizer(path: Path, vocab_size: int) -> Any:
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tok.train_from_iterator(_CORPUS * 20, trainer)
+    tok.train_from_iterator((corpus or _CORPUS) * 20, trainer)
     fast = PreTrainedTokenizerFast(  # type: ignore[no-untyped-call]
         tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>", bos_token=None
     )
@@ -124,7 +151,9 @@ def _config(values: Mapping[str, Any], eos_token_id: int) -> Any:
     return Qwen3Config(**values, eos_token_id=eos_token_id, pad_token_id=0, dtype="bfloat16")
 
 
-def build_tiny_model(path: str | Path, *, seed: int = 0, config: Mapping[str, Any] | None = None) -> Path:
+def build_tiny_model(
+    path: str | Path, *, seed: int = 0, config: Mapping[str, Any] | None = None, corpus: list[str] | None = None
+) -> Path:
     """Write a random bf16 Qwen3 with a locally trained tokenizer and a chat template.
 
     The same seed gives bit-identical weights. Takes about a second.
@@ -133,6 +162,7 @@ def build_tiny_model(path: str | Path, *, seed: int = 0, config: Mapping[str, An
         path: output directory (created).
         seed: torch seed of the random weights.
         config: Qwen3 config values; default :data:`TINY_QWEN3_CONFIG`.
+        corpus: texts to train the byte-level BPE tokenizer on (default: a few Wordle-like lines).
 
     Returns:
         ``path``, loadable by ``transformers`` and by vLLM.
@@ -142,7 +172,7 @@ def build_tiny_model(path: str | Path, *, seed: int = 0, config: Mapping[str, An
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     values = dict(TINY_QWEN3_CONFIG if config is None else config)
-    tok = _build_tokenizer(path, min(values["vocab_size"], 512))
+    tok = _build_tokenizer(path, values["vocab_size"] if corpus else min(values["vocab_size"], 512), corpus)
     with torch.random.fork_rng():
         torch.manual_seed(seed)
         config_obj = _config(values, tok.convert_tokens_to_ids("<|im_end|>"))
@@ -342,8 +372,13 @@ class VllmServerProcess:
         self.proc: subprocess.Popen[bytes] | None = None
 
     def start(self, timeout_s: float = 300.0) -> VllmServerProcess:
-        import httpx
+        """Start the server and wait until ``/health`` answers."""
+        self.start_async()
+        self.wait_healthy(timeout_s)
+        return self
 
+    def start_async(self) -> None:
+        """Start the server without waiting (see :meth:`wait_healthy`)."""
         cmd = [
             sys.executable,
             "-m",
@@ -369,13 +404,19 @@ class VllmServerProcess:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+
+    def wait_healthy(self, timeout_s: float = 300.0) -> None:
+        """Wait until ``/health`` answers; stop the server and raise if it does not."""
+        import httpx
+
+        assert self.proc is not None, "start_async() first"
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"vLLM exited with {self.proc.returncode}; see {self.log_path}")
             try:
                 if httpx.get(self.url + "/health", timeout=2).status_code == 200:
-                    return self
+                    return
             except httpx.TransportError:
                 pass
             time.sleep(0.5)

@@ -1,33 +1,14 @@
-"""Helpers for the integration tests: expected effective weights of Qwen3, and publishing a stream."""
+"""Helpers for the integration tests: publishing a realistic stream."""
 
 from __future__ import annotations
 
 import torch
 
-from deltasync import LocalStore, compute_delta, tensor_checksum, write_anchor, write_delta
+from deltasync import LocalStore, compute_delta, write_anchor, write_delta
 from deltasync.client import CoordinatorClient
 from deltasync.manifest import DeltaManifest
 from deltasync.protocol import VersionCreate
 from deltasync.testing import UpdateStream
-
-
-def qwen3_effective(w: dict[str, torch.Tensor], num_layers: int) -> dict[str, torch.Tensor]:
-    """What vLLM's Qwen3 at TP=1 holds, by module/parameter name, for checkpoint weights ``w``."""
-    out = {"model.embed_tokens.weight": w["model.embed_tokens.weight"], "model.norm.weight": w["model.norm.weight"]}
-    out["lm_head"] = out["lm_head.weight"] = w["model.embed_tokens.weight"]  # tied
-    for i in range(num_layers):
-        p = f"model.layers.{i}."
-        out[p + "self_attn.qkv_proj"] = torch.cat([w[p + f"self_attn.{x}_proj.weight"] for x in "qkv"])
-        out[p + "self_attn.o_proj"] = w[p + "self_attn.o_proj.weight"]
-        out[p + "mlp.gate_up_proj"] = torch.cat([w[p + "mlp.gate_proj.weight"], w[p + "mlp.up_proj.weight"]])
-        out[p + "mlp.down_proj"] = w[p + "mlp.down_proj.weight"]
-        for norm in ("input_layernorm", "post_attention_layernorm", "self_attn.q_norm", "self_attn.k_norm"):
-            out[p + norm + ".weight"] = w[p + norm + ".weight"]
-    return out
-
-
-def effective_checksums(w: dict[str, torch.Tensor], num_layers: int) -> dict[str, str]:
-    return {k: tensor_checksum(v) for k, v in qwen3_effective(w, num_layers).items()}
 
 
 class StreamPublisher:

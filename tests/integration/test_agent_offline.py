@@ -20,11 +20,12 @@ from deltasync.agent import Agent
 from deltasync.client import CoordinatorClient
 from deltasync.config import AgentConfig
 from deltasync.targets import OfflineLLMTarget
+from deltasync.testing import qwen3_effective_checksums
 from services.coordinator.app import create_app
 from services.coordinator.settings import Settings
 from tests.conftest import AGENT_TOKEN, PUBLISHER_TOKEN, ServerThread
 from tests.integration.fresh_engine import generate
-from tests.integration.helpers import StreamPublisher, effective_checksums
+from tests.integration.helpers import StreamPublisher
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 LAYERS = 2
@@ -68,7 +69,7 @@ def effective(llm: Any) -> dict[str, str]:
 
 def assert_engine_at(llm: Any, world: World, version: int) -> None:
     assert llm.get_weight_version() == str(version)
-    expected = effective_checksums(world.publisher.truth[version], LAYERS)
+    expected = qwen3_effective_checksums(world.publisher.truth[version], LAYERS)
     got = effective(llm)
     differ = sorted(k for k in expected if got.get(k) != expected[k])
     assert not differ, f"v{version}: effective weights differ from the trainer's: {differ}"

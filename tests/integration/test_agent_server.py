@@ -16,9 +16,9 @@ from safetensors.torch import load_file
 
 from deltasync import LocalStore
 from deltasync.client import CoordinatorClient
-from deltasync.testing import CoordinatorProcess, VllmServerProcess
+from deltasync.testing import CoordinatorProcess, VllmServerProcess, qwen3_effective_checksums
 from tests.conftest import AGENT_TOKEN, PUBLISHER_TOKEN
-from tests.integration.helpers import StreamPublisher, effective_checksums
+from tests.integration.helpers import StreamPublisher
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 LAYERS = 2
@@ -87,7 +87,7 @@ class Stack:
         assert info["weight_version"] == str(version)
         rpc = httpx.post(self.server.url + "/collective_rpc", json={"method": "deltasync_effective"}, timeout=60)
         got = rpc.json()["results"][0]
-        expected = effective_checksums(self.publisher.truth[version], LAYERS)
+        expected = qwen3_effective_checksums(self.publisher.truth[version], LAYERS)
         assert {k: got.get(k) for k in expected} == expected, f"v{version}: served weights differ"
 
 
