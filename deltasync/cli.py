@@ -232,6 +232,7 @@ def _parser() -> argparse.ArgumentParser:
     coord.add_argument("--max-wait-s", type=float, help="cap of a long-poll's wait (default 60)")
     coord.add_argument("--agent-stale-after-s", type=float, help="an agent not seen this long is stale (default 60)")
     coord.add_argument("--max-body-bytes", type=int, help="larger request bodies get 413 (default 1 MiB)")
+    coord.add_argument("--max-header-bytes", type=int, help="larger request headers get 431 (default 64 KiB)")
     coord.add_argument("--read-requires-token", action="store_true", default=None, help="reads need a token")
     coord.set_defaults(func=_cmd_coordinator)
     agent = sub.add_parser(

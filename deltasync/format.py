@@ -125,10 +125,14 @@ _T = TypeVar("_T")
 _R = TypeVar("_R")
 
 
-def _parallel_map(fn: Callable[[_T], _R], items: Sequence[_T]) -> list[_R]:
-    # zstd and numpy's large kernels release the GIL: two cores give close to 2x.
+_PARALLEL_MIN_ELEMENTS = 1 << 18
+"""Below this many stored elements a shard is coded serially: a thread pool costs more than it saves."""
+
+
+def _parallel_map(fn: Callable[[_T], _R], items: Sequence[_T], elements: int = _PARALLEL_MIN_ELEMENTS) -> list[_R]:
+    # zstd and numpy's large kernels release the GIL: two cores give close to 2x on big shards.
     workers = min(len(items), os.cpu_count() or 1)
-    if workers <= 1:
+    if workers <= 1 or elements < _PARALLEL_MIN_ELEMENTS:
         return [fn(item) for item in items]
     with ThreadPoolExecutor(max_workers=workers) as pool:
         return list(pool.map(fn, items))
@@ -276,7 +280,7 @@ def encode_shard(
             return _encode_raw(items[i], dtype_names[i])
         return _encode_packed(items[i], dtype_names[i], zstd_level)
 
-    encoded = _parallel_map(encode_one, range(len(items)))
+    encoded = _parallel_map(encode_one, range(len(items)), sum(d.nnz for d in items))
     tensors_json = {d.ckpt_name: info_to_json(info) for d, (info, _) in zip(items, encoded, strict=True)}
     metadata = {
         META_PREFIX + "format_version": FORMAT_VERSION,
@@ -363,7 +367,7 @@ def decode_shard(
         except ValueError as exc:  # codec errors carry no file or tensor name: add them
             raise _bad(name, f"tensor {t!r}: {exc}") from None
 
-    decoded = _parallel_map(decode_one, list(header.tensors))
+    decoded = _parallel_map(decode_one, list(header.tensors), sum(i.nnz for i in header.tensors.values()))
     return header, {d.ckpt_name: d for d in decoded}
 
 

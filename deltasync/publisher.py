@@ -28,7 +28,7 @@ from .manifest import ChecksumPart, DeltaManifest, ShardEntry, TensorEntry
 from .names import NameMap, checkpoint_state, lora_merged_state
 from .protocol import VersionCreate
 from .store import Store, open_store
-from .versions import commit_manifest, list_versions, object_prefix, shard_entry
+from .versions import commit_manifest, group_by_size, list_versions, object_prefix, shard_entry
 
 __all__ = ["Publisher"]
 
@@ -388,7 +388,7 @@ class Publisher:
         cfg = self.config
         entries: list[tuple[int, ShardEntry, list[str]]] = []
         blobs: list[tuple[str, bytes]] = []
-        groups = [deltas] if self.world > 1 else _groups(deltas, cfg.max_shard_bytes)
+        groups = [deltas] if self.world > 1 else group_by_size(deltas, cfg.max_shard_bytes)
         for g, group in enumerate(groups):
             if not group:
                 continue
@@ -470,16 +470,3 @@ class Publisher:
             self._bytes_since_anchor = 0
         self.published.append(manifest)
         return manifest.total_bytes
-
-
-def _groups(deltas: list[TensorDelta], max_bytes: int) -> list[list[TensorDelta]]:
-    groups: list[list[TensorDelta]] = [[]]
-    size = 0
-    for d in deltas:
-        n = d.nnz * (d.values.element_size() + (0 if d.indices is None else 4))
-        if groups[-1] and size + n > max_bytes:
-            groups.append([])
-            size = 0
-        groups[-1].append(d)
-        size += n
-    return groups

@@ -111,7 +111,10 @@ class _Target:
 
     def recover(self) -> None:
         self.resume()
-        if self._finish_dangling():
+        ranks = self.status() or []
+        # finish only a session that is open: a failing finish would raise in the workers, which with TP > 1
+        # desyncs vLLM's executor (vLLM issue 49972)
+        if any(r.get("session_active") for r in ranks) and self._finish_dangling():
             logger.warning("closed an update session an earlier agent left open")
         real = self.engine_version()
         if real is not None and self.weight_version() != real:

@@ -23,6 +23,7 @@ import torch
 __all__ = [
     "QWEN3_0_6B_CONFIG",
     "CoordinatorProcess",
+    "HostTarget",
     "VllmServerProcess",
     "TINY_QWEN3_CONFIG",
     "UpdateStream",
@@ -400,7 +401,14 @@ class VllmServerProcess:
             "deltasync.vllm.worker_ext.DeltaSyncWorkerExtension",
             *self.args,
         ]
-        env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": "1", **self.env}
+        # explicit logging level: importing TRL sets VLLM_LOGGING_LEVEL=ERROR in os.environ for every child
+        env = {
+            **os.environ,
+            "VLLM_SERVER_DEV_MODE": "1",
+            "VLLM_CPU_KVCACHE_SPACE": "1",
+            "VLLM_LOGGING_LEVEL": "INFO",
+            **self.env,
+        }
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
@@ -446,3 +454,85 @@ class VllmServerProcess:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+class HostTarget:
+    """An engine without a GPU or vLLM: it holds the weights in host memory and applies an agent's staged
+    updates with the rules of the deltasync vLLM engine (base guard, whole object validated before the first
+    write, checksums after). For load tests with many agents, and for tests of an agent's own logic.
+    """
+
+    def __init__(self) -> None:
+        self.weights: dict[str, torch.Tensor] | None = None
+        self.version: int | None = None
+        self.label: int | None = None
+        self.healthy = True
+        self.applied: list[int] = []
+        """Every version a session finished at, in order."""
+        self.pauses = 0
+
+    def weight_version(self) -> int | None:
+        return self.label
+
+    def engine_version(self) -> int | None:
+        return self.version if self.healthy else None
+
+    def status(self) -> list[dict[str, Any]] | None:
+        return [{"version": self.version, "healthy": self.healthy}]
+
+    def init(self, *, base_version: int | None) -> None:
+        self.version = self.label = base_version
+
+    def recover(self) -> None:
+        """Nothing outlives an agent here."""
+
+    def pause(self) -> None:
+        self.pauses += 1
+
+    def resume(self) -> None:
+        """Serving is not simulated."""
+
+    def apply(self, updates: list[dict[str, Any]], *, weight_version: int) -> None:
+        from .errors import ApplyError, FormatError, VersionGapError
+        from .format import decode_shard, tensor_checksum
+        from .versions import apply_deltas, assemble_anchor
+
+        for info in updates:
+            held = self.version
+            if info["kind"] == "delta" and held != info["base_version"]:
+                raise VersionGapError(
+                    f"delta v{info['base_version']} -> v{info['target_version']} refused: this engine holds v{held}"
+                )
+            deltas: list[Any] = []
+            for path in info["files"]:
+                header, decoded = decode_shard(bytearray(Path(path).read_bytes()), name=path)
+                if (header.kind, header.target_version) != (info["kind"], info["target_version"]):
+                    raise ApplyError(f"{path}: staged shard does not match its update_info")
+                deltas.extend(decoded.values())
+            if info["kind"] == "delta":  # validate the whole object before the first write
+                for d in deltas:
+                    current = (self.weights or {}).get(d.ckpt_name)
+                    if current is None or tuple(current.shape) != d.shape or current.dtype != d.dtype:
+                        raise FormatError(
+                            f"tensor {d.ckpt_name!r}: the delta is for {d.dtype} {list(d.shape)}, this "
+                            "engine holds another tensor (a delta for another model?)"
+                        )
+            try:
+                if info["kind"] == "anchor":
+                    self.weights = {n: t.clone() for n, t in assemble_anchor(deltas).items()}
+                else:
+                    assert self.weights is not None
+                    apply_deltas(self.weights, deltas)
+                bad = [
+                    n
+                    for n, parts in info.get("checksums", {}).items()
+                    if any(tensor_checksum(self.weights[n], (a, b)) != digest for a, b, digest in parts)
+                ]
+                if bad:
+                    raise ApplyError(f"v{info['target_version']}: checksums differ for {bad[:5]}")
+            except Exception:
+                self.healthy, self.version = False, None
+                raise
+            self.version, self.healthy = info["target_version"], True
+        self.label = weight_version
+        self.applied.append(weight_version)

@@ -24,9 +24,11 @@ __all__ = [
     "VersionListing",
     "apply_deltas",
     "apply_object",
+    "assemble_anchor",
     "check_shard",
     "commit_manifest",
     "decode_object",
+    "group_by_size",
     "list_versions",
     "load_object",
     "manifest_key",
@@ -121,7 +123,8 @@ def commit_manifest(store: Store, manifest: DeltaManifest) -> None:
     store.put(manifest_key(manifest.version, manifest.kind), manifest.to_json())
 
 
-def _group_by_size(deltas: list[TensorDelta], max_shard_bytes: int) -> list[list[TensorDelta]]:
+def group_by_size(deltas: list[TensorDelta], max_shard_bytes: int) -> list[list[TensorDelta]]:
+    """Split entries, in order, into groups of about ``max_shard_bytes`` raw bytes (never splitting one)."""
     groups: list[list[TensorDelta]] = [[]]
     size = 0
     for d in deltas:
@@ -148,7 +151,7 @@ def _write_object(
 ) -> DeltaManifest:
     t0 = time.perf_counter()
     shards, blobs = [], []
-    for i, group in enumerate(_group_by_size(deltas, max_shard_bytes)):
+    for i, group in enumerate(group_by_size(deltas, max_shard_bytes)):
         data = encode_shard(
             group,
             kind=kind,
@@ -407,6 +410,18 @@ def read_chain(store: Store, version: int) -> list[DeltaManifest]:
         v = m.base_version
 
 
+def assemble_anchor(deltas: Iterable[TensorDelta]) -> dict[str, torch.Tensor]:
+    """Full tensors from an anchor's dense entries (whole tensors, or spans written by several ranks)."""
+    state: dict[str, torch.Tensor] = {}
+    for d in deltas:
+        if d.span is None:
+            state[d.ckpt_name] = d.values
+        else:
+            full = state.setdefault(d.ckpt_name, torch.empty(d.shape, dtype=d.dtype))
+            full.view(-1)[d.span[0] : d.span[1]] = d.values
+    return state
+
+
 def apply_object(
     state: dict[str, torch.Tensor] | None, manifest: DeltaManifest, deltas: list[TensorDelta], *, verify: bool = True
 ) -> dict[str, torch.Tensor]:
@@ -422,13 +437,7 @@ def apply_object(
         FormatError: a delta for another model; IntegrityError: a checksum differs.
     """
     if manifest.kind == "anchor":
-        state = {}
-        for d in deltas:
-            if d.span is None:
-                state[d.ckpt_name] = d.values
-            else:
-                full = state.setdefault(d.ckpt_name, torch.empty(d.shape, dtype=d.dtype))
-                full.view(-1)[d.span[0] : d.span[1]] = d.values
+        state = assemble_anchor(deltas)
         for name, e in manifest.tensors.items():
             state.setdefault(name, torch.empty(e.shape, dtype=DTYPES[e.dtype]))
         if verify:

@@ -41,6 +41,7 @@ from vllm.distributed.weight_transfer.base import (
 
 from ..errors import ApplyError, FormatError, IntegrityError, VersionGapError
 from ..format import TensorDelta, decode_shard, tensor_checksum
+from ..versions import assemble_anchor
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -329,13 +330,7 @@ class DeltaSyncWeightTransferEngine(WeightTransferEngine[DeltaSyncInitInfo, Delt
     def _apply_to_shadow(self, deltas: list[TensorDelta], info: DeltaSyncUpdateInfo) -> None:
         shadow = self._get_shadow()
         if info.kind == "anchor":
-            full: dict[str, torch.Tensor] = {}
-            for d in deltas:
-                if d.span is None:
-                    full[d.ckpt_name] = d.values
-                else:
-                    t = full.setdefault(d.ckpt_name, torch.empty(d.shape, dtype=d.dtype))
-                    t.view(-1)[d.span[0] : d.span[1]] = d.values
+            full = assemble_anchor(deltas)
             shadow.replace_all(full)
             self._pending.update(full)
         else:

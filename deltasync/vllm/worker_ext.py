@@ -20,12 +20,14 @@ class DeltaSyncWorkerExtension:
     """Mixed into vLLM's worker class."""
 
     def deltasync_status(self) -> dict[str, Any]:
-        """This rank's engine: backend class, mode, version, health, and its last updates."""
+        """This rank's engine: backend class, mode, version, health, its last updates, and whether an update
+        session is open (started, not finished: an agent died inside it)."""
         engine = getattr(self, "weight_transfer_engine", None)
+        session = bool(getattr(self, "_weight_update_active", False))
         if engine is None or not hasattr(engine, "status"):
-            return {"engine": None if engine is None else type(engine).__name__}
+            return {"engine": None if engine is None else type(engine).__name__, "session_active": session}
         status: dict[str, Any] = engine.status()
-        return status
+        return {**status, "session_active": session}
 
     def deltasync_effective(self, checksums: bool = True) -> dict[str, Any]:
         """This rank's effective weights, as the kernels see them, by vLLM module/parameter name.

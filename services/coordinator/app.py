@@ -27,20 +27,24 @@ __all__ = ["create_app"]
 logger = logging.getLogger("deltasync.coordinator")
 
 
-class _BodyLimit:
-    """Refuse request bodies over ``max_bytes`` with 413: by Content-Length, and by reading the body
-    (at most ``max_bytes + 1``) before the app sees it, so a chunked upload cannot get past."""
+class _SizeLimits:
+    """Refuse request headers over ``max_header_bytes`` (431) and bodies over ``max_bytes`` (413): by
+    Content-Length, and by reading the body (at most ``max_bytes + 1``) before the app sees it, so a chunked
+    upload cannot get past."""
 
-    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
-        self.app, self.max_bytes = app, max_bytes
+    def __init__(self, app: ASGIApp, max_bytes: int, max_header_bytes: int) -> None:
+        self.app, self.max_bytes, self.max_header_bytes = app, max_bytes, max_header_bytes
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        if sum(len(k) + len(v) for k, v in scope["headers"]) > self.max_header_bytes:
+            await _refuse(send, 431, f"request headers over {self.max_header_bytes} bytes")
+            return
         length = dict(scope["headers"]).get(b"content-length")
         if length is not None and (not length.isdigit() or int(length) > self.max_bytes):
-            await self._refuse(send)
+            await _refuse(send, 413, f"request body over {self.max_bytes} bytes")
             return
         body, more = bytearray(), True
         while more:
@@ -50,7 +54,7 @@ class _BodyLimit:
             body += message.get("body", b"")
             more = message.get("more_body", False)
             if len(body) > self.max_bytes:
-                await self._refuse(send)
+                await _refuse(send, 413, f"request body over {self.max_bytes} bytes")
                 return
         replayed = False
 
@@ -63,9 +67,9 @@ class _BodyLimit:
 
         await self.app(scope, replay, send)
 
-    async def _refuse(self, send: Send) -> None:
-        response = JSONResponse({"detail": f"request body over {self.max_bytes} bytes"}, status_code=413)
-        await response({"type": "http"}, _no_receive, send)
+
+async def _refuse(send: Send, status: int, detail: str) -> None:
+    await JSONResponse({"detail": detail}, status_code=status)({"type": "http"}, _no_receive, send)
 
 
 async def _no_receive() -> MutableMapping[str, Any]:
@@ -150,7 +154,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         )
         return response
 
-    app.add_middleware(_BodyLimit, max_bytes=settings.max_body_bytes)
+    app.add_middleware(_SizeLimits, max_bytes=settings.max_body_bytes, max_header_bytes=settings.max_header_bytes)
     for role, action in (("publisher", "publish and delete versions"), ("agent", "send heartbeats")):
         if getattr(settings, f"{role}_token") is None:
             logger.warning("no %s token is set: anyone who reaches this port can %s", role, action)

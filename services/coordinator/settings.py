@@ -24,5 +24,6 @@ class Settings(BaseSettings):
     max_wait_s: float = Field(60.0, gt=0, le=600, description="cap of a long-poll's wait_s")
     agent_stale_after_s: float = Field(60.0, gt=0, description="an agent not seen this long is stale")
     max_body_bytes: int = Field(1 << 20, gt=0, description="larger request bodies get 413")
+    max_header_bytes: int = Field(64 << 10, gt=0, description="larger request headers (all together) get 431")
     host: str = Field("127.0.0.1", description="interface `deltasync coordinator` binds")
     port: int = Field(8600, ge=0, le=65535, description="port `deltasync coordinator` binds")

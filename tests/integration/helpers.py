@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
+import httpx
 import torch
 
 from deltasync import LocalStore, compute_delta, write_anchor, write_delta
 from deltasync.client import CoordinatorClient
 from deltasync.manifest import DeltaManifest
 from deltasync.protocol import VersionCreate
-from deltasync.testing import UpdateStream
+from deltasync.testing import UpdateStream, qwen3_effective_checksums
 
 
 class StreamPublisher:
@@ -47,3 +51,35 @@ class StreamPublisher:
             self._register(write_anchor(self.store, curr, version=self.version, encoding=self.encoding))  # type: ignore[arg-type]
         self.truth[self.version] = curr
         return self.version
+
+
+def sidecar_command(vllm_url: str, coordinator_url: str, store_root: Path, staging: Path) -> list[str]:
+    """The ``deltasync agent`` sidecar command the integration tests start."""
+    return [
+        sys.executable,
+        "-m",
+        "deltasync.cli",
+        "agent",
+        "--vllm-url",
+        vllm_url,
+        "--coordinator",
+        coordinator_url,
+        "--store",
+        str(store_root),
+        "--agent-id",
+        "sidecar-0",
+        "--poll-wait-s",
+        "1",
+        "--staging-dir",
+        str(staging),
+        "--backoff-s",
+        "0.1",
+    ]
+
+
+def assert_served(vllm_url: str, version: int, weights: dict[str, torch.Tensor], num_layers: int = 2) -> None:
+    """vLLM serves ``version``, and its effective weights are ``weights``, bit for bit."""
+    assert httpx.get(vllm_url + "/weight_info", timeout=30).json()["weight_version"] == str(version)
+    got = httpx.post(vllm_url + "/collective_rpc", json={"method": "deltasync_effective"}, timeout=60).json()
+    expected = qwen3_effective_checksums(weights, num_layers)
+    assert {k: got["results"][0].get(k) for k in expected} == expected, f"v{version}: served weights differ"

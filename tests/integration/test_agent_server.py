@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -16,9 +15,9 @@ from safetensors.torch import load_file
 
 from deltasync import LocalStore
 from deltasync.client import CoordinatorClient
-from deltasync.testing import CoordinatorProcess, VllmServerProcess, qwen3_effective_checksums
+from deltasync.testing import CoordinatorProcess, VllmServerProcess
 from tests.conftest import AGENT_TOKEN, PUBLISHER_TOKEN
-from tests.integration.helpers import StreamPublisher
+from tests.integration.helpers import StreamPublisher, assert_served, sidecar_command
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 LAYERS = 2
@@ -39,26 +38,7 @@ class Stack:
         self.sidecar: subprocess.Popen[bytes] | None = None
 
     def start_sidecar(self) -> None:
-        cmd = [
-            sys.executable,
-            "-m",
-            "deltasync.cli",
-            "agent",
-            "--vllm-url",
-            self.server.url,
-            "--coordinator",
-            self.coordinator.url,
-            "--store",
-            str(self.store.root),
-            "--agent-id",
-            "sidecar-0",
-            "--poll-wait-s",
-            "2",
-            "--staging-dir",
-            str(self.tmp / "staging"),
-            "--backoff-s",
-            "0.1",
-        ]
+        cmd = sidecar_command(self.server.url, self.coordinator.url, self.store.root, self.tmp / "staging")
         log = open(self.tmp / "sidecar.log", "ab")  # noqa: SIM115 (the process owns it)
         env = {**os.environ, "DELTASYNC_AGENT_TOKEN": AGENT_TOKEN}
         self.sidecar = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
@@ -83,12 +63,7 @@ class Stack:
         )
 
     def assert_served(self, version: int) -> None:
-        info = httpx.get(self.server.url + "/weight_info", timeout=30).json()
-        assert info["weight_version"] == str(version)
-        rpc = httpx.post(self.server.url + "/collective_rpc", json={"method": "deltasync_effective"}, timeout=60)
-        got = rpc.json()["results"][0]
-        expected = qwen3_effective_checksums(self.publisher.truth[version], LAYERS)
-        assert {k: got.get(k) for k in expected} == expected, f"v{version}: served weights differ"
+        assert_served(self.server.url, version, self.publisher.truth[version])
 
 
 @pytest.fixture(scope="module")

@@ -40,7 +40,8 @@ def test_shortened_demo(tmp_path: Path) -> None:
     assert final["bit_exact"] and final["served_weight_version"] == str(final["version"]) == "3"
     published = sorted({p["version"] for p in final["published"]})
     assert published == [0, 1, 2, 3]
-    # the engine's own log: every version applied, in order, none skipped or repeated
+    # the engine's own log: every version applied, in order, none skipped or repeated (regression, found by CI:
+    # importing TRL sets VLLM_LOGGING_LEVEL=ERROR in os.environ, which silenced the server; its level is now explicit)
     applied = [int(v) for v in re.findall(r"deltasync: now at v(\d+)", (out / "logs" / "vllm.log").read_text())]
     assert applied == published, applied
     assert [r["served_version"] for r in report["steps"]] == [0, 1, 2]  # each rollout used the previous step's weights
