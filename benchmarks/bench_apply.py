@@ -26,8 +26,6 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=1e-6)
     args = parser.parse_args()
 
-    from vllm import LLM
-
     from deltasync import LocalStore, compute_delta, write_anchor, write_delta
     from deltasync.agent import Agent
     from deltasync.client import CoordinatorClient
@@ -37,21 +35,14 @@ def main() -> None:
         QWEN3_0_6B_CONFIG,
         CoordinatorProcess,
         UpdateStream,
+        offline_llm,
         qwen3_shapes,
         write_config_only_model,
     )
 
     tmp = Path(tempfile.mkdtemp(prefix="deltasync-bench-apply-"))
     model = write_config_only_model(tmp / "qwen3-0.6b")
-    llm = LLM(
-        model=str(model),
-        load_format="dummy",
-        dtype="bfloat16",
-        max_model_len=512,
-        enforce_eager=True,
-        weight_transfer_config={"backend": "deltasync"},
-        worker_extension_cls="deltasync.vllm.worker_ext.DeltaSyncWorkerExtension",
-    )
+    llm = offline_llm(model, load_format="dummy")
     store = LocalStore(tmp / "store")
     stream = UpdateStream.from_shapes(qwen3_shapes(QWEN3_0_6B_CONFIG), lr=args.lr, seed=0)
     curr = stream.bf16()

@@ -22,6 +22,7 @@ import torch
 
 __all__ = [
     "QWEN3_0_6B_CONFIG",
+    "WORKER_EXTENSION",
     "CoordinatorProcess",
     "HostTarget",
     "VllmServerProcess",
@@ -29,6 +30,9 @@ __all__ = [
     "UpdateStream",
     "build_tiny_model",
     "free_port",
+    "offline_llm",
+    "stop_process_group",
+    "wait_until_serving",
     "qwen3_effective",
     "qwen3_effective_checksums",
     "qwen3_shapes",
@@ -263,6 +267,69 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
+def wait_until_serving(
+    url: str, proc: subprocess.Popen[bytes], what: str, *, timeout_s: float, interval_s: float, log: Path | None = None
+) -> None:
+    """Poll ``url`` until it answers 200. Raises ``RuntimeError`` (naming ``what`` and its ``log``) if ``proc``
+    exits first or ``timeout_s`` passes; stopping ``proc`` is the caller's choice."""
+    import httpx
+
+    see = f"; see {log}" if log is not None else ""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{what} exited with {proc.returncode}{see}")
+        try:
+            if httpx.get(url, timeout=2).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(interval_s)
+    raise RuntimeError(f"{what} did not answer {url} within {timeout_s} s{see}")
+
+
+def stop_process_group(proc: subprocess.Popen[bytes], grace_s: float, *, signalled: bool = False) -> None:
+    """SIGTERM ``proc``'s process group (unless ``signalled`` already), wait up to ``grace_s`` for the leader,
+    then SIGKILL the group, which may outlive its leader (vLLM's EngineCore and workers), and reap the leader."""
+    if not signalled:
+        try:
+            os.killpg(proc.pid, signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+    try:
+        proc.wait(grace_s)
+    except subprocess.TimeoutExpired:
+        pass
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait(10)  # reap it: no zombie is left behind
+
+
+WORKER_EXTENSION = "deltasync.vllm.worker_ext.DeltaSyncWorkerExtension"
+"""vLLM ``worker_extension_cls`` for ``deltasync_status`` and ``deltasync_effective``."""
+
+
+def offline_llm(model: str | Path, **overrides: Any) -> Any:
+    """An offline ``vllm.LLM`` as the tests and benchmarks run it on CPU: bf16, eager, 512 tokens, seed 0, the
+    ``deltasync`` weight-transfer backend and :data:`WORKER_EXTENSION`. ``overrides`` replace or add arguments
+    (``tensor_parallel_size=2``, ``load_format="dummy"``, ``weight_transfer_config=None``)."""
+    from vllm import LLM
+
+    kwargs: dict[str, Any] = {
+        "model": str(model),
+        "dtype": "bfloat16",
+        "max_model_len": 512,
+        "enforce_eager": True,
+        "seed": 0,
+        "weight_transfer_config": {"backend": "deltasync"},
+        "worker_extension_cls": WORKER_EXTENSION,
+        **overrides,
+    }
+    return LLM(**kwargs)
+
+
 class CoordinatorProcess:
     """``deltasync coordinator`` as a real subprocess on 127.0.0.1, for tests and benchmarks.
 
@@ -296,8 +363,6 @@ class CoordinatorProcess:
 
     def start(self, timeout_s: float = 30.0) -> CoordinatorProcess:
         """Start the server and wait until ``/healthz`` answers."""
-        import httpx
-
         cmd = [sys.executable, "-m", "deltasync.cli", "coordinator", "--db", str(self.db), "--port", str(self.port)]
         if self.store:
             cmd += ["--store", self.store]
@@ -306,18 +371,19 @@ class CoordinatorProcess:
         self.proc = subprocess.Popen(
             cmd + self.args, env={**os.environ, **self.env}, stdout=self._log, stderr=subprocess.STDOUT
         )
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"the coordinator exited with {self.proc.returncode}; see {self.log_path}")
-            try:
-                if httpx.get(self.url + "/healthz", timeout=1).status_code == 200:
-                    return self
-            except httpx.TransportError:
-                pass
-            time.sleep(0.05)
-        self.stop()
-        raise RuntimeError(f"the coordinator did not answer within {timeout_s} s; see {self.log_path}")
+        try:
+            wait_until_serving(
+                self.url + "/healthz",
+                self.proc,
+                "the coordinator",
+                timeout_s=timeout_s,
+                interval_s=0.05,
+                log=self.log_path,
+            )
+        except RuntimeError:
+            self.stop()
+            raise
+        return self
 
     def kill(self) -> None:
         """``kill -9``: no shutdown handlers run."""
@@ -398,7 +464,7 @@ class VllmServerProcess:
             "--weight-transfer-config",
             '{"backend": "deltasync"}',
             "--worker-extension-cls",
-            "deltasync.vllm.worker_ext.DeltaSyncWorkerExtension",
+            WORKER_EXTENSION,
             *self.args,
         ]
         # explicit logging level: importing TRL sets VLLM_LOGGING_LEVEL=ERROR in os.environ for every child
@@ -415,39 +481,19 @@ class VllmServerProcess:
 
     def wait_healthy(self, timeout_s: float = 300.0) -> None:
         """Wait until ``/health`` answers; stop the server and raise if it does not."""
-        import httpx
-
         assert self.proc is not None, "start_async() first"
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"vLLM exited with {self.proc.returncode}; see {self.log_path}")
-            try:
-                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
-                    return
-            except httpx.TransportError:
-                pass
-            time.sleep(0.5)
-        self.stop()
-        raise RuntimeError(f"vLLM did not become healthy within {timeout_s} s; see {self.log_path}")
+        try:
+            wait_until_serving(
+                self.url + "/health", self.proc, "vLLM", timeout_s=timeout_s, interval_s=0.5, log=self.log_path
+            )
+        except RuntimeError:
+            self.stop()
+            raise
 
     def stop(self) -> None:
-        """SIGTERM the whole process group (the server, EngineCore, workers), then SIGKILL."""
-        if self.proc is None:
-            return
-        try:  # the group outlives its leader if EngineCore or a worker hangs on
-            os.killpg(self.proc.pid, signal.SIGTERM)
-        except ProcessLookupError:
-            return
-        try:
-            self.proc.wait(30)
-        except subprocess.TimeoutExpired:
-            pass
-        try:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        self.proc.wait(10)
+        """SIGTERM the whole process group (the server, EngineCore, workers), then SIGKILL after 30 s."""
+        if self.proc is not None:
+            stop_process_group(self.proc, 30)
 
     def __enter__(self) -> VllmServerProcess:
         return self.start()

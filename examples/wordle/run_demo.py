@@ -22,7 +22,13 @@ from typing import Any
 
 import httpx
 
-from deltasync.testing import VllmServerProcess, build_tiny_model, free_port
+from deltasync.testing import (
+    VllmServerProcess,
+    build_tiny_model,
+    free_port,
+    stop_process_group,
+    wait_until_serving,
+)
 
 from .game import SYSTEM, allowed_words
 
@@ -78,29 +84,7 @@ class Processes:
             except ProcessLookupError:
                 pass
         for proc in self.children.values():
-            try:
-                proc.wait(grace_s)
-            except subprocess.TimeoutExpired:
-                pass
-            try:  # the group may outlive its leader (vLLM's EngineCore and workers)
-                os.killpg(proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            proc.wait(10)  # reap it: no zombie is left behind
-
-
-def wait_http(url: str, proc: subprocess.Popen[bytes], what: str, timeout_s: float = 120) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"{what} exited with {proc.returncode}")
-        try:
-            if httpx.get(url, timeout=2).status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        time.sleep(0.2)
-    raise RuntimeError(f"{what} did not answer {url} within {timeout_s} s")
+            stop_process_group(proc, grace_s, signalled=True)
 
 
 def report(out: Path, rows: list[dict[str, Any]], pauses: dict[int, float], final: dict[str, Any]) -> None:
@@ -200,8 +184,8 @@ def main() -> int:
         )
         env = procs.start("env", [py, "-m", "examples.wordle.env_server", "--port", str(env_port)])
         coord_url, env_url = f"http://127.0.0.1:{coord_port}", f"http://127.0.0.1:{env_port}"
-        wait_http(coord_url + "/healthz", coord, "the coordinator")
-        wait_http(env_url + "/healthz", env, "the environment")
+        wait_until_serving(coord_url + "/healthz", coord, "the coordinator", timeout_s=120, interval_s=0.2)
+        wait_until_serving(env_url + "/healthz", env, "the environment", timeout_s=120, interval_s=0.2)
         print(
             f"[demo] coordinator {coord_url}, environment {env_url}; starting vLLM (about 30 s on 2 cores)", flush=True
         )

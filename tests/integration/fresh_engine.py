@@ -27,19 +27,11 @@ def generate(llm, prompts: list[str], max_tokens: int = 16) -> list[dict]:
 
 
 if __name__ == "__main__":
-    from vllm import LLM
+    from deltasync.testing import offline_llm
 
     model_dir, prompts = sys.argv[1], json.loads(sys.argv[2])
     tp = int(sys.argv[3]) if len(sys.argv) > 3 else 1
-    llm = LLM(
-        model=model_dir,
-        dtype="bfloat16",
-        max_model_len=512,
-        enforce_eager=True,
-        seed=0,
-        tensor_parallel_size=tp,
-        worker_extension_cls="deltasync.vllm.worker_ext.DeltaSyncWorkerExtension",
-    )
+    llm = offline_llm(model_dir, tensor_parallel_size=tp, weight_transfer_config=None)
     result = {"outputs": generate(llm, prompts), "effective": llm.collective_rpc("deltasync_effective")}
     print("RESULT " + json.dumps(result), flush=True)
     llm.llm_engine.engine_core.shutdown()

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -16,10 +15,10 @@ from deltasync import LocalStore
 from deltasync.agent import Agent
 from deltasync.client import CoordinatorClient
 from deltasync.config import AgentConfig
+from deltasync.testing import offline_llm
 from services.coordinator.app import create_app
 from services.coordinator.settings import Settings
 from tests.conftest import AGENT_TOKEN, PUBLISHER_TOKEN, ServerThread
-from tests.integration.conftest import WORKER_EXTENSION
 from tests.integration.fresh_engine import generate
 from tests.integration.helpers import StreamPublisher
 
@@ -28,28 +27,14 @@ PROMPTS = ["Guess the five letter word:", "crane slate audio raise"]
 TP_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}  # one NUMA node: bind one core per rank
 
 
-def test_tp2_bit_exact_against_a_fresh_tp2_load(tmp_path: Path, tiny_model_dir: Path) -> None:
-    vllm = pytest.importorskip("vllm")
+def test_tp2_bit_exact_against_a_fresh_tp2_load(
+    tmp_path: Path, tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    pytest.importorskip("vllm")
     settings = Settings(db=tmp_path / "c.db", publisher_token=PUBLISHER_TOKEN, agent_token=AGENT_TOKEN)
-    old_env = {k: os.environ.get(k) for k in TP_ENV}
-    os.environ.update(TP_ENV)
-    try:
-        llm = vllm.LLM(
-            model=str(tiny_model_dir),
-            dtype="bfloat16",
-            max_model_len=512,
-            enforce_eager=True,
-            seed=0,
-            tensor_parallel_size=2,
-            weight_transfer_config={"backend": "deltasync"},
-            worker_extension_cls=WORKER_EXTENSION,
-        )
-    finally:
-        for k, v in old_env.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+    for k, v in TP_ENV.items():
+        monkeypatch.setenv(k, v)
+    llm = offline_llm(tiny_model_dir, tensor_parallel_size=2)
     try:
         with (
             ServerThread(create_app(settings)) as server,
@@ -78,7 +63,6 @@ def test_tp2_bit_exact_against_a_fresh_tp2_load(tmp_path: Path, tiny_model_dir: 
         capture_output=True,
         text=True,
         timeout=600,
-        env={**os.environ, **TP_ENV},
     )
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
     assert lines, proc.stderr[-3000:]

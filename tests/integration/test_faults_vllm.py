@@ -3,10 +3,7 @@ agents beside the real one while 300 versions are published (docs/RELIABILITY.md
 
 from __future__ import annotations
 
-import os
 import signal
-import subprocess
-import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -14,87 +11,25 @@ from pathlib import Path
 
 import httpx
 import pytest
-from safetensors.torch import load_file
 
-from deltasync import LocalStore
 from deltasync.agent import Agent
 from deltasync.client import CoordinatorClient
 from deltasync.config import AgentConfig
-from deltasync.testing import CoordinatorProcess, HostTarget, VllmServerProcess
-from tests.conftest import AGENT_TOKEN, PUBLISHER_TOKEN, assert_bit_equal
-from tests.integration.helpers import StreamPublisher, assert_served, sidecar_command
+from deltasync.testing import HostTarget
+from tests.conftest import AGENT_TOKEN, assert_bit_equal
+from tests.integration.helpers import ServerStack, server_stack
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
-ENV = {"DELTASYNC_PUBLISHER_TOKEN": PUBLISHER_TOKEN, "DELTASYNC_AGENT_TOKEN": AGENT_TOKEN}
-
-
-class World:
-    def __init__(
-        self,
-        tmp: Path,
-        coordinator: CoordinatorProcess,
-        server: VllmServerProcess,
-        publisher: StreamPublisher,
-        store: LocalStore,
-        client: CoordinatorClient,
-    ) -> None:
-        self.tmp, self.coordinator, self.server, self.publisher = tmp, coordinator, server, publisher
-        self.store, self.client = store, client
-        self.procs: list[subprocess.Popen] = []
-
-    def spawn(self, *args: str) -> subprocess.Popen:
-        log = open(self.tmp / "agents.log", "ab")  # noqa: SIM115 (the child owns it)
-        proc = subprocess.Popen(
-            [sys.executable, *args], env={**os.environ, **ENV}, stdout=log, stderr=subprocess.STDOUT
-        )
-        log.close()
-        self.procs.append(proc)
-        return proc
-
-    def sidecar(self) -> subprocess.Popen:
-        return self.spawn(
-            *sidecar_command(self.server.url, self.coordinator.url, self.store.root, self.tmp / "staging")[1:]
-        )
-
-    def wait_served(self, version: int, timeout_s: float = 180) -> float:
-        t0 = time.monotonic()
-        while time.monotonic() - t0 < timeout_s:
-            info = httpx.get(self.server.url + "/weight_info", timeout=30).json()
-            if info["weight_version"] == str(version):
-                return time.monotonic() - t0
-            time.sleep(0.1)
-        raise AssertionError(f"vLLM did not reach v{version}: {(self.tmp / 'agents.log').read_text()[-3000:]}")
-
-    def assert_bit_exact(self, version: int) -> None:
-        assert_served(self.server.url, version, self.publisher.truth[version])
-
-    def stop_agents(self) -> None:
-        for proc in self.procs:
-            if proc.poll() is None:
-                proc.terminate()
-                proc.wait(30)
-        self.procs.clear()
 
 
 @pytest.fixture(scope="module")
-def world(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) -> Iterator[World]:
-    tmp = tmp_path_factory.mktemp("faults-vllm")
-    store = LocalStore(tmp / "store")
-    with (
-        CoordinatorProcess(tmp / "ledger.db", store=str(store.root), env=ENV) as coordinator,
-        VllmServerProcess(tiny_model_dir, log=tmp / "vllm.log") as server,
-        CoordinatorClient(coordinator.url, token=PUBLISHER_TOKEN, retries=30, backoff_s=0.05) as client,
-    ):
-        publisher = StreamPublisher(store, client, load_file(tiny_model_dir / "model.safetensors"), lr=1e-6)
-        w = World(tmp, coordinator, server, publisher, store, client)
-        try:
-            yield w
-        finally:
-            w.stop_agents()
+def world(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) -> Iterator[ServerStack]:
+    with server_stack(tmp_path_factory.mktemp("faults-vllm"), tiny_model_dir) as stack:
+        yield stack
 
 
 @pytest.mark.parametrize("point", ["fetch", "apply"])
-def test_sidecar_killed_mid_fetch_or_mid_apply_converges(world: World, point: str) -> None:
+def test_sidecar_killed_mid_fetch_or_mid_apply_converges(world: ServerStack, point: str) -> None:
     pub = world.publisher
     for _ in range(2):
         pub.step()
@@ -114,7 +49,7 @@ def test_sidecar_killed_mid_fetch_or_mid_apply_converges(world: World, point: st
     )
     deadline = time.monotonic() + 120
     while not marker.exists():
-        assert proc.poll() is None and time.monotonic() < deadline, (world.tmp / "agents.log").read_text()[-3000:]
+        assert proc.poll() is None and time.monotonic() < deadline, world.log.read_text()[-3000:]
         time.sleep(0.05)
     proc.send_signal(signal.SIGKILL)
     proc.wait(10)
@@ -123,10 +58,10 @@ def test_sidecar_killed_mid_fetch_or_mid_apply_converges(world: World, point: st
     for _ in range(2):
         pub.step()
     t0 = time.monotonic()
-    world.sidecar()
+    world.start_sidecar()
     world.wait_served(pub.version)
     recovery_s = time.monotonic() - t0
-    world.assert_bit_exact(pub.version)
+    world.assert_served(pub.version)
     assert httpx.get(world.server.url + "/is_paused", timeout=30).json()["is_paused"] is False
     # regression, found by this test: recover() called /finish_weight_update with no session open, which raises
     # in every worker (and with TP > 1 desyncs vLLM's executor, vLLM #49972); it now asks the workers first
@@ -138,9 +73,9 @@ def test_sidecar_killed_mid_fetch_or_mid_apply_converges(world: World, point: st
     )
 
 
-def test_load_100_light_agents_and_the_real_one(world: World) -> None:
+def test_load_100_light_agents_and_the_real_one(world: ServerStack) -> None:
     pub = world.publisher
-    world.sidecar()
+    world.start_sidecar()
     stop = threading.Event()
     clients = [
         CoordinatorClient(world.coordinator.url, token=AGENT_TOKEN, retries=40, backoff_s=0.05, timeout_s=30)
@@ -177,7 +112,7 @@ def test_load_100_light_agents_and_the_real_one(world: World) -> None:
     for t in threads:
         t.join(60)
     world.wait_served(last)
-    world.assert_bit_exact(last)
+    world.assert_served(last)
     lagging = [a.config.agent_id for a in agents if a.target.version != last]
     assert not lagging, lagging
     for a in agents[::10]:

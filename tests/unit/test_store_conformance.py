@@ -35,7 +35,7 @@ def test_is_a_store(store: Store) -> None:
 
 def test_put_get_open_exists_list_delete(store: Store, tmp_path: Path) -> None:
     store.put_many([("v00000001/shard-00000.safetensors", b"a" * 10), ("v00000001/shard-00001.safetensors", b"b")])
-    store.put("v00000001/manifest.json", b"{}")
+    store.put("v00000001/manifest.json", memoryview(b"{}"))
     big = tmp_path / "big.bin"
     big.write_bytes(os.urandom(1 << 20))
     store.put_file("v00000001/anchor/shard-00000.safetensors", big)
