@@ -10,6 +10,7 @@ import numpy.typing as npt
 import zstandard
 
 __all__ = [
+    "MAX_ZSTD_RATIO",
     "decode_gaps",
     "encode_gaps",
     "from_ordinal",
@@ -29,12 +30,18 @@ UIntArray = npt.NDArray[np.unsignedinteger]
 IntArray = npt.NDArray[np.signedinteger]
 
 
+MAX_ZSTD_RATIO = 32768
+"""zstd's own limit: a 4-byte RLE block stands for at most 128 KiB. A frame that declares more than this
+many times its own size is forged, and is refused before anything is allocated."""
+
+
 def planes_needed(values: UIntArray) -> int:
-    """Return how many low byte planes hold every value (0 for an empty or all-zero array)."""
+    """Return how many low byte planes hold every value: 0 for an empty array, at least 1 otherwise (so
+    every element costs at least one byte before compression, which bounds what a frame can declare)."""
     if values.size == 0:
         return 0
     top = int(values.max())
-    return (top.bit_length() + 7) // 8
+    return max(1, (top.bit_length() + 7) // 8)
 
 
 def split_planes(values: UIntArray, planes: int) -> bytes:
@@ -66,10 +73,12 @@ def encode_gaps(indices: IntArray, work: type[np.unsignedinteger]) -> UIntArray:
 
 
 def decode_gaps(gaps: UIntArray) -> npt.NDArray[np.uint64]:
-    """Inverse of :func:`encode_gaps`, as uint64. The caller checks bounds (and, for uint64 gaps,
-    which may wrap around, that the result is strictly increasing)."""
-    out = np.cumsum(gaps, dtype=np.uint64)
-    out += np.arange(gaps.size, dtype=np.uint64)
+    """Inverse of :func:`encode_gaps`, as uint64, in one buffer (``i[k] = sum(g[0..k] + 1) - 1``). The caller
+    checks bounds (and, for uint64 gaps, which may wrap around, that the result is strictly increasing)."""
+    out = gaps.astype(np.uint64)
+    out += np.uint64(1)
+    np.cumsum(out, out=out)
+    out -= np.uint64(1)
     return out
 
 
@@ -114,6 +123,10 @@ def zstd_decompress(frame: bytes | memoryview, expected: int) -> bytes:
         ValueError: the frame is corrupt or does not declare ``expected`` bytes; the caller
             turns this into a FormatError naming the file and tensor.
     """
+    if expected > MAX_ZSTD_RATIO * len(frame):
+        raise ValueError(
+            f"a {len(frame)}-byte zstd frame cannot hold {expected} bytes (zstd expands at most {MAX_ZSTD_RATIO}x)"
+        )
     try:
         declared = zstandard.frame_content_size(frame)
     except zstandard.ZstdError as exc:

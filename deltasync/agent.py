@@ -1,9 +1,22 @@
-"""The inference-side agent: poll the coordinator, fetch and verify, then patch a running vLLM.
+"""The inference-side agent: poll the coordinator, fetch and verify, then patch a running engine.
 
-It owns the version state machine of one engine. Everything slow (fetch, checksum, decode, apply to the
-agent's host copy, checksum the result, stage raw shards for the engine) happens **before** the engine is
-paused; the pause covers only the apply. Wrong weights are never served silently: an engine that fails an
-update is reported unhealthy and resynced from an anchor (TP=1) or must be restarted (TP>1, vLLM #49972).
+It owns the version state machine of one engine. Everything slow (fetch, authenticate, decode against the
+agent's host copy, prove the result against the manifest's checksums, stage) happens **before** the engine is
+paused; the pause covers only the apply. The engine, not the agent, is the truth about what is served: its
+version, health, run and the highest version it has served come from it on every sync.
+
+What it promises (docs/RELIABILITY.md):
+
+* **Forward only.** It never takes the engine below the highest version it has served in its run, nor to
+  another run, unless the operator says so (``allow_rollback``, logged). A coordinator whose ledger is behind
+  the engine, or of another run, is refused: the engine keeps serving, the agent reports ``refused``.
+* **Served = registered.** Every manifest must have the digest the coordinator registered (and, given a
+  public key, a valid signature); an object for another model is refused before a shard is fetched.
+* **Never mixed weights under a label.** A refusal leaves the engine serving its version; a failure past the
+  first write leaves it paused and labelled ``unhealthy`` until an anchor restores it, which the agent
+  attempts at once (TP = 1).
+* **Never dies.** :meth:`Agent.run` survives any single object, exception or store fault: it reports the
+  error, backs off and retries.
 """
 
 from __future__ import annotations
@@ -23,18 +36,35 @@ from typing import Any
 
 import torch
 
+from . import apply
 from .client import CoordinatorClient, SyncPlan
 from .config import AgentConfig
-from .errors import ApplyError, CoordinatorError, DeltaSyncError, IntegrityError, StoreError, VersionGapError
-from .format import TensorDelta, encode_shard
-from .manifest import DeltaManifest, ShardEntry
+from .errors import (
+    ApplyError,
+    CoordinatorError,
+    DeltaSyncError,
+    IntegrityError,
+    RefusalReason,
+    RunMismatch,
+    StoreError,
+    UpdateRefused,
+    VersionGapError,
+)
+from .layout import manifest_key, object_prefix
+from .manifest import MAX_MANIFEST_BYTES, DeltaManifest, ShardEntry
+from .reader import Trust, check_shard, decode_object, read_weights
+from .signing import VerifyKey
+from .staging import StagedObject, StagedUpdate, stage_object
 from .store.base import Store
-from .targets import EngineTarget, OfflineLLMTarget
-from .versions import apply_object, check_shard, decode_object, manifest_key, object_prefix, read_weights
+from .targets.base import EngineState, EngineTarget
+from .targets.vllm import OfflineLLMTarget
+from .vocab import AgentState, Kind
 
 __all__ = ["Agent", "SyncResult"]
 
 logger = logging.getLogger(__name__)
+
+_MAX_ERROR_CHARS = 2000
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -54,72 +84,279 @@ class SyncResult:
 
 
 class Agent:
-    """Keeps one vLLM engine at the latest published version.
+    """Keeps one engine at the latest published version of its run.
 
     Args:
         store: where the objects are.
-        coordinator: the coordinator (with the agent token).
+        coordinator: the coordinator (with this agent's own token).
         target: the engine (see :mod:`deltasync.targets`).
-        config: polling, staging, retries, staleness bound.
+        config: polling, staging, retries, staleness bound, rollback permission.
+        verify_key: require every manifest to be signed by this key (default: ``config.public_key``'s file).
 
     Example:
         >>> agent = Agent.for_llm(llm, store=open_store("/data/run1"), coordinator=client)  # doctest: +SKIP
-        >>> agent.sync()   # between generate() calls  # doctest: +SKIP
+        >>> agent.start()    # recover the engine, pin the run  # doctest: +SKIP
+        >>> agent.sync()     # between generate() calls  # doctest: +SKIP
 
     Thread safety: one thread drives an agent (``sync`` or ``run``).
     """
 
     def __init__(
-        self, *, store: Store, coordinator: CoordinatorClient, target: EngineTarget, config: AgentConfig | None = None
+        self,
+        *,
+        store: Store,
+        coordinator: CoordinatorClient,
+        target: EngineTarget,
+        config: AgentConfig | None = None,
+        verify_key: VerifyKey | None = None,
     ) -> None:
         self.store, self.coordinator, self.target = store, coordinator, target
         self.config = config or AgentConfig()
+        if verify_key is None and self.config.public_key is not None:
+            verify_key = VerifyKey.from_file(self.config.public_key)
+        self.verify_key = verify_key
         root = self.config.staging_dir or tempfile.mkdtemp(prefix="deltasync-agent-")
         self.staging = Path(root)
         (self.staging / "cache").mkdir(parents=True, exist_ok=True)
         self.host: dict[str, torch.Tensor] | None = None
+        """The agent's copy of the engine's weights (``packed`` deltas decode against it)."""
         self.host_version: int | None = None
+        self.started = False
         self.needs_anchor = False
-        self._initialized = False
-        self._paused_for_lag = False
         self.last_version: int | None = None
         """The engine's version at the end of the last sync."""
+        self.last_error: str | None = None
+        self._paused_for_lag = False
+        self._integrity_failures = 0
 
     @classmethod
     def for_llm(
-        cls, llm: Any, *, store: Store, coordinator: CoordinatorClient, config: AgentConfig | None = None
+        cls,
+        llm: Any,
+        *,
+        store: Store,
+        coordinator: CoordinatorClient,
+        config: AgentConfig | None = None,
+        verify_key: VerifyKey | None = None,
     ) -> Agent:
         """An agent for an offline ``vllm.LLM`` in this process (call :meth:`sync` between generations)."""
-        return cls(store=store, coordinator=coordinator, target=OfflineLLMTarget(llm), config=config)
+        return cls(
+            store=store, coordinator=coordinator, target=OfflineLLMTarget(llm), config=config, verify_key=verify_key
+        )
 
     # ------------------------------------------------------------------ the state machine
 
-    def engine_version(self) -> int | None:
-        """The engine's real version (``None``: unknown, the next sync starts from an anchor)."""
-        if not self._initialized:
-            self._initialized = True
-            self.target.recover()
-            if self.config.assume_version is not None and self.target.engine_version() is None:
-                self.target.init(base_version=self.config.assume_version)
-        self.last_version = None if self.needs_anchor else self.target.engine_version()
-        return self.last_version
-
-    def sync(self, wait_s: float = 0.0) -> SyncResult:
-        """Bring the engine to the latest version once (waiting up to ``wait_s`` for news).
+    def start(self) -> EngineState:
+        """Take charge of the engine: close a session an earlier agent left open, label it with what it really
+        holds (keep it paused if it is unhealthy), configure failure reporting (TP > 1: recorded, never
+        raised), apply ``assume_version``, and pin the coordinator's run to the engine's. Idempotent.
 
         Raises:
-            ApplyError: the engine failed an update and, with TP > 1, must be restarted.
-            DeltaSyncError: fetching or verifying failed after the retries (the engine keeps serving
-                its current, verified version).
+            RunMismatch: the coordinator's ledger is of another run than the engine's (and no ``allow_rollback``).
         """
-        engine_v = self.engine_version()
+        self.target.recover()
+        if self.config.tp_size > 1:
+            self.target.init(raise_errors=False)
+        st = self.target.state()
+        if self.config.assume_version is not None and st.version is None and st.healthy:
+            self.target.init(base_version=self.config.assume_version)
+            st = self.target.state()
+        self.started = True
+        self.last_version = st.version
+        self._check_run(st)
+        return st
+
+    def engine_state(self) -> EngineState:
+        """The engine's state, read from the engine (no side effects)."""
+        return self.target.state()
+
+    def _check_run(self, st: EngineState) -> None:
+        run = self.coordinator.run_id or self.coordinator.health().get("run_id")
+        if st.run_id is None or run is None or run == st.run_id:
+            if st.run_id is not None:
+                self.coordinator.pin_run(st.run_id)
+            return
+        if self.config.allow_rollback:
+            logger.warning(
+                "agent %s: the coordinator's run %s is not the engine's run %s: switching runs (allow_rollback)",
+                self.config.agent_id,
+                run,
+                st.run_id,
+            )
+            return
+        raise RunMismatch(
+            f"the coordinator at {self.coordinator.base_url} keeps run {run}, the engine serves run {st.run_id}: "
+            "refusing to follow another ledger (restart the agent with --allow-rollback to switch on purpose)"
+        )
+
+    def sync(self, wait_s: float = 0.0) -> SyncResult:
+        """Bring the engine to the latest version once (waiting up to ``wait_s`` for news). Starts the agent
+        (:meth:`start`) if it was not started.
+
+        Raises:
+            UpdateRefused: the engine or the agent refused the update before any write (another model or run, a
+                rollback, a ledger behind the engine); it keeps serving its version.
+            ApplyError: the engine failed past the first write and no anchor could restore it.
+            DeltaSyncError: fetching or verifying failed after the retries (the engine keeps serving).
+        """
+        if not self.started:
+            self.start()
+        st = self._engine_state()
+        self._check_run(st)
+        held = st.version if st.healthy and not self.needs_anchor else None
         if wait_s > 0:
-            self.coordinator.wait_for_versions(engine_v, wait_s=wait_s)
-        plan = self._plan(engine_v)
+            self.coordinator.wait_for_versions(held, wait_s=wait_s)
+        plan = self._plan(held, st)
         if plan is None or plan.route == "none":
-            self._heartbeat(engine_v, "paused" if self._paused_for_lag else "idle")
-            return SyncResult(from_version=engine_v, to_version=engine_v, route="none", timings={}, bytes=0)
-        lag = plan.to_version - (engine_v if engine_v is not None else -1)
+            self._heartbeat(st.version, "paused" if self._paused_for_lag else "idle")
+            return SyncResult(from_version=st.version, to_version=st.version, route="none", timings={}, bytes=0)
+        self._check_rollback(plan, st)
+        self._bound_lag(plan, held)
+        self._heartbeat(st.version, "fetching")
+        timings: dict[str, float] = {}
+        update, staged = self._prepare(plan, st, timings)
+        self._heartbeat(st.version, "applying")
+        try:
+            self._apply(update, timings)
+        except ApplyError:
+            if self.config.tp_size > 1:
+                raise ApplyError(
+                    f"the engine failed past the first write; with TP > 1 that desyncs vLLM's executor "
+                    f"(vLLM issue 49972): restart the vLLM server ({self.target.state().detail})"
+                ) from None
+            return self._restore_from_anchor(st.version, timings)
+        finally:
+            self._cleanup(staged)
+        self._integrity_failures = 0
+        self.last_version = plan.to_version
+        self._heartbeat(plan.to_version, "idle", timings=timings)
+        logger.info(
+            "agent %s: v%s -> v%d (%s, %d objects): pause %.0f ms",
+            self.config.agent_id,
+            st.version,
+            plan.to_version,
+            plan.route,
+            len(plan.steps),
+            timings.get("pause", 0) * 1e3,
+        )
+        return SyncResult(
+            from_version=st.version, to_version=plan.to_version, route=plan.route, timings=timings, bytes=plan.bytes
+        )
+
+    def run(self, stop: threading.Event | None = None) -> None:
+        """Sync until ``stop`` is set, long-polling for news between syncs. Never raises: every failure (a
+        refusal, a corrupt or hostile object, a store or coordinator fault, an unhealthy engine, even
+        ``MemoryError``) is logged, reported to the coordinator, and retried with backoff; the engine keeps
+        serving its verified version meanwhile (or stays paused when unhealthy)."""
+        stop = stop or threading.Event()
+        failures = 0
+        while not stop.is_set():
+            try:
+                self.sync(wait_s=self.config.poll_wait_s)
+                failures = 0
+                self.last_error = None
+            except Exception as exc:  # noqa: BLE001 - a long-running agent outlives any one failure (docstring)
+                failures += 1
+                delay = min(self.config.backoff_s * 2 ** min(failures, 6), 30.0)
+                self.last_error = f"{type(exc).__name__}: {exc}"[:_MAX_ERROR_CHARS]
+                logger.warning(
+                    "agent %s: sync failed (%s); retrying in %.1f s", self.config.agent_id, self.last_error, delay
+                )
+                self._report_failure(exc)
+                stop.wait(delay)
+
+    def _report_failure(self, exc: BaseException) -> None:
+        state: AgentState = "refused" if isinstance(exc, UpdateRefused | RunMismatch) else "error"
+        try:
+            st = self.target.state()
+            version = st.version
+            if not st.healthy:
+                state = "unhealthy"
+        except Exception:  # noqa: BLE001 - the engine may be down; report what we know
+            version = self.last_version
+        self._heartbeat(version, state, last_error=self.last_error)
+
+    # ------------------------------------------------------------------ steps
+
+    def _engine_state(self) -> EngineState:
+        st = self.target.state()
+        mislabelled = st.healthy and st.version is not None and st.label != str(st.version)
+        if st.session_open or mislabelled or (not st.healthy and st.label != "unhealthy"):
+            self.target.recover()
+            st = self.target.state()
+        if not st.healthy:
+            self.needs_anchor = True
+        return st
+
+    def _trust(self) -> Trust:
+        return Trust(verify_key=self.verify_key, ledger=self.coordinator.registered_digest)
+
+    def _plan(self, held: int | None, st: EngineState) -> SyncPlan | None:
+        try:
+            plan = self.coordinator.plan(held)
+        except CoordinatorError as exc:
+            if exc.status_code == 404 and held is None:
+                return None  # nothing published yet
+            if exc.status_code == 409:  # the engine is ahead of the ledger: never follow it down
+                raise UpdateRefused(
+                    f"agent {self.config.agent_id}: {exc}; the engine keeps serving v{held} (is the ledger restored "
+                    "from an old backup?)",
+                    reason=RefusalReason.ROLLBACK,
+                ) from None
+            raise
+        if plan.route == "deltas" and held is not None and self.host_version != held:
+            if self._rebuild_host(held) is None:  # the delta route needs the engine's version in host memory
+                plan = self.coordinator.plan(None)
+        return plan
+
+    def _rebuild_host(self, held: int) -> int | None:
+        """The engine's version in host memory (the delta route needs it), authenticated against the ledger."""
+        try:
+            self.host = read_weights(self.store, held, trust=self._trust())
+            self.host_version = held
+            self._integrity_failures = 0
+            return held
+        except IntegrityError as exc:
+            self._integrity_failures += 1
+            if self._integrity_failures < self.config.integrity_fallback_after:
+                raise
+            logger.warning(
+                "agent %s: v%d cannot be rebuilt from the store (%s; %d times): catching up from an anchor",
+                self.config.agent_id,
+                held,
+                exc,
+                self._integrity_failures,
+            )
+        except (DeltaSyncError, OSError) as exc:
+            logger.warning(
+                "agent %s: cannot rebuild v%d on the host (%s): catching up from an anchor",
+                self.config.agent_id,
+                held,
+                exc,
+            )
+        self.host, self.host_version = None, None
+        return None
+
+    def _check_rollback(self, plan: SyncPlan, st: EngineState) -> None:
+        if st.high_water is None or plan.to_version >= st.high_water:
+            return
+        if self.config.allow_rollback:
+            logger.warning(
+                "agent %s: rolling the engine back from v%d to v%d (allow_rollback)",
+                self.config.agent_id,
+                st.high_water,
+                plan.to_version,
+            )
+            return
+        raise UpdateRefused(
+            f"agent {self.config.agent_id}: the coordinator's latest is v{plan.to_version}, the engine has served "
+            f"v{st.high_water} of this run and never goes back (is the ledger restored from an old backup?); "
+            "restart the agent with --allow-rollback to roll back on purpose",
+            reason=RefusalReason.ROLLBACK,
+        )
+
+    def _bound_lag(self, plan: SyncPlan, held: int | None) -> None:
+        lag = plan.to_version - (held if held is not None else -1)
         if self.config.max_lag is not None and lag > self.config.max_lag and not self._paused_for_lag:
             logger.warning(
                 "agent %s: %d versions behind (max %d): the engine stops serving until caught up",
@@ -129,113 +366,76 @@ class Agent:
             )
             self.target.pause()
             self._paused_for_lag = True
-        self._heartbeat(engine_v, "fetching")
-        timings: dict[str, float] = {}
-        updates, objects = self._prepare(plan, timings)
-        self._heartbeat(engine_v, "applying")
-        self._apply(plan, updates, timings)
-        self._cleanup(objects)
-        self.last_version = plan.to_version
-        self._heartbeat(plan.to_version, "idle", timings=timings)
-        logger.info(
-            "agent %s: v%s -> v%d (%s, %d objects): pause %.0f ms",
-            self.config.agent_id,
-            engine_v,
-            plan.to_version,
-            plan.route,
-            len(plan.steps),
-            timings.get("pause", 0) * 1e3,
-        )
-        return SyncResult(
-            from_version=engine_v, to_version=plan.to_version, route=plan.route, timings=timings, bytes=plan.bytes
-        )
 
-    def run(self, stop: threading.Event | None = None) -> None:
-        """Sync forever (until ``stop`` is set), long-polling for news between syncs.
-
-        Transient failures (coordinator, store, a corrupt object) are reported and retried with backoff;
-        the engine keeps serving its verified version meanwhile.
-
-        Raises:
-            ApplyError: the engine must be restarted (TP > 1).
-        """
-        stop = stop or threading.Event()
-        failures = 0
-        while not stop.is_set():
-            try:
-                self.sync(wait_s=self.config.poll_wait_s)
-                failures = 0
-            except ApplyError:
-                raise
-            except (DeltaSyncError, OSError) as exc:  # keep serving the verified version; retry later
-                failures += 1
-                delay = min(self.config.backoff_s * 2 ** min(failures, 6), 30.0)
-                logger.warning(
-                    "agent %s: sync failed (%s: %s); retrying in %.1f s",
-                    self.config.agent_id,
-                    type(exc).__name__,
-                    exc,
-                    delay,
-                )
-                self._heartbeat(self.last_version, "error", last_error=f"{type(exc).__name__}: {exc}")
-                stop.wait(delay)
-
-    # ------------------------------------------------------------------ steps
-
-    def _plan(self, engine_v: int | None) -> SyncPlan | None:
-        if engine_v is not None and self.host_version != engine_v:
-            try:  # the delta route needs the engine's version in host memory
-                self.host = read_weights(self.store, engine_v)
-                self.host_version = engine_v
-            except DeltaSyncError as exc:
-                logger.warning(
-                    "agent %s: cannot rebuild v%d on the host (%s): catching up from an anchor",
-                    self.config.agent_id,
-                    engine_v,
-                    exc,
-                )
-                engine_v = None
-        try:
-            return self.coordinator.plan(engine_v)
-        except CoordinatorError as exc:
-            if exc.status_code == 404:
-                return None  # nothing published yet
-            raise
-
-    def _prepare(self, plan: SyncPlan, timings: dict[str, float]) -> tuple[list[dict[str, Any]], list[Path]]:
-        """Fetch, verify, decode into the host copy, check checksums, and stage raw shards. No engine calls."""
+    def _prepare(self, plan: SyncPlan, st: EngineState, timings: dict[str, float]) -> tuple[StagedUpdate, list[Path]]:
+        """Fetch, authenticate, admit, decode into the host copy, check checksums, stage. No engine calls."""
         t0 = time.perf_counter()
         manifests = [self._manifest(step.version, step.kind, step.checksum) for step in plan.steps]
-        shards = self._fetch_all(manifests)
+        holding = apply.Holding(
+            version=st.version if st.healthy else None,
+            healthy=st.healthy,
+            run_id=st.run_id,
+            high_water=st.high_water,
+            model_id=st.model_id,
+        )
+        for m, _ in manifests:  # refuse another model's or run's objects before fetching a single shard
+            if st.fingerprint is not None and m.model_fingerprint != st.fingerprint:
+                raise UpdateRefused(
+                    f"{self.store.uri}: {m.kind} v{m.version} is for another model (fingerprint "
+                    f"{m.model_fingerprint[:19]}...), the engine serves {st.fingerprint[:19]}...; point this agent "
+                    "at the run of the model it serves",
+                    reason=RefusalReason.MODEL,
+                )
+            apply.admit(
+                m,
+                holding,
+                where=f"{self.store.uri}/{object_prefix(m.version, m.kind)}",
+                target=plan.to_version,
+                allow_rollback=self.config.allow_rollback,
+            )
+            holding = holding.after(m)
+        shards = self._fetch_all([m for m, _ in manifests])
         t1 = time.perf_counter()
-        updates: list[dict[str, Any]] = []
-        staged: list[Path] = []
+        objects: list[StagedObject] = []
+        dirs: list[Path] = []
         stage_s = 0.0
         host, host_version = self.host, self.host_version
         try:
-            for m, data in zip(manifests, shards, strict=True):
-                deltas = decode_object(m, data, where=f"{self.store.uri}/{object_prefix(m.version, m.kind)}", base=host)
-                host = apply_object(host, m, deltas, verify=True)  # proves the decoded values are the trainer's
+            for (m, data), blobs in zip(manifests, shards, strict=True):
+                where = f"{self.store.uri}/{object_prefix(m.version, m.kind)}"
+                deltas = decode_object(m, blobs, where=where, base=host)
+                host = dict(apply.write(host, m, deltas))  # the agent's own copy, proven below
+                if m.kind == "anchor":  # own it: the staged entries must keep this version's values
+                    host = {n: t.clone() for n, t in host.items()}
+                apply.verify(host, m, names=None if m.kind == "anchor" else {d.ckpt_name for d in deltas})
                 host_version = m.version
                 ts = time.perf_counter()
-                info, path = self._stage(m, deltas)
+                directory = self.staging / (f"v{m.version:08d}" + ("-anchor" if m.kind == "anchor" else ""))
+                objects.append(stage_object(directory, m, data, deltas))
+                dirs.append(directory)
                 stage_s += time.perf_counter() - ts
-                updates.append(info)
-                staged.append(path)
         except BaseException:
             self.host, self.host_version = None, None  # partly updated: rebuild on the next sync
             raise
         self.host, self.host_version = host, host_version
         timings.update(fetch=t1 - t0, decode=time.perf_counter() - t1 - stage_s, stage=stage_s)
-        return updates, staged
+        return StagedUpdate(objects=tuple(objects), allow_rollback=self.config.allow_rollback), dirs
 
-    def _manifest(self, version: int, kind: str, checksum: str) -> DeltaManifest:
-        key = manifest_key(version, "anchor" if kind == "anchor" else "delta")
-        data = self._with_retries(lambda: self.store.get(key), f"{self.store.uri}/{key}")
-        digest = "sha256:" + hashlib.sha256(data).hexdigest()
-        if digest != checksum:
-            raise IntegrityError(f"{self.store.uri}/{key}: sha256 is {digest}, the coordinator registered {checksum}")
-        return DeltaManifest.from_json(data, name=f"{self.store.uri}/{key}")
+    def _manifest(self, version: int, kind: Kind, checksum: str) -> tuple[DeltaManifest, bytes]:
+        key = manifest_key(version, kind)
+        name = f"{self.store.uri}/{key}"
+
+        def get() -> bytes:
+            data = self.store.get(key, max_bytes=MAX_MANIFEST_BYTES)
+            digest = "sha256:" + hashlib.sha256(data).hexdigest()
+            if digest != checksum:
+                raise IntegrityError(f"{name}: sha256 is {digest}, the coordinator registered {checksum}")
+            return data
+
+        data = self._with_retries(get, name)
+        if self.verify_key is not None:
+            Trust(verify_key=self.verify_key).check(self.store, version, kind, data)
+        return DeltaManifest.from_json(data, name=name), data
 
     def _fetch_all(self, manifests: list[DeltaManifest]) -> list[list[bytes]]:
         jobs = [(i, j, m, e) for i, m in enumerate(manifests) for j, e in enumerate(m.shards)]
@@ -250,7 +450,7 @@ class Agent:
         return out
 
     def _fetch_shard(self, key: str, entry: ShardEntry) -> bytes:
-        """A shard, checksum-verified; refetched on a mismatch; cached by sha256 so a retry resumes."""
+        """A shard, size- and sha256-verified; refetched on a mismatch; cached by sha256 so a retry resumes."""
         cached = self.staging / "cache" / entry.sha256
         name = f"{self.store.uri}/{key}"
         if cached.exists():
@@ -262,7 +462,7 @@ class Agent:
                 cached.unlink()
 
         def get_checked() -> bytes:
-            data = self.store.get(key)
+            data = self.store.get(key, max_bytes=entry.bytes)
             check_shard(data, entry, name=name)
             return data
 
@@ -292,58 +492,59 @@ class Agent:
                 time.sleep(delay)
         raise AssertionError("unreachable")
 
-    def _stage(self, m: DeltaManifest, deltas: list[TensorDelta]) -> tuple[dict[str, Any], Path]:
-        """Write the decoded object as one raw shard the engine reads (no base needed to decode it)."""
-        directory = self.staging / (f"v{m.version:08d}" + ("-anchor" if m.kind == "anchor" else ""))
-        directory.mkdir(parents=True, exist_ok=True)
-        path = directory / "shard-00000.safetensors"
-        plain = [dataclasses.replace(d, base_values=None) for d in deltas]
-        data = encode_shard(plain, kind=m.kind, encoding="raw", target_version=m.version, base_version=m.base_version)
-        tmp = path.with_suffix(".tmp")
-        tmp.write_bytes(data)
-        os.replace(tmp, path)
-        touched = {d.ckpt_name for d in deltas}
-        info = {
-            "files": [str(path)],
-            "kind": m.kind,
-            "target_version": m.version,
-            "base_version": m.base_version,
-            "checksums": {n: [list(p) for p in m.tensors[n].checksums] for n in sorted(touched)},
-        }
-        return info, directory
-
-    def _apply(self, plan: SyncPlan, updates: list[dict[str, Any]], timings: dict[str, float]) -> None:
+    def _apply(self, update: StagedUpdate, timings: dict[str, float]) -> None:
+        """Pause, apply, resume. On a refusal the engine resumes with its old weights and label; on a failure
+        past the first write it stays paused (the target labels it ``unhealthy``)."""
         t0 = time.perf_counter()
         self.target.pause()
         t1 = time.perf_counter()
+        ok_to_serve = True
         try:
-            self.target.apply(updates, weight_version=plan.to_version)
+            self.target.apply(update)
             self.needs_anchor = False
         except VersionGapError:
             # the engine holds another version than it reported: re-plan from its real version
             self.host, self.host_version = None, None
             raise
-        except ApplyError as exc:
-            self.needs_anchor = True
-            if self.config.tp_size > 1:
-                raise ApplyError(
-                    f"{exc}; with TP > 1 a failed update desyncs vLLM's executor (vLLM issue "
-                    "49972): restart the vLLM server"
-                ) from exc
+        except UpdateRefused:
+            raise
+        except ApplyError:
+            self.needs_anchor, ok_to_serve = True, False
+            self.host, self.host_version = None, None
             raise
         finally:
             t2 = time.perf_counter()
-            if not (self.needs_anchor and self.config.tp_size > 1):
+            if ok_to_serve:
                 self.target.resume()
                 self._paused_for_lag = False
             timings.update(apply=t2 - t1, pause=time.perf_counter() - t0)
-        real, served = self.target.engine_version(), self.target.weight_version()
-        if real != plan.to_version or served != plan.to_version:
+        st = self.target.state()
+        if st.version != update.target_version or st.label != str(update.target_version):
             self.needs_anchor = True
             raise ApplyError(
-                f"after applying v{plan.to_version} the engine holds v{real} and serves v{served}; "
-                f"ranks: {self.target.status()}"
+                f"after applying v{update.target_version} the engine holds v{st.version} and serves {st.label!r} "
+                f"({st.detail})"
             )
+
+    def _restore_from_anchor(self, before: int | None, timings: dict[str, float]) -> SyncResult:
+        """After a failure past the first write (TP = 1): the anchor route at once; the engine stays paused
+        until it succeeds."""
+        logger.warning(
+            "agent %s: the engine failed past the first write; restoring it from an anchor", self.config.agent_id
+        )
+        self._heartbeat(None, "unhealthy", last_error=self.target.state().detail[:_MAX_ERROR_CHARS])
+        plan = self.coordinator.plan(None)
+        st = self.target.state()
+        update, staged = self._prepare(plan, st, timings)
+        try:
+            self._apply(update, timings)
+        finally:
+            self._cleanup(staged)
+        self.last_version = plan.to_version
+        self._heartbeat(plan.to_version, "idle", timings=timings)
+        return SyncResult(
+            from_version=before, to_version=plan.to_version, route="anchor", timings=timings, bytes=plan.bytes
+        )
 
     def _cleanup(self, objects: list[Path]) -> None:
         for directory in objects:
@@ -352,7 +553,12 @@ class Agent:
             cached.unlink(missing_ok=True)
 
     def _heartbeat(
-        self, version: int | None, state: str, *, timings: dict[str, float] | None = None, last_error: str | None = None
+        self,
+        version: int | None,
+        state: AgentState,
+        *,
+        timings: dict[str, float] | None = None,
+        last_error: str | None = None,
     ) -> None:
         try:
             self.coordinator.heartbeat(

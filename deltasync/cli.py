@@ -1,21 +1,27 @@
-"""The ``deltasync`` command line: list, inspect and verify published versions."""
+"""The ``deltasync`` command line: list, inspect and verify published versions; run the coordinator or an
+agent (:mod:`deltasync._cli_run`); collect garbage; make keys and agent tokens."""
 
 from __future__ import annotations
 
 import argparse
 import json
 import logging
+import os
 import sys
 import traceback
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from ._header import Kind, parse_shard
+from . import apply
 from ._logging import setup_logging
+from ._shard_header import parse_shard
 from .errors import DeltaSyncError, ObjectNotFound
+from .layout import object_prefix
+from .reader import Trust, list_versions, read_chain, read_manifest, read_weights
+from .signing import VerifyKey, generate_key_files
 from .store import open_store
-from .versions import list_versions, object_prefix, read_chain, read_manifest, read_weights, verify_weights
+from .vocab import Kind
 
 __all__ = ["main"]
 
@@ -135,11 +141,29 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
     return 0
 
 
+def _client(url: str, token_env: str, ca_bundle: str | None) -> Any:
+    from .client import CoordinatorClient
+
+    return CoordinatorClient(url, token=os.environ.get(token_env), ca_bundle=ca_bundle, retries=3)
+
+
 def _cmd_verify(args: argparse.Namespace) -> int:
     store = open_store(args.store)
-    chain = read_chain(store, args.version)
-    weights = read_weights(store, args.version, verify=True)
-    verify_weights(weights, chain[-1])
+    verify_key = VerifyKey.from_file(args.public_key) if args.public_key else None
+    client = _client(args.coordinator, "DELTASYNC_TOKEN", args.ca_bundle) if args.coordinator else None
+    trust = Trust(verify_key=verify_key, ledger=None if client is None else client.registered_digest)
+    try:
+        chain = read_chain(store, args.version, trust=trust)
+        weights = read_weights(store, args.version, trust=trust, verify=True)
+        apply.verify(weights, chain[-1])
+    finally:
+        if client is not None:
+            client.close()
+    checks = ["all checksums match"]
+    if verify_key is not None:
+        checks.append(f"every manifest signed by {verify_key.key_id[:19]}...")
+    if client is not None:
+        checks.append(f"every manifest registered with {args.coordinator}")
     result = {
         "version": args.version,
         "ok": True,
@@ -147,57 +171,63 @@ def _cmd_verify(args: argparse.Namespace) -> int:
         "deltas": [m.version for m in chain[1:]],
         "tensors": len(weights),
         "elements": sum(t.numel() for t in weights.values()),
+        "signed": verify_key is not None,
+        "ledger": client is not None,
     }
     if args.json:
         print(json.dumps(result))
     else:
         print(
             f"v{args.version}: ok, {result['tensors']} tensors ({result['elements']} elements) "
-            f"rebuilt from anchor v{result['anchor']} + {len(result['deltas'])} deltas, all checksums match"
+            f"rebuilt from anchor v{result['anchor']} + {len(result['deltas'])} deltas, {', '.join(checks)}"
         )
+        if verify_key is None and client is None:
+            print(
+                "note: without --public-key or --coordinator this proves the store is consistent, not that the "
+                "publisher wrote it",
+                file=sys.stderr,
+            )
     return 0
 
 
-def _cmd_coordinator(args: argparse.Namespace) -> int:
-    try:
-        import uvicorn
-
-        from services.coordinator.app import create_app
-        from services.coordinator.settings import Settings
-    except ImportError as exc:
-        raise SystemExit(
-            f"deltasync coordinator needs the service extra: pip install 'deltasync[service]' ({exc})"
-        ) from None
-    flags = {k: v for k, v in vars(args).items() if k in Settings.model_fields and v is not None}
-    settings = Settings(**flags)
-    uvicorn.run(create_app(settings), host=settings.host, port=settings.port, log_level="info")
+def _cmd_gc(args: argparse.Namespace) -> int:
+    with _client(args.coordinator, "DELTASYNC_PUBLISHER_TOKEN", args.ca_bundle) as client:
+        report = client.collect_garbage(dry_run=args.dry_run)
+    out = {
+        "dry_run": args.dry_run,
+        "kept_anchor": report.kept_anchor,
+        "keep_from": report.keep_from,
+        "candidates": [[v.version, v.kind] for v in report.candidates],
+        "deleted": [[v.version, v.kind] for v in report.deleted],
+        "problems": list(report.problems),
+    }
+    if args.json:
+        print(json.dumps(out))
+        return 0
+    verb = "would delete" if args.dry_run else "deleted"
+    objects = report.candidates if args.dry_run else report.deleted
+    print(f"kept anchor: {report.kept_anchor}; deltas above {report.keep_from} kept")
+    for v in objects:
+        print(f"{verb} {v.kind} v{v.version} ({v.bytes} bytes)")
+    for problem in report.problems:
+        print(f"problem: {problem}")
+    print(f"{len(objects)} objects {verb}")
     return 0
 
 
-def _cmd_agent(args: argparse.Namespace) -> int:
-    import dataclasses
-    import os
-    import signal
-    import threading
+def _cmd_keygen(args: argparse.Namespace) -> int:
+    key = generate_key_files(args.path)
+    print(f"wrote {args.path} (private, mode 0600) and {args.path}.pub (public); key id {key.key_id}")
+    return 0
 
-    from .agent import Agent
-    from .client import CoordinatorClient
-    from .config import AgentConfig
-    from .targets import HttpVllmTarget
 
-    fields = {f.name for f in dataclasses.fields(AgentConfig)}
-    config = AgentConfig(**{k: v for k, v in vars(args).items() if k in fields and v is not None})
-    stop = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop.set())
-    target = HttpVllmTarget(args.vllm_url, pause_mode=config.pause_mode)
-    with CoordinatorClient(args.coordinator, token=os.environ.get("DELTASYNC_AGENT_TOKEN")) as coordinator:
-        agent = Agent(store=open_store(args.store), coordinator=coordinator, target=target, config=config)
-        logging.getLogger("deltasync").info("agent %s: %s -> %s", config.agent_id, args.store, args.vllm_url)
-        try:
-            agent.run(stop)
-        finally:
-            target.close()
+def _cmd_token(args: argparse.Namespace) -> int:
+    from .tokens import make_agent_token
+
+    secret = os.environ.get("DELTASYNC_AGENT_SECRET")
+    if not secret:
+        raise SystemExit("deltasync token: set DELTASYNC_AGENT_SECRET (the coordinator's agent secret)")
+    print(make_agent_token(secret, args.agent_id))
     return 0
 
 
@@ -215,44 +245,32 @@ def _parser() -> argparse.ArgumentParser:
     inspect.add_argument("--anchor", action="store_true", help="inspect the version's anchor, not its delta")
     inspect.add_argument("--json", action="store_true", help="print JSON")
     inspect.set_defaults(func=_cmd_inspect)
-    verify = sub.add_parser("verify", help="rebuild a version and check every checksum")
+    verify = sub.add_parser("verify", help="rebuild a version and check every checksum (and its authenticity)")
     verify.add_argument("store", help="store URI or path")
     verify.add_argument("--version", type=int, required=True, help="version to rebuild")
+    verify.add_argument("--public-key", help="refuse manifests not signed by this Ed25519 public key (PEM)")
+    verify.add_argument(
+        "--coordinator", help="refuse manifests whose sha256 is not the one registered there (token: DELTASYNC_TOKEN)"
+    )
+    verify.add_argument("--ca-bundle", help="CA certificates (PEM) for an https coordinator")
     verify.add_argument("--json", action="store_true", help="print JSON")
     verify.set_defaults(func=_cmd_verify)
-    coord = sub.add_parser(
-        "coordinator",
-        help="run the coordinator service (tokens come from DELTASYNC_PUBLISHER_TOKEN, DELTASYNC_AGENT_TOKEN, "
-        "DELTASYNC_READ_TOKEN, never from flags)",
-    )
-    coord.add_argument("--db", help="SQLite file (default deltasync-coordinator.db)")
-    coord.add_argument("--store", help="store URI, needed for garbage collection")
-    coord.add_argument("--host", help="interface to bind (default 127.0.0.1)")
-    coord.add_argument("--port", type=int, help="port to bind (default 8600)")
-    coord.add_argument("--max-wait-s", type=float, help="cap of a long-poll's wait (default 60)")
-    coord.add_argument("--agent-stale-after-s", type=float, help="an agent not seen this long is stale (default 60)")
-    coord.add_argument("--max-body-bytes", type=int, help="larger request bodies get 413 (default 1 MiB)")
-    coord.add_argument("--max-header-bytes", type=int, help="larger request headers get 431 (default 64 KiB)")
-    coord.add_argument("--read-requires-token", action="store_true", default=None, help="reads need a token")
-    coord.set_defaults(func=_cmd_coordinator)
-    agent = sub.add_parser(
-        "agent",
-        help="keep a vLLM server at the latest version (a sidecar; the token comes from DELTASYNC_AGENT_TOKEN)",
-    )
-    agent.add_argument("--vllm-url", required=True, help="the vLLM server (VLLM_SERVER_DEV_MODE=1; keep it private)")
-    agent.add_argument("--coordinator", required=True, help="the coordinator's URL")
-    agent.add_argument("--store", required=True, help="store URI or path")
-    agent.add_argument("--agent-id", help="name shown by the coordinator (default agent-0)")
-    agent.add_argument("--poll-wait-s", type=float, help="long-poll wait (default 30)")
-    agent.add_argument("--max-lag", type=int, help="stop serving while more than N versions behind")
-    agent.add_argument("--staging-dir", help="where shards are cached and staged (default: a temporary dir)")
-    agent.add_argument("--fetch-workers", type=int, help="shards fetched in parallel (default 4)")
-    agent.add_argument("--retries", type=int, help="retries of a fetch or checksum mismatch (default 5)")
-    agent.add_argument("--backoff-s", type=float, help="first backoff, doubling (default 0.5)")
-    agent.add_argument("--assume-version", type=int, help="the server was started from this version's weights")
-    agent.add_argument("--pause-mode", choices=["keep", "wait", "abort"], help="vLLM /pause mode (default keep)")
-    agent.add_argument("--tp-size", type=int, help="the server's tensor-parallel size (default 1)")
-    agent.set_defaults(func=_cmd_agent)
+    gc = sub.add_parser("gc", help="garbage collection through the coordinator (token: DELTASYNC_PUBLISHER_TOKEN)")
+    gc.add_argument("--coordinator", required=True, help="the coordinator's URL")
+    gc.add_argument("--dry-run", action="store_true", help="prove the kept anchor and list what would go")
+    gc.add_argument("--ca-bundle", help="CA certificates (PEM) for an https coordinator")
+    gc.add_argument("--json", action="store_true", help="print JSON")
+    gc.set_defaults(func=_cmd_gc)
+    keygen = sub.add_parser("keygen", help="make an Ed25519 key pair to sign manifests (PATH and PATH.pub)")
+    keygen.add_argument("path", help="the private key file to create")
+    keygen.set_defaults(func=_cmd_keygen)
+    token = sub.add_parser("token", help="print an agent's token (needs DELTASYNC_AGENT_SECRET)")
+    token.add_argument("--agent-id", required=True, help="the agent id the token is bound to")
+    token.set_defaults(func=_cmd_token)
+    from ._cli_run import add_agent_parser, add_coordinator_parser
+
+    add_coordinator_parser(sub)
+    add_agent_parser(sub)
     return parser
 
 
@@ -260,7 +278,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run the CLI. Exit codes: 0 ok, 1 a deltasync error, 2 a usage error."""
     parser = _parser()
     args = parser.parse_args(argv)
-    quiet = args.command in ("ls", "inspect", "verify")
+    quiet = args.command in ("ls", "inspect", "verify", "gc", "keygen", "token")
     setup_logging(logging.DEBUG if args.debug else logging.WARNING if quiet else logging.INFO)
     try:
         return int(args.func(args))

@@ -6,6 +6,7 @@ This module is the only place where HTTP errors become deltasync errors (:func:`
 from __future__ import annotations
 
 import logging
+import math
 import random
 import time
 from dataclasses import dataclass
@@ -15,25 +16,32 @@ from typing import Any, Literal, TypeVar
 import httpx
 from pydantic import BaseModel, ValidationError
 
-from .errors import CoordinatorError
-from .protocol import (
+from .errors import CoordinatorError, IntegrityError, LeaseError, RunMismatch
+from .schemas import (
+    LEASE_HEADER,
+    MAX_ERROR_CHARS,
+    RUN_HEADER,
     AgentHeartbeat,
     AgentPublic,
     AgentsPublic,
     GcPublic,
     HealthPublic,
+    LeaseCreate,
+    LeasePublic,
     PlanPublic,
     VersionCreate,
     VersionPublic,
     VersionsPublic,
 )
+from .vocab import Kind
 
-__all__ = ["AgentStatus", "CoordinatorClient", "GcReport", "PublishedVersion", "SyncPlan"]
+__all__ = ["AgentStatus", "CoordinatorClient", "GcReport", "Lease", "PublishedVersion", "SyncPlan"]
 
 logger = logging.getLogger(__name__)
 
 _M = TypeVar("_M", bound=BaseModel)
 _RETRY_STATUS = frozenset({500, 502, 503, 504})
+_MAX_RETRY_AFTER_S = 30.0
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -42,7 +50,7 @@ class PublishedVersion:
 
     version: int
     """The version it produces."""
-    kind: Literal["delta", "anchor"]
+    kind: Kind
     """``delta`` or ``anchor``."""
     base_version: int | None
     """What a delta applies to."""
@@ -108,6 +116,28 @@ class GcReport:
     """Objects deleted by this call (empty for a dry run)."""
     keep_from: int | None
     """Deltas above this version are kept."""
+    kept_anchor: int | None
+    """The anchor proven intact before anything was deleted."""
+    problems: tuple[str, ...]
+    """Why something was not deleted."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Lease:
+    """The run's publisher lease: one writer per run."""
+
+    lease_id: str
+    """Sent with every registration (``Deltasync-Lease``); a stale one is refused (fenced)."""
+    epoch: int
+    """Increases with every new holder."""
+    holder: str
+    """Who holds it."""
+    run_id: str
+    """The run (ledger identity)."""
+    expires_at: datetime
+    """When it lapses unless renewed."""
+    next_version: int
+    """One above every version the ledger has registered."""
 
 
 def _version(m: VersionPublic) -> PublishedVersion:
@@ -144,8 +174,11 @@ class CoordinatorClient:
         token: bearer token (the publisher's or the agent's).
         timeout_s: per-request timeout, on top of any long-poll wait.
         retries: attempts after the first, for retryable failures.
-        backoff_s: first backoff; doubles each attempt, capped at 10 s.
+        backoff_s: first backoff; doubles each attempt, capped at 10 s (a ``Retry-After`` wins).
         http_client: an ``httpx.Client`` to use instead of a new one (tests pass an ASGI one).
+        run_id: pin the coordinator's run identity now (default: pinned from its first answer). Every answer
+            names its run; one that names another raises :class:`~deltasync.errors.RunMismatch`.
+        ca_bundle: a CA certificate file (PEM) to verify an ``https://`` coordinator with (default: the system's).
 
     Example:
         >>> client = CoordinatorClient("http://127.0.0.1:8600", token="...")  # doctest: +SKIP
@@ -161,16 +194,25 @@ class CoordinatorClient:
         retries: int = 8,
         backoff_s: float = 0.2,
         http_client: httpx.Client | None = None,
+        run_id: str | None = None,
+        ca_bundle: str | None = None,
     ) -> None:
         if retries < 0 or backoff_s < 0 or timeout_s <= 0:
             raise ValueError(
                 f"need retries >= 0, backoff_s >= 0, timeout_s > 0; got {retries}, {backoff_s}, {timeout_s}"
             )
         headers = {"Authorization": f"Bearer {token}"} if token else {}
-        self._http = http_client or httpx.Client(base_url=base_url, timeout=timeout_s)
+        verify: Any = True
+        if ca_bundle is not None:
+            import ssl
+
+            verify = ssl.create_default_context(cafile=ca_bundle)
+        self._http = http_client or httpx.Client(base_url=base_url, timeout=timeout_s, verify=verify)
         self._http.headers.update(headers)
         self.base_url = base_url
         self.timeout_s, self.retries, self.backoff_s = timeout_s, retries, backoff_s
+        self.run_id: str | None = run_id
+        """The coordinator's run identity, pinned (from ``run_id`` or its first answer)."""
 
     def __repr__(self) -> str:  # never show the token
         return f"CoordinatorClient({self.base_url!r})"
@@ -184,17 +226,49 @@ class CoordinatorClient:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
+    def pin_run(self, run_id: str) -> None:
+        """Pin the run identity (an agent pins its engine's run); a coordinator of another run is refused.
+
+        Raises:
+            RunMismatch: another run is already pinned.
+        """
+        if self.run_id is not None and self.run_id != run_id:
+            raise RunMismatch(
+                f"{self.base_url}: this client follows run {self.run_id}, asked to pin run {run_id}",
+                url=self.base_url,
+            )
+        self.run_id = run_id
+
+    def _check_run(self, response: httpx.Response) -> None:
+        run = response.headers.get(RUN_HEADER)
+        if run is None:
+            return
+        if self.run_id is None:
+            self.run_id = run
+        elif run != self.run_id:
+            raise RunMismatch(
+                f"{response.request.method} {response.request.url.path}: the coordinator at {self.base_url} keeps "
+                f"run {run}, this client follows run {self.run_id}: another ledger (a new coordinator, or a wrong "
+                "URL); refusing to follow it",
+                method=response.request.method,
+                url=str(response.request.url),
+            )
+
     def _send(self, method: str, path: str, *, extra_timeout_s: float = 0, **kwargs: Any) -> httpx.Response:
         """One request with retries; returns a 2xx response or raises CoordinatorError."""
         timeout = httpx.Timeout(self.timeout_s + extra_timeout_s)
         attempt = 0
         while True:
+            retry_after: float | None = None
             try:
                 response = self._http.request(method, path, timeout=timeout, **kwargs)
+                self._check_run(response)
                 if response.status_code not in _RETRY_STATUS or attempt >= self.retries:
                     _raise_for_status(response)
                     return response
                 reason = f"HTTP {response.status_code}"
+                header = response.headers.get("Retry-After", "")
+                retry_after = min(float(header), _MAX_RETRY_AFTER_S) if header.isdigit() else None
             except httpx.TransportError as exc:
                 if attempt >= self.retries:
                     raise CoordinatorError(
@@ -204,6 +278,8 @@ class CoordinatorClient:
                     ) from exc
                 reason = type(exc).__name__
             delay = min(self.backoff_s * 2**attempt, 10.0) * (0.5 + random.random() / 2)
+            if retry_after is not None:
+                delay = max(delay, retry_after)
             logger.warning(
                 "coordinator %s %s failed (%s); retry %d/%d in %.2f s",
                 method,
@@ -235,14 +311,56 @@ class CoordinatorClient:
 
     # ------------------------------------------------------------------ versions
 
-    def register_version(self, version: VersionCreate) -> tuple[PublishedVersion, bool]:
+    def register_version(self, version: VersionCreate, *, lease: Lease | None = None) -> tuple[PublishedVersion, bool]:
         """Register a committed object; returns it and whether it was new (201) or known (200).
 
+        Args:
+            version: the object.
+            lease: the publisher lease (a new object needs the live one).
+
         Raises:
+            LeaseError: status 409, the lease is not the live one (fenced).
             CoordinatorError: status 409 if it conflicts with the ledger.
         """
-        response = self._send("POST", "/v1/versions", json=version.model_dump(mode="json"))
+        headers = {LEASE_HEADER: lease.lease_id} if lease is not None else {}
+        try:
+            response = self._send("POST", "/v1/versions", json=version.model_dump(mode="json"), headers=headers)
+        except CoordinatorError as exc:
+            if exc.status_code == 409 and "publisher lease" in str(exc):
+                raise LeaseError(str(exc), status_code=409, method=exc.method, url=exc.url) from None
+            raise
         return _version(self._parse(response, VersionPublic)), response.status_code == 201
+
+    # ------------------------------------------------------------------ the publisher lease
+
+    def acquire_lease(self, holder: str, *, ttl_s: float) -> Lease:
+        """Take the run's publisher lease.
+
+        Raises:
+            LeaseError: another publisher holds it (the message names it and when it expires).
+        """
+        return self._lease(LeaseCreate(holder=holder, ttl_s=ttl_s))
+
+    def renew_lease(self, lease: Lease, *, ttl_s: float) -> Lease:
+        """Renew the lease. Raises LeaseError if it was lost (expired, or another publisher took the run)."""
+        return self._lease(LeaseCreate(holder=lease.holder, ttl_s=ttl_s, lease_id=lease.lease_id))
+
+    def _lease(self, body: LeaseCreate) -> Lease:
+        try:
+            lease = self._request("POST", "/v1/lease", LeasePublic, json=body.model_dump(mode="json"))
+        except CoordinatorError as exc:
+            if exc.status_code == 409:
+                raise LeaseError(str(exc), status_code=409, method=exc.method, url=exc.url) from None
+            raise
+        return Lease(**lease.model_dump())
+
+    def release_lease(self, lease: Lease) -> None:
+        """Give the lease up; a lease that is no longer live is ignored."""
+        try:
+            self._send("DELETE", f"/v1/lease/{lease.lease_id}")
+        except CoordinatorError as exc:
+            if exc.status_code != 404:
+                raise
 
     def latest_version(self) -> PublishedVersion | None:
         """The newest registered object, or ``None`` if nothing is registered."""
@@ -253,10 +371,26 @@ class CoordinatorClient:
                 return None
             raise
 
-    def get_version(self, version: int, kind: Literal["delta", "anchor"] | None = None) -> PublishedVersion:
+    def get_version(self, version: int, kind: Kind | None = None) -> PublishedVersion:
         """One registered object. Raises CoordinatorError (404) if unknown."""
         params = {"kind": kind} if kind else {}
         return _version(self._request("GET", f"/v1/versions/{version}", VersionPublic, params=params))
+
+    def registered_digest(self, version: int, kind: Kind) -> str:
+        """The ``sha256:`` digest the publisher registered for an object (a :data:`deltasync.reader.LedgerLookup`).
+
+        Raises:
+            IntegrityError: the coordinator has no such object (a store object it never registered).
+        """
+        try:
+            return self.get_version(version, kind).checksum
+        except CoordinatorError as exc:
+            if exc.status_code == 404:
+                raise IntegrityError(
+                    f"{kind} v{version} is not registered with the coordinator at {self.base_url}: the store holds an "
+                    "object the publisher never registered (forged, or left by a crash)"
+                ) from None
+            raise
 
     def wait_for_versions(self, after: int | None, wait_s: float = 30.0) -> list[PublishedVersion]:
         """Long-poll: objects above ``after`` (all if ``None``) as soon as one exists, else ``[]`` after ``wait_s``."""
@@ -287,21 +421,29 @@ class CoordinatorClient:
         last_error: str | None = None,
         timings: dict[str, float] | None = None,
     ) -> AgentStatus:
-        """Report this agent's state."""
+        """Report this agent's state (``last_error`` is cut to the protocol's cap; only finite timings go)."""
         body = AgentHeartbeat.model_validate(
             {
                 "applied_version": applied_version,
                 "state": state,
-                "last_error": last_error,
-                "timings": timings or {},
+                "last_error": None if last_error is None else last_error[:MAX_ERROR_CHARS],
+                "timings": {k: v for k, v in (timings or {}).items() if math.isfinite(v) and v >= 0},
             }
         )
         a = self._request("POST", f"/v1/agents/{agent_id}/heartbeat", AgentPublic, json=body.model_dump(mode="json"))
         return AgentStatus(**a.model_dump())
 
-    def agents(self) -> list[AgentStatus]:
-        """The fleet view."""
-        return [AgentStatus(**a.model_dump()) for a in self._request("GET", "/v1/agents", AgentsPublic).agents]
+    def agents(self, *, page_size: int = 500) -> list[AgentStatus]:
+        """The fleet view (every page)."""
+        out: list[AgentStatus] = []
+        after: str | None = None
+        while True:
+            params: dict[str, Any] = {"limit": page_size} | ({"after": after} if after else {})
+            page = self._request("GET", "/v1/agents", AgentsPublic, params=params)
+            out.extend(AgentStatus(**a.model_dump()) for a in page.agents)
+            if page.next_after is None:
+                return out
+            after = page.next_after
 
     # ------------------------------------------------------------------ retention and health
 
@@ -309,9 +451,10 @@ class CoordinatorClient:
         """Objects the coordinator would delete now (a dry run)."""
         return self._gc(self._request("GET", "/v1/gc/candidates", GcPublic))
 
-    def collect_garbage(self) -> GcReport:
-        """Delete every candidate from the store (needs the publisher token)."""
-        return self._gc(self._request("POST", "/v1/gc", GcPublic))
+    def collect_garbage(self, *, dry_run: bool = False) -> GcReport:
+        """Prove the kept anchor, then delete every candidate from the store (needs the publisher token).
+        ``dry_run``: prove and list, delete nothing."""
+        return self._gc(self._request("POST", "/v1/gc", GcPublic, params={"dry_run": dry_run}))
 
     @staticmethod
     def _gc(g: GcPublic) -> GcReport:
@@ -319,6 +462,8 @@ class CoordinatorClient:
             candidates=tuple(map(_version, g.candidates)),
             deleted=tuple(map(_version, g.deleted)),
             keep_from=g.keep_from,
+            kept_anchor=g.kept_anchor,
+            problems=tuple(g.problems),
         )
 
     def health(self) -> dict[str, Any]:

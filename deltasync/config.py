@@ -31,7 +31,15 @@ class AgentConfig:
     pause_mode: Literal["keep", "wait", "abort"] = "keep"
     """vLLM server ``/pause`` mode: ``keep`` freezes in-flight requests and continues them after the update."""
     tp_size: int = 1
-    """Tensor-parallel size of the engine (>1: a failed apply is fatal, vLLM issue 49972)."""
+    """Tensor-parallel size of the engine (>1: failures are recorded, never raised, by the engine; a failure past
+    the first write needs a server restart, vLLM issue 49972)."""
+    allow_rollback: bool = False
+    """Let the engine go below the highest version it has served, or to another run (an operator's decision,
+    logged); by default a coordinator behind the engine, or of another run, is refused."""
+    public_key: str | None = None
+    """Ed25519 public key file (PEM): every manifest must be signed by the publisher's key."""
+    integrity_fallback_after: int = 3
+    """Take the anchor route after this many consecutive integrity failures rebuilding the host copy."""
 
     def __post_init__(self) -> None:
         if self.poll_wait_s < 0:
@@ -48,6 +56,8 @@ class AgentConfig:
             raise ValueError(f"pause_mode must be keep, wait or abort, got {self.pause_mode!r}")
         if self.tp_size < 1:
             raise ValueError(f"tp_size must be >= 1, got {self.tp_size}")
+        if self.integrity_fallback_after < 1:
+            raise ValueError(f"integrity_fallback_after must be >= 1, got {self.integrity_fallback_after}")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -71,7 +81,15 @@ class PublisherConfig:
     zstd_level: int = 3
     """zstd level of ``packed``."""
     start_version: int | None = None
-    """The first version to publish; ``None``: one above the store's latest committed version."""
+    """The first version to publish; ``None``: one above every version the ledger or the store has seen."""
+    signing_key: str | None = None
+    """Ed25519 private key file (PEM, ``deltasync keygen``): sign every manifest."""
+    model_id: str | None = None
+    """A name of the model lineage written into every manifest (agents serving another id refuse it)."""
+    lease_ttl_s: float = 30.0
+    """The publisher lease (one writer per run) expires this long after the last renewal (renewed every third)."""
+    lease_wait_s: float = 0.0
+    """Wait up to this long for another publisher's lease to expire at start (0: fail at once, naming it)."""
 
     def __post_init__(self) -> None:
         if self.encoding not in ("raw", "packed"):
@@ -88,3 +106,7 @@ class PublisherConfig:
             raise ValueError(f"max_shard_bytes must be >= 1, got {self.max_shard_bytes}")
         if self.start_version is not None and self.start_version < 0:
             raise ValueError(f"start_version must be >= 0 or None, got {self.start_version}")
+        if not 1 <= self.lease_ttl_s <= 3600:
+            raise ValueError(f"lease_ttl_s must be in [1, 3600], got {self.lease_ttl_s}")
+        if self.lease_wait_s < 0:
+            raise ValueError(f"lease_wait_s must be >= 0, got {self.lease_wait_s}")

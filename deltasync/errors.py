@@ -6,17 +6,26 @@ nearest builtin, so ``except FileNotFoundError`` or ``except ValueError`` keep w
     DeltaSyncError
     +-- FormatError(DeltaSyncError, ValueError)        malformed shard or manifest; names file + field
     |   +-- UnsupportedFormatVersion(FormatError)      a major format version this reader does not know
-    |   +-- IntegrityError(FormatError)                sha256, size or tensor checksum mismatch
-    +-- VersionGapError(DeltaSyncError)                a delta's base is not the version held
+    |   +-- IntegrityError(FormatError)                size, sha256, checksum or ledger digest mismatch
+    |       +-- SignatureError(IntegrityError)         a manifest unsigned, or not signed by the trusted key
+    +-- UpdateRefused(DeltaSyncError)                  refused before any write; ``reason`` says why
+    |   +-- VersionGapError(UpdateRefused)             a delta's base is not the version held
     +-- StoreError(DeltaSyncError, OSError)            the store could not read or write an object
     |   +-- ObjectNotFound(StoreError, FileNotFoundError)
+    |   +-- ObjectExists(StoreError, FileExistsError)  writes are create-only: the key is taken
+    |   +-- ObjectTooLarge(StoreError)                 larger than the reader's cap (checked before reading)
+    |   +-- UnsafeObject(StoreError)                   a symlink, device, fifo or other non-regular file
     +-- CoordinatorError(DeltaSyncError)               the coordinator answered with an error
-    +-- ApplyError(DeltaSyncError, RuntimeError)       a partial apply: do not serve until resynced
+    |   +-- RunMismatch(CoordinatorError)              the coordinator's run identity is not the pinned one
+    |   +-- LeaseError(CoordinatorError)               another publisher holds the run, or this one was fenced
+    +-- ApplyError(DeltaSyncError, RuntimeError)       failed past the first write: do not serve until an anchor
 
 Messages name the object first, then what was expected, what was found, and what to do.
 """
 
 from __future__ import annotations
+
+import enum
 
 __all__ = [
     "ApplyError",
@@ -24,9 +33,17 @@ __all__ = [
     "DeltaSyncError",
     "FormatError",
     "IntegrityError",
+    "LeaseError",
+    "ObjectExists",
     "ObjectNotFound",
+    "ObjectTooLarge",
+    "RefusalReason",
+    "RunMismatch",
+    "SignatureError",
     "StoreError",
+    "UnsafeObject",
     "UnsupportedFormatVersion",
+    "UpdateRefused",
     "VersionGapError",
 ]
 
@@ -44,11 +61,56 @@ class UnsupportedFormatVersion(FormatError):
 
 
 class IntegrityError(FormatError):
-    """Bytes or a rebuilt tensor do not match the size or digest the manifest promises."""
+    """Bytes or a rebuilt tensor do not match the size or digest the manifest (or the ledger) promises."""
 
 
-class VersionGapError(DeltaSyncError):
-    """A delta's ``base_version`` is not the version the receiver holds: resync from an anchor."""
+class SignatureError(IntegrityError):
+    """A manifest has no signature, or one that the trusted public key does not verify."""
+
+
+class RefusalReason(enum.StrEnum):
+    """Why an update was refused before anything was written (:attr:`UpdateRefused.reason`)."""
+
+    BASE = "base"
+    """A delta's base is not the version the receiver holds."""
+    MODEL = "model"
+    """The object is for another model: its fingerprint (names, dtypes, shapes) differs from what is served."""
+    RUN = "run"
+    """The object belongs to another run than the one the receiver follows."""
+    ROLLBACK = "rollback"
+    """The object would take the receiver below the highest version it has served (an old ledger?)."""
+    UNHEALTHY = "unhealthy"
+    """The receiver failed an earlier update past its first write: only an anchor is accepted."""
+    MALFORMED = "malformed"
+    """A staged file is malformed or disagrees with its manifest."""
+
+
+class UpdateRefused(DeltaSyncError):
+    """An update was refused before its first write: the receiver is healthy, its weights and label unchanged.
+
+    Attributes:
+        reason: a :class:`RefusalReason`; callers branch on it, never on the message.
+    """
+
+    def __init__(self, message: str, *, reason: RefusalReason) -> None:
+        super().__init__(message)
+        self.reason = reason
+
+    def __reduce__(self) -> tuple[object, ...]:  # picklable across vLLM's process boundary
+        return (_rebuild_refusal, (type(self), str(self), self.reason.value))
+
+
+def _rebuild_refusal(cls: type[UpdateRefused], message: str, reason: str) -> UpdateRefused:
+    if cls is VersionGapError:
+        return VersionGapError(message)
+    return cls(message, reason=RefusalReason(reason))
+
+
+class VersionGapError(UpdateRefused):
+    """A delta's ``base_version`` is not the version the receiver holds: re-plan from the version it holds."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, reason=RefusalReason.BASE)
 
 
 class StoreError(DeltaSyncError, OSError):
@@ -57,6 +119,18 @@ class StoreError(DeltaSyncError, OSError):
 
 class ObjectNotFound(StoreError, FileNotFoundError):
     """The store holds no object under the requested key."""
+
+
+class ObjectExists(StoreError, FileExistsError):
+    """A create-only write found the key taken: a registered object's bytes never change."""
+
+
+class ObjectTooLarge(StoreError):
+    """An object is larger than the reader allows; nothing was read."""
+
+
+class UnsafeObject(StoreError):
+    """A key leads to a symlink, a device, a fifo or another non-regular file; deltasync never follows them."""
 
 
 class CoordinatorError(DeltaSyncError):
@@ -82,5 +156,13 @@ class CoordinatorError(DeltaSyncError):
         self.url = url
 
 
+class RunMismatch(CoordinatorError):
+    """The coordinator's run identity is not the one this client (or its engine) pinned: another ledger."""
+
+
+class LeaseError(CoordinatorError):
+    """The publisher lease of the run is held by another publisher, or this publisher lost it (fenced)."""
+
+
 class ApplyError(DeltaSyncError, RuntimeError):
-    """Applying a delta failed part-way: the receiver must not serve until it has resynced."""
+    """Applying failed past the first write: the receiver must not serve until an anchor restores it."""

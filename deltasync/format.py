@@ -25,7 +25,10 @@ import torch
 import xxhash
 
 from . import _codec
-from ._header import (
+from ._safetensors import SafetensorsEntry, SafetensorsFile, encode_safetensors
+from ._shard_header import ShardHeader, TensorInfo, info_to_json, parse_shard, read_shard_header
+from .errors import FormatError
+from .vocab import (
     DTYPE_NAMES,
     DTYPES,
     ENCODINGS,
@@ -34,16 +37,9 @@ from ._header import (
     META_PREFIX,
     Encoding,
     Kind,
-    ShardHeader,
-    TensorInfo,
     bits_dtype,
-    info_to_json,
-    parse_shard,
-    read_shard_header,
     wide_dtypes,
 )
-from ._safetensors import SafetensorsEntry, SafetensorsFile, encode_safetensors
-from .errors import FormatError
 
 __all__ = [
     "DEFAULT_ZSTD_LEVEL",

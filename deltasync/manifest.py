@@ -1,6 +1,9 @@
 """The manifest of one published object (a delta or an anchor): its shards and tensors, as JSON.
 
-A manifest is written last, after every shard: its presence is the commit marker of a version.
+A manifest is written last, after every shard: its presence is the commit marker of a version. It names
+the model it belongs to (a fingerprint over every tensor's name, dtype and shape, plus an optional model id)
+and the run that published it, so a receiver can refuse another model's or another run's object before
+reading a shard.
 """
 
 from __future__ import annotations
@@ -9,21 +12,70 @@ import hashlib
 import json
 import math
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from ._header import DTYPES, ENCODINGS, FORMAT_VERSION, KINDS, Encoding, Kind
 from .errors import FormatError, UnsupportedFormatVersion
+from .vocab import DTYPES, ENCODINGS, FORMAT_VERSION, KINDS, MAX_INT, MAX_TENSOR_NUMEL, MAX_VERSION, Encoding, Kind
 
-__all__ = ["MAX_MANIFEST_BYTES", "DeltaManifest", "ShardEntry", "TensorEntry"]
+__all__ = [
+    "MAX_MANIFEST_BYTES",
+    "DeltaManifest",
+    "ModelSpec",
+    "ShardEntry",
+    "TensorEntry",
+    "describe_spec_difference",
+    "model_fingerprint",
+]
 
 MAX_MANIFEST_BYTES = 16 * 1024 * 1024
-"""Readers refuse larger manifests (about 100k tensors fit in 16 MiB)."""
+"""Readers refuse larger manifests (about 100k tensors fit in 16 MiB), checked before reading."""
+
+ModelSpec = Mapping[str, tuple[str, tuple[int, ...]]]
+"""A model as deltasync sees it: checkpoint name -> (safetensors dtype name, full shape)."""
 
 _SHARD_FILE = re.compile(r"shard-\d{5}\.safetensors")
 _SHA256 = re.compile(r"[0-9a-f]{64}")
 _CHECKSUM = re.compile(r"xxh3_128:[0-9a-f]{32}")
-_MAX_VERSION = 2**63 - 1
+_FINGERPRINT = re.compile(r"sha256:[0-9a-f]{64}")
+_RUN_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+_MODEL_ID_MAX = 256
+_KEYS_1_0 = {"format_version", "kind", "version", "base_version", "encoding", "shards", "tensors"}
+_KEYS_1_1 = _KEYS_1_0 | {"model_fingerprint", "model_id", "run_id"}
+
+
+def model_fingerprint(spec: ModelSpec) -> str:
+    """``sha256:`` over the sorted names, dtypes and shapes: equal for every version of one model."""
+    h = hashlib.sha256()
+    for name in sorted(spec):
+        dtype, shape = spec[name]
+        h.update(f"{name}\0{dtype}\0{list(shape)}\n".encode())
+    return "sha256:" + h.hexdigest()
+
+
+def describe_spec_difference(expected: ModelSpec, found: ModelSpec, limit: int = 3) -> str:
+    """A short human account of how two model specs differ (for refusal messages)."""
+    missing = sorted(set(expected) - set(found))
+    extra = sorted(set(found) - set(expected))
+    changed = sorted(
+        n
+        for n in set(expected) & set(found)
+        if tuple(expected[n][1]) != tuple(found[n][1]) or expected[n][0] != found[n][0]
+    )
+    parts = []
+    if changed:
+        n = changed[0]
+        parts.append(
+            f"{len(changed)} tensors differ, e.g. {n!r} is {expected[n][0]} {list(expected[n][1])} here and "
+            f"{found[n][0]} {list(found[n][1])} in the object"
+        )
+    if missing:
+        parts.append(f"{len(missing)} tensors missing from the object, e.g. {missing[:limit]}")
+    if extra:
+        parts.append(f"{len(extra)} tensors unknown here, e.g. {extra[:limit]}")
+    return "; ".join(parts) or "the specs are equal"
+
 
 ChecksumPart = tuple[int, int, str]
 """``(start, stop, digest)``: the checksum of flat elements ``[start, stop)`` of a tensor."""
@@ -80,6 +132,10 @@ class DeltaManifest:
     """Shard files, in order."""
     tensors: dict[str, TensorEntry] = field(default_factory=dict)
     """Every tensor of the model at ``version``, changed or not, by checkpoint name."""
+    model_id: str | None = None
+    """An optional name of the model lineage (e.g. ``Qwen/Qwen3-0.6B``), checked when both sides set one."""
+    run_id: str | None = None
+    """The run (the coordinator ledger's identity) that published the object; ``None`` without a coordinator."""
     format_version: str = FORMAT_VERSION
     """``major.minor`` of the format."""
 
@@ -99,13 +155,14 @@ class DeltaManifest:
         return sum(t.numel for t in self.tensors.values())
 
     @property
+    def spec(self) -> dict[str, tuple[str, tuple[int, ...]]]:
+        """The model this object belongs to: name -> (dtype, shape)."""
+        return {n: (t.dtype, t.shape) for n, t in self.tensors.items()}
+
+    @property
     def model_fingerprint(self) -> str:
-        """sha256 of the sorted names, dtypes and shapes: equal for two versions of one model."""
-        h = hashlib.sha256()
-        for name in sorted(self.tensors):
-            t = self.tensors[name]
-            h.update(f"{name}\0{t.dtype}\0{list(t.shape)}\n".encode())
-        return "sha256:" + h.hexdigest()
+        """:func:`model_fingerprint` of :attr:`spec`: equal for two versions of one model."""
+        return model_fingerprint(self.spec)
 
     def to_json(self) -> bytes:
         """Deterministic JSON (sorted keys, one line per shard and per tensor), as in ``manifest.json``."""
@@ -127,13 +184,15 @@ class DeltaManifest:
             )
             for n, t in sorted(self.tensors.items())
         )
-        head = {
+        head: dict[str, Any] = {
             "format_version": self.format_version,
             "kind": self.kind,
             "version": self.version,
             "base_version": self.base_version,
             "encoding": self.encoding,
         }
+        if self.format_version != "1.0":
+            head.update(model_fingerprint=self.model_fingerprint, model_id=self.model_id, run_id=self.run_id)
         lines = [f" {dump(k)}: {dump(v)}," for k, v in sorted(head.items())]
         body = "\n".join(
             [
@@ -159,7 +218,7 @@ class DeltaManifest:
                 (the message names the field).
             UnsupportedFormatVersion: the major format version is unknown.
         """
-        raw_bytes = data.encode() if isinstance(data, str) else data
+        raw_bytes = data.encode() if isinstance(data, str) else bytes(data)
         if len(raw_bytes) > MAX_MANIFEST_BYTES:
             raise FormatError(f"{name}: manifest is {len(raw_bytes)} bytes, more than the cap of {MAX_MANIFEST_BYTES}")
         try:
@@ -178,10 +237,10 @@ class _Check:
     def fail(self, where: str, what: str) -> FormatError:
         return FormatError(f"{self.name}: {where} {what}")
 
-    def keys(self, where: str, obj: object, keys: set[str]) -> dict[str, Any]:
+    def keys(self, where: str, obj: object, keys: set[str], *, extra_ok: bool = False) -> dict[str, Any]:
         if not isinstance(obj, dict):
             raise self.fail(where, f"must be a JSON object, found {type(obj).__name__}")
-        if set(obj) != keys:
+        if not keys <= set(obj) or (set(obj) != keys and not extra_ok):
             raise self.fail(where, f"must have exactly the keys {sorted(keys)}, found {sorted(obj)}")
         return obj
 
@@ -193,25 +252,24 @@ class _Check:
 
 def _parse_manifest(obj: object, name: str) -> DeltaManifest:
     c = _Check(name)
-    top = c.keys(
-        "manifest",
-        obj,
-        {"format_version", "kind", "version", "base_version", "encoding", "shards", "tensors"},
-    )
-    fmt = top["format_version"]
-    if not isinstance(fmt, str) or not re.fullmatch(r"\d+\.\d+", fmt):
+    fmt = obj.get("format_version") if isinstance(obj, dict) else None
+    if not isinstance(fmt, str) or not re.fullmatch(r"\d{1,6}\.\d{1,6}", fmt):
+        c.keys("manifest", obj, _KEYS_1_0, extra_ok=True)  # a clear error for non-objects and missing keys
         raise c.fail("format_version", f"must be 'major.minor', found {fmt!r}")
-    if fmt.split(".")[0] != FORMAT_VERSION.split(".")[0]:
+    major, minor = (int(x) for x in fmt.split("."))
+    ours_major, ours_minor = (int(x) for x in FORMAT_VERSION.split("."))
+    if major != ours_major:
         raise UnsupportedFormatVersion(
-            f"{name}: format_version {fmt} is not supported; this reader knows "
-            f"{FORMAT_VERSION.split('.')[0]}.x (upgrade deltasync)"
+            f"{name}: format_version {fmt} is not supported; this reader knows {ours_major}.x (upgrade deltasync)"
         )
+    # a newer minor version may only add optional keys: accept and ignore them
+    top = c.keys("manifest", obj, _KEYS_1_0 if minor == 0 else _KEYS_1_1, extra_ok=minor > ours_minor)
     kind, encoding = top["kind"], top["encoding"]
     if kind not in KINDS:
         raise c.fail("kind", f"must be one of {list(KINDS)}, found {kind!r}")
     if encoding not in ENCODINGS:
         raise c.fail("encoding", f"must be one of {list(ENCODINGS)}, found {encoding!r}")
-    version = c.int_in("version", top["version"], 0, _MAX_VERSION)
+    version = c.int_in("version", top["version"], 0, MAX_VERSION)
     base = top["base_version"]
     if kind == "anchor" and base is not None:
         raise c.fail("base_version", f"must be null for an anchor, found {base!r}")
@@ -229,31 +287,56 @@ def _parse_manifest(obj: object, name: str) -> DeltaManifest:
         if not isinstance(s["sha256"], str) or not _SHA256.fullmatch(s["sha256"]):
             raise c.fail(f"shards[{i}].sha256", f"must be 64 lowercase hex digits, found {s['sha256']!r}")
         shards.append(
-            ShardEntry(file=s["file"], bytes=c.int_in(f"shards[{i}].bytes", s["bytes"], 0, 2**62), sha256=s["sha256"])
+            ShardEntry(file=s["file"], bytes=c.int_in(f"shards[{i}].bytes", s["bytes"], 0, MAX_INT), sha256=s["sha256"])
         )
     if len({s.file for s in shards}) != len(shards):
         raise c.fail("shards", "must name each file once")
     if not isinstance(top["tensors"], dict):
         raise c.fail("tensors", f"must be an object, found {type(top['tensors']).__name__}")
     tensors = {t: _parse_tensor(c, t, raw, kind, len(shards)) for t, raw in top["tensors"].items()}
-    return DeltaManifest(
+    model_id = run_id = None
+    if minor >= 1:
+        model_id, run_id = top["model_id"], top["run_id"]
+        if model_id is not None and (not isinstance(model_id, str) or not 0 < len(model_id) <= _MODEL_ID_MAX):
+            raise c.fail("model_id", f"must be null or a string of 1 to {_MODEL_ID_MAX} characters, found {model_id!r}")
+        if run_id is not None and (not isinstance(run_id, str) or not _RUN_ID.fullmatch(run_id)):
+            raise c.fail("run_id", f"must be null or a run identity like 'run-2f1c...', found {run_id!r}")
+    manifest = DeltaManifest(
         kind=kind,
         version=version,
         base_version=base,
         encoding=encoding,
         shards=tuple(shards),
         tensors=tensors,
+        model_id=model_id,
+        run_id=run_id,
         format_version=fmt,
     )
+    if minor >= 1:
+        declared = top["model_fingerprint"]
+        if not isinstance(declared, str) or not _FINGERPRINT.fullmatch(declared):
+            raise c.fail("model_fingerprint", f"must be 'sha256:' and 64 hex digits, found {declared!r}")
+        if declared != manifest.model_fingerprint:
+            raise c.fail(
+                "model_fingerprint",
+                f"is {declared} but the tensors listed give {manifest.model_fingerprint}; the manifest is corrupt",
+            )
+    return manifest
 
 
 def _parse_tensor(c: _Check, t: str, raw: object, kind: str, n_shards: int) -> TensorEntry:
     where = f"tensors[{t!r}]"
     e = c.keys(where, raw, {"shape", "dtype", "nnz", "shards", "checksums"})
     shape = e["shape"]
-    if not isinstance(shape, list) or not all(type(d) is int and 0 <= d <= 2**40 for d in shape):
-        raise c.fail(f"{where}.shape", f"must be a list of non-negative ints, found {shape!r}")
+    if (
+        not isinstance(shape, list)
+        or len(shape) > 16
+        or not all(type(d) is int and 0 <= d <= MAX_TENSOR_NUMEL for d in shape)
+    ):
+        raise c.fail(f"{where}.shape", f"must be a list of at most 16 non-negative ints, found {shape!r}")
     numel = math.prod(shape)
+    if numel > MAX_TENSOR_NUMEL:
+        raise c.fail(f"{where}.shape", f"has {numel} elements, more than the cap of {MAX_TENSOR_NUMEL}")
     if e["dtype"] not in DTYPES:
         raise c.fail(f"{where}.dtype", f"must be one of {sorted(DTYPES)}, found {e['dtype']!r}")
     nnz = c.int_in(f"{where}.nnz", e["nnz"], numel if kind == "anchor" else 0, numel)

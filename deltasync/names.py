@@ -1,5 +1,5 @@
 """Runtime names (what ``module.state_dict()`` says under FSDP, ``torch.compile``, DDP or PEFT) to
-checkpoint names (what vLLM's ``load_weights`` expects), tied tensors published once, LoRA merged."""
+checkpoint names (what vLLM's ``load_weights`` expects), tied tensors published once."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["WRAPPER_PREFIXES", "NameMap", "checkpoint_state", "lora_merged_state"]
+__all__ = ["WRAPPER_PREFIXES", "NameMap", "checkpoint_state"]
 
 WRAPPER_PREFIXES = (
     "_orig_mod.",
@@ -39,7 +39,7 @@ class NameMap:
 
     def __call__(self, runtime_name: str) -> str | None:
         if _LORA_PART.search(runtime_name):
-            return None  # adapters are published merged (lora_merged_state) or not at all
+            return None  # adapters are published merged (deltasync.lora) or not at all
         name = runtime_name
         for prefix in WRAPPER_PREFIXES:
             name = name.replace(prefix, "")
@@ -83,24 +83,3 @@ def checkpoint_state(state: Mapping[str, torch.Tensor], name_map: NameMap | None
         if key is not None:
             seen[key] = name
     return out
-
-
-def lora_merged_state(module: torch.nn.Module, dtype: torch.dtype = torch.bfloat16) -> dict[str, torch.Tensor]:
-    """The state dict of a PEFT LoRA model with every adapter merged into its base weight.
-
-    The merge is computed on copies (``base + get_delta_weight()`` in float32, then cast), so the
-    trainer's weights are never merged and unmerged in place (which would not round-trip exactly).
-    """
-    from peft.tuners.lora import LoraLayer
-
-    state = dict(module.state_dict())
-    for qualname, m in module.named_modules():
-        if isinstance(m, LoraLayer) and not getattr(m, "merged", False):
-            base_layer: Any = getattr(m, "get_base_layer")()  # noqa: B009
-            base = base_layer.weight
-            merged = base.detach().float().clone()
-            for adapter in m.active_adapters:
-                if adapter in m.lora_A or adapter in getattr(m, "lora_embedding_A", {}):
-                    merged += m.get_delta_weight(adapter).float()  # type: ignore[attr-defined]
-            state[f"{qualname}.base_layer.weight"] = merged.to(dtype)
-    return state

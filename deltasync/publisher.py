@@ -1,8 +1,12 @@
 """The trainer side: copy the weights of a step, then diff, encode, upload and register in the background.
 
 A plain state dict or module (one process), or FSDP2 DTensors: each rank diffs its own ``Shard(0)`` rows
-against its own previous copy, writes its own shard file (global flat indices and a ``span``), and sends only
-small metadata to rank 0, which writes the manifest last and registers once. Nothing is ever gathered.
+against its own previous copy and writes its own shard file (:mod:`deltasync._sharding`); rank 0 writes the
+manifest last and registers once (:mod:`deltasync._commit`). Nothing is ever gathered.
+
+One publisher per run: rank 0 takes the coordinator's publisher lease at start (a second publisher gets a
+clear error naming the first) and every registration carries it, so a publisher that lost it can never
+register again. Every store write is create-only.
 """
 
 from __future__ import annotations
@@ -10,41 +14,36 @@ from __future__ import annotations
 import collections
 import dataclasses
 import logging
-import math
+import os
+import socket
 import threading
 import time
 from collections.abc import Mapping
-from typing import Any
+from typing import TypeVar
 
 import torch
 import torch.distributed as dist
 
-from ._header import DTYPE_NAMES, Kind
-from .client import CoordinatorClient
+from ._commit import LeaseKeeper, RankCommit
+from ._sharding import TensorView, dense_entries, globalize, local_tensors
+from .client import CoordinatorClient, Lease
 from .config import PublisherConfig
 from .diff import compute_delta
-from .format import TensorDelta, encode_shard, tensor_checksum
-from .manifest import ChecksumPart, DeltaManifest, ShardEntry, TensorEntry
-from .names import NameMap, checkpoint_state, lora_merged_state
-from .protocol import VersionCreate
+from .errors import LeaseError
+from .format import TensorDelta
+from .layout import version_of_key
+from .manifest import DeltaManifest
+from .names import NameMap
+from .signing import SigningKey
 from .store import Store, open_store
-from .versions import commit_manifest, group_by_size, list_versions, object_prefix, shard_entry
+from .vocab import DTYPE_NAMES, Kind
+from .writer import ObjectWriter
 
 __all__ = ["Publisher"]
 
+_T = TypeVar("_T")
+
 logger = logging.getLogger(__name__)
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class _View:
-    """One tensor as this rank sees it."""
-
-    shape: tuple[int, ...]
-    """Full (global) shape."""
-    span: tuple[int, int] | None
-    """This rank's flat element range (FSDP ``Shard(0)`` rows); ``None``: the whole tensor."""
-    owned: bool
-    """This rank publishes it (its rows, or rank 0 for replicated tensors)."""
 
 
 @dataclasses.dataclass
@@ -58,13 +57,14 @@ class _Item:
 class Publisher:
     """Publishes a training run's weights as deltas and anchors, off the training thread.
 
-    ``publish`` copies the weights (cast to the published dtype) into a host buffer and returns; a
-    background worker diffs against the last published version, encodes, writes shards and then the
-    manifest, and registers the version with the coordinator. Besides the version being written, the
-    queue holds ``config.queue_size`` versions: when it is full ``publish`` waits, or (``coalesce=True``)
-    merges into the newest queued version, which is then one exact delta against the last published base.
-    No version is dropped silently and memory is bounded: ``queue_size + 2`` copies of this rank's weights
-    (queued, being written, last published).
+    ``publish`` copies the weights (cast to the published dtype) into a host buffer and **returns before
+    anything is written**; a background worker diffs against the last published version, encodes, writes
+    shards and then the manifest, and registers the version with the coordinator. Call :meth:`flush` to wait
+    until every queued version is registered (``close`` and the context manager flush too). Besides the
+    version being written, the queue holds ``config.queue_size`` versions: when it is full ``publish`` waits,
+    or (``coalesce=True``) merges into the newest queued version, which is then one exact delta against the
+    last published base. No version is dropped silently and memory is bounded: ``queue_size + 2`` copies of
+    this rank's weights (queued, being written, last published).
 
     With ``torch.distributed`` initialized, construct it on every rank (it creates a gloo group for its
     metadata) and call ``publish`` on every rank in the same order.
@@ -75,15 +75,19 @@ class Publisher:
     Args:
         store: a store or store URI.
         coordinator: where to register versions (rank 0), or ``None`` to only write the store.
-        config: encoding, anchors, queue.
+        config: encoding, anchors, queue, signing key, lease.
         name_map: runtime to checkpoint names (default: strip FSDP, DDP, compile and PEFT wrappers).
         merge_lora: publish a PEFT model's LoRA adapters merged into the base weights.
+
+    Raises:
+        LeaseError: another publisher holds the run (the message names it and when its lease expires).
 
     Example:
         >>> with Publisher("/data/run1", CoordinatorClient(url, token=t)) as pub:  # doctest: +SKIP
         ...     for step in range(steps):
         ...         train_step()
-        ...         pub.publish(model, step)
+        ...         pub.publish(model, step)   # returns after the copy
+        ...     pub.flush()                    # every version written and registered
     """
 
     def __init__(
@@ -104,8 +108,28 @@ class Publisher:
         self.rank = dist.get_rank() if distributed else 0
         self.world = dist.get_world_size() if distributed else 1
         self._group = dist.new_group(backend="gloo") if self.world > 1 else None
+        self._lease = self._take_lease()
+        run_id = self._broadcast(self._lease.lease.run_id if self._lease is not None else None)
+        signing = SigningKey.from_file(self.config.signing_key) if self.config.signing_key else None
+        writer = ObjectWriter(
+            store=self.store,
+            encoding=self.config.encoding,
+            zstd_level=self.config.zstd_level,
+            max_shard_bytes=self.config.max_shard_bytes,
+            signing_key=signing,
+            model_id=self.config.model_id,
+            run_id=run_id,
+        )
+        self._commit = RankCommit(
+            writer,
+            coordinator if self.rank == 0 else None,
+            self._lease,
+            rank=self.rank,
+            world=self.world,
+            group=self._group,
+        )
         self._next_version = self._first_version()
-        self._views: dict[str, _View] | None = None
+        self._views: dict[str, TensorView] | None = None
         self._free: list[dict[str, torch.Tensor]] = []
         self._allocated = 0
         self._queue: collections.deque[_Item] = collections.deque()
@@ -115,21 +139,73 @@ class Publisher:
         self._error: BaseException | None = None
         self.last_blocked_s = 0.0
         """Seconds the last ``publish`` held the caller (resolve + copy + any back-pressure wait)."""
-        self.published: list[DeltaManifest] = []
-        """Rank 0: the manifests committed so far (deltas and anchors), in order."""
         # worker-only state
         self._snapshot: dict[str, torch.Tensor] | None = None
-        self._parts: dict[str, list[ChecksumPart]] = {}
         self._last_version: int | None = None
         self._last_anchor: tuple[int, int] = (0, 0)  # (version, bytes)
         self._bytes_since_anchor = 0
         self._worker = threading.Thread(target=self._run, name="deltasync-publisher", daemon=True)
         self._worker.start()
 
+    @property
+    def published(self) -> list[DeltaManifest]:
+        """Rank 0: the manifests committed so far (deltas and anchors), in order."""
+        return self._commit.published
+
+    @property
+    def lease(self) -> Lease | None:
+        """Rank 0: the run's publisher lease this publisher holds (``None`` without a coordinator)."""
+        return self._lease.lease if self._lease is not None else None
+
+    # ------------------------------------------------------------------ start-up
+
+    def _broadcast(self, value: _T) -> _T:
+        if self._group is None:
+            return value
+        box = [value]
+        dist.broadcast_object_list(box, src=0, group=self._group)
+        return box[0]
+
+    def _take_lease(self) -> LeaseKeeper | None:
+        if self.rank != 0 or self.coordinator is None:
+            return None
+        holder = f"{socket.gethostname()} pid {os.getpid()}"
+        deadline = time.monotonic() + self.config.lease_wait_s
+        while True:
+            try:
+                lease = self.coordinator.acquire_lease(holder, ttl_s=self.config.lease_ttl_s)
+                break
+            except LeaseError:
+                if time.monotonic() >= deadline:
+                    raise
+                time.sleep(min(1.0, self.config.lease_ttl_s / 10))
+        logger.info("publisher lease taken: run %s, epoch %d", lease.run_id, lease.epoch)
+        return LeaseKeeper(self.coordinator, lease, self.config.lease_ttl_s)
+
+    def _first_version(self) -> int:
+        version = self.config.start_version
+        if version is None and self.rank == 0:
+            # above every version the ledger registered and every key in the store (committed or left behind
+            # by a crash): writes are create-only, so a version is never written twice
+            seen = [v for v in map(version_of_key, self._store_keys()) if v is not None]
+            version = max(seen, default=-1) + 1
+            if self._lease is not None:
+                version = max(version, self._lease.lease.next_version)
+        version = self._broadcast(version)
+        assert isinstance(version, int)
+        return version
+
+    def _store_keys(self) -> list[str]:
+        try:
+            return self.store.list("")
+        except FileNotFoundError:
+            return []
+
     # ------------------------------------------------------------------ the training thread
 
     def publish(self, state: torch.nn.Module | Mapping[str, torch.Tensor], step: int | None = None) -> int:
-        """Copy the weights of this step and queue them; returns the version they will have.
+        """Copy the weights of this step and queue them; returns the version they will have. Nothing is
+        written yet when it returns (see :meth:`flush`).
 
         Blocks only for the copy (and while the queue is full, unless ``coalesce``).
 
@@ -179,15 +255,17 @@ class Publisher:
         self._raise_if_failed()
 
     def close(self) -> None:
-        """Flush, then stop the worker. Idempotent."""
+        """Flush, stop the worker and release the lease. Idempotent."""
         try:
             if not self._closed:
                 self.flush()
         finally:
             with self._cond:
-                self._closed = True
+                was_closed, self._closed = self._closed, True
                 self._cond.notify_all()
             self._worker.join()
+            if self._lease is not None and not was_closed:
+                self._lease.close()
 
     def __enter__(self) -> Publisher:
         return self
@@ -199,41 +277,11 @@ class Publisher:
         if self._error is not None:
             raise self._error
 
-    def _first_version(self) -> int:
-        version = self.config.start_version
-        if version is None and self.rank == 0:
-            committed = list_versions(self.store) if self._store_exists() else []
-            version = committed[-1].version + 1 if committed else 0
-        if self._group is not None:
-            box = [version]
-            dist.broadcast_object_list(box, src=0, group=self._group)
-            version = box[0]
-        assert version is not None
-        return version
-
-    def _store_exists(self) -> bool:
-        try:
-            self.store.list("")
-            return True
-        except FileNotFoundError:
-            return False
-
     def _resolve(self, state: torch.nn.Module | Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """This rank's local tensors by checkpoint name; fixes the views at the first call."""
-        if isinstance(state, torch.nn.Module):
-            raw = lora_merged_state(state, self.dtype) if self.merge_lora else state.state_dict()
-        else:
-            raw = dict(state)
-        named = checkpoint_state(raw, self.name_map)
-        local: dict[str, torch.Tensor] = {}
-        views: dict[str, _View] = {}
-        for name, tensor in named.items():
-            if not tensor.is_floating_point():
-                continue  # integer buffers are not weights vLLM loads
-            view, part = self._view(name, tensor)
-            views[name] = view
-            if view.owned and part is not None:
-                local[name] = part
+        local, views = local_tensors(
+            state, name_map=self.name_map, dtype=self.dtype, merge_lora=self.merge_lora, rank=self.rank
+        )
         if self._views is None:
             self._views = views
         elif views != self._views:
@@ -243,31 +291,6 @@ class Publisher:
                 "sharding must stay the same; start a new Publisher (it begins with an anchor)"
             )
         return local
-
-    def _view(self, name: str, tensor: torch.Tensor) -> tuple[_View, torch.Tensor | None]:
-        from torch.distributed.tensor import DTensor, Replicate, Shard
-
-        if not isinstance(tensor, DTensor):
-            return _View(tuple(tensor.shape), None, self.rank == 0), tensor.detach()
-        placements = tensor.placements
-        if all(isinstance(p, Replicate) for p in placements):
-            return _View(tuple(tensor.shape), None, self.rank == 0), tensor.to_local().detach()
-        if len(placements) == 1 and isinstance(placements[0], Shard) and placements[0].dim == 0:
-            from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
-            local_shape, offset = compute_local_shape_and_global_offset(
-                tensor.shape, tensor.device_mesh, tensor.placements
-            )
-            row = math.prod(tensor.shape[1:])
-            rows = local_shape[0] if local_shape else 0
-            if rows == 0:  # uneven sharding: this rank holds no rows of this tensor
-                return _View(tuple(tensor.shape), None, False), None
-            span = (offset[0] * row, (offset[0] + rows) * row)
-            return _View(tuple(tensor.shape), span, True), tensor.to_local().detach()
-        raise ValueError(
-            f"tensor {name!r}: placement {placements} is not supported; deltasync publishes Shard(0) "
-            "on a 1-D mesh (FSDP2) or replicated tensors without gathering"
-        )
 
     def _allocate(self, local: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         pin = any(t.is_cuda for t in local.values())
@@ -313,17 +336,19 @@ class Publisher:
         """Publish one version; returns the buffer set that is free again."""
         t0 = time.perf_counter()
         new = item.buffers
+        assert self._views is not None
         if self._snapshot is None:
-            self._publish_object(item.version, "anchor", self._dense(new), base_version=None)
+            self._publish_object(item.version, "anchor", dense_entries(new, self._views), base_version=None)
             self._snapshot, spare = new, None
         else:
             changes = compute_delta(self._snapshot, new)
-            deltas = [self._globalize(d, new[d.ckpt_name]) for d in changes.values()]
-            manifest_bytes = self._publish_object(item.version, "delta", deltas, base_version=self._last_version)
-            self._bytes_since_anchor += manifest_bytes
+            deltas = [globalize(d, new[d.ckpt_name], self._views[d.ckpt_name]) for d in changes.values()]
+            self._bytes_since_anchor += self._publish_object(
+                item.version, "delta", deltas, base_version=self._last_version
+            )
             self._snapshot, spare = new, self._snapshot  # double buffering: no copy, no scatter
             if self._anchor_due(item.version):
-                self._publish_object(item.version, "anchor", self._dense(new), base_version=None)
+                self._publish_object(item.version, "anchor", dense_entries(new, self._views), base_version=None)
         self._last_version = item.version
         logger.info(
             "published v%d (step %s%s) in %.0f ms",
@@ -334,139 +359,19 @@ class Publisher:
         )
         return spare
 
+    def _publish_object(self, version: int, kind: Kind, deltas: list[TensorDelta], *, base_version: int | None) -> int:
+        assert self._views is not None
+        total = self._commit.publish(
+            version, kind, deltas, base_version=base_version, views=self._views, dtype_name=DTYPE_NAMES[self.dtype]
+        )
+        if kind == "anchor":
+            self._last_anchor = (version, total)
+            self._bytes_since_anchor = 0
+        return total
+
     def _anchor_due(self, version: int) -> bool:
         every, fraction = self.config.anchor_every, self.config.anchor_bytes_fraction
         last_version, last_bytes = self._last_anchor
         due = every is not None and version - last_version >= every
         due = due or (fraction is not None and self._bytes_since_anchor > fraction * last_bytes)
-        if self._group is not None:  # every rank must agree (rank 0's byte count decides)
-            box = [due]
-            dist.broadcast_object_list(box, src=0, group=self._group)
-            due = bool(box[0])
-        return due
-
-    def _span_of(self, name: str) -> tuple[int, int] | None:
-        assert self._views is not None
-        return self._views[name].span
-
-    def _dense(self, buffers: dict[str, torch.Tensor]) -> list[TensorDelta]:
-        out = []
-        for name, t in buffers.items():
-            view = self._views[name] if self._views else None
-            assert view is not None
-            span = view.span
-            out.append(
-                TensorDelta(
-                    ckpt_name=name,
-                    shape=view.shape,
-                    dtype=t.dtype,
-                    indices=None,
-                    values=t if span is None else t.reshape(-1),
-                    span=span,
-                    checksum=tensor_checksum(t),
-                )
-            )
-        return out
-
-    def _globalize(self, d: TensorDelta, new: torch.Tensor) -> TensorDelta:
-        """A local delta (this rank's rows) in global flat coordinates."""
-        span = self._span_of(d.ckpt_name)
-        assert self._views is not None
-        shape = self._views[d.ckpt_name].shape
-        checksum = tensor_checksum(new)
-        if span is None:
-            return dataclasses.replace(d, checksum=checksum)
-        if d.indices is None:
-            base = d.base_values.reshape(-1) if d.base_values is not None else None
-            return dataclasses.replace(
-                d, shape=shape, values=d.values.reshape(-1), base_values=base, span=span, checksum=checksum
-            )
-        return dataclasses.replace(d, shape=shape, indices=d.indices + span[0], span=span, checksum=checksum)
-
-    def _publish_object(self, version: int, kind: Kind, deltas: list[TensorDelta], *, base_version: int | None) -> int:
-        """Write this rank's shards; rank 0 writes the manifest last and registers. Returns the object's bytes."""
-        cfg = self.config
-        entries: list[tuple[int, ShardEntry, list[str]]] = []
-        blobs: list[tuple[str, bytes]] = []
-        groups = [deltas] if self.world > 1 else group_by_size(deltas, cfg.max_shard_bytes)
-        for g, group in enumerate(groups):
-            if not group:
-                continue
-            index = self.rank if self.world > 1 else g
-            data = encode_shard(
-                group,
-                kind=kind,
-                encoding=cfg.encoding,
-                target_version=version,
-                base_version=base_version,
-                zstd_level=cfg.zstd_level,
-            )
-            entry = shard_entry(index, data)
-            blobs.append((object_prefix(version, kind) + entry.file, data))
-            entries.append((index, entry, [d.ckpt_name for d in group]))
-        self.store.put_many(blobs)  # this rank's shards in one batch; rank 0 commits the manifest later
-        meta: dict[str, Any] = {
-            "entries": entries,
-            "tensors": {d.ckpt_name: (d.nnz, (*(d.span or (0, math.prod(d.shape))), d.checksum)) for d in deltas},
-        }
-        metas: list[Any] = [meta]
-        if self._group is not None:
-            metas = [None] * self.world
-            dist.all_gather_object(metas, meta, group=self._group)
-        status: list[Any] = [None]
-        if self.rank == 0:
-            try:
-                total = self._commit(version, kind, base_version, metas)
-                status = [("ok", total)]
-            except BaseException as exc:
-                status = [("error", f"{type(exc).__name__}: {exc}")]
-                if self._group is None:
-                    raise
-        if self._group is not None:
-            dist.broadcast_object_list(status, src=0, group=self._group)
-        outcome, detail = status[0]
-        if outcome != "ok":
-            raise RuntimeError(f"rank 0 could not commit {kind} v{version}: {detail}")
-        return int(detail)
-
-    def _commit(self, version: int, kind: Kind, base_version: int | None, metas: list[dict[str, Any]]) -> int:
-        assert self._views is not None
-        shards = sorted((index, entry, names) for m in metas for index, entry, names in m["entries"])
-        position = {index: i for i, (index, _, _) in enumerate(shards)}
-        where: dict[str, set[int]] = collections.defaultdict(set)
-        for index, _, names in shards:
-            for n in names:
-                where[n].add(position[index])
-        nnz: dict[str, int] = collections.Counter()
-        for m in metas:
-            for name, (count, part) in m["tensors"].items():
-                nnz[name] += count
-                parts = [p for p in self._parts.get(name, []) if (p[0], p[1]) != (part[0], part[1])]
-                self._parts[name] = sorted([*parts, tuple(part)])
-        tensors = {
-            name: TensorEntry(
-                shape=view.shape,
-                dtype=DTYPE_NAMES[self.dtype],
-                nnz=nnz.get(name, 0),
-                shards=tuple(sorted(where.get(name, ()))),
-                checksums=tuple(self._parts[name]),
-            )
-            for name, view in sorted(self._views.items())
-        }
-        manifest = DeltaManifest(
-            kind=kind,
-            version=version,
-            base_version=base_version,
-            encoding=self.config.encoding,
-            shards=tuple(e for _, e, _ in shards),
-            tensors=tensors,
-        )
-        manifest = DeltaManifest.from_json(manifest.to_json(), name=f"{kind} v{version}")  # validate before commit
-        commit_manifest(self.store, manifest)
-        if self.coordinator is not None:
-            self.coordinator.register_version(VersionCreate.for_manifest(manifest))
-        if kind == "anchor":
-            self._last_anchor = (version, manifest.total_bytes)
-            self._bytes_since_anchor = 0
-        self.published.append(manifest)
-        return manifest.total_bytes
+        return bool(self._broadcast(due))  # every rank must agree (rank 0's byte count decides)

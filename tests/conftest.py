@@ -1,4 +1,4 @@
-"""Shared fixtures: seeded bf16 state dicts, the tiny model, local stores."""
+"""Shared fixtures: seeded bf16 state dicts, the tiny model, local stores, credentials, a coordinator app."""
 
 from __future__ import annotations
 
@@ -9,12 +9,32 @@ import pytest
 import torch
 
 from deltasync.store import LocalStore
-from deltasync.testing import TINY_QWEN3_CONFIG, UpdateStream, build_tiny_model, qwen3_shapes
+from deltasync.tokens import make_agent_token
+from tests.support.models import TINY_QWEN3_CONFIG, build_tiny_model, qwen3_shapes
+from tests.support.stream import UpdateStream
 
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
 SMALL_QWEN3 = {**TINY_QWEN3_CONFIG, "vocab_size": 300, "hidden_size": 64, "intermediate_size": 96}
 """Even smaller shapes for unit tests of the update stream (12 layers' worth of names in 2)."""
+
+PUBLISHER_TOKEN = "pub-secret-token"
+AGENT_SECRET = "agent-secret-0123456789abcdef"
+"""The coordinator's HMAC key for agent tokens."""
+AGENT_TOKEN = make_agent_token(AGENT_SECRET, "agent-0")
+"""The token of agent id ``agent-0`` (the AgentConfig default)."""
+TOKENS_ENV = {"DELTASYNC_PUBLISHER_TOKEN": PUBLISHER_TOKEN, "DELTASYNC_AGENT_SECRET": AGENT_SECRET}
+"""What a coordinator process is started with."""
+
+
+def agent_token(agent_id: str) -> str:
+    """The token bound to ``agent_id`` under the test coordinators' secret."""
+    return make_agent_token(AGENT_SECRET, agent_id)
+
+
+def agent_env(agent_id: str) -> dict[str, str]:
+    """The environment of an agent process with id ``agent_id``."""
+    return {"DELTASYNC_AGENT_TOKEN": agent_token(agent_id)}
 
 
 def bits(t: torch.Tensor) -> torch.Tensor:
@@ -28,6 +48,21 @@ def assert_bit_equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> 
         assert a[name].shape == b[name].shape, name
         assert a[name].dtype == b[name].dtype, name
         assert torch.equal(bits(a[name]), bits(b[name])), f"{name} differs"
+
+
+def overwrite(store: LocalStore, key: str, data: bytes) -> None:
+    """What an attacker (or a broken disk) with write access to the store's directory does: replace a file
+    behind deltasync's back. deltasync itself never overwrites (writes are create-only)."""
+    path = store.root.joinpath(*key.split("/"))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".attacker")
+    tmp.write_bytes(data)
+    os.replace(tmp, path)
+
+
+def remove(store: LocalStore, key: str) -> None:
+    """Delete a file behind deltasync's back."""
+    store.root.joinpath(*key.split("/")).unlink()
 
 
 @pytest.fixture
@@ -58,9 +93,6 @@ def anyio_backend() -> str:
     return "asyncio"
 
 
-PUBLISHER_TOKEN, AGENT_TOKEN = "pub-secret-token", "agent-secret-token"
-
-
 def version_body(version: int, kind: str = "delta", base: int | None = None, nbytes: int = 100) -> dict:
     """A valid ``POST /v1/versions`` body."""
     import hashlib
@@ -80,10 +112,25 @@ def version_body(version: int, kind: str = "delta", base: int | None = None, nby
     }
 
 
-class ServerThread:
-    """A real uvicorn server for an ASGI app, on a free 127.0.0.1 port, in a background thread."""
+def coordinator_settings(tmp: Path, **overrides):
+    """Settings of a test coordinator (credentials set) with its ledger under ``tmp``."""
+    from deltasync_coordinator.settings import Settings
 
-    def __init__(self, app) -> None:
+    values = {
+        "db": tmp / "ledger.db",
+        "store": str(tmp / "store"),
+        "publisher_token": PUBLISHER_TOKEN,
+        "agent_secret": AGENT_SECRET,
+        **overrides,
+    }
+    return Settings(**values)
+
+
+class ServerThread:
+    """A real uvicorn server for an ASGI app, on a free 127.0.0.1 port, in a background thread (its lifespan
+    runs: the database probe, agent expiry, and on exit the WAL checkpoint and close)."""
+
+    def __init__(self, app, **config) -> None:
         import socket
         import threading
 
@@ -93,8 +140,11 @@ class ServerThread:
         sock.bind(("127.0.0.1", 0))
         self.port = sock.getsockname()[1]
         sock.close()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning"))
+        scheme = "https" if "ssl_certfile" in config else "http"
+        self.url = f"{scheme}://127.0.0.1:{self.port}"
+        self.server = uvicorn.Server(
+            uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning", **config)
+        )
         self.thread = threading.Thread(target=self.server.run, daemon=True)
 
     def __enter__(self) -> ServerThread:

@@ -7,7 +7,7 @@ import re
 from collections.abc import Iterable
 from typing import BinaryIO, Protocol, runtime_checkable
 
-__all__ = ["Store", "check_key"]
+__all__ = ["MAX_KEY_CHARS", "Store", "check_key"]
 
 _KEY_SEGMENT = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,254}")
 MAX_KEY_CHARS = 1024
@@ -35,8 +35,10 @@ def check_key(key: str) -> str:
 class Store(Protocol):
     """Object storage for published versions.
 
-    Keys are relative paths (see :func:`check_key`). ``put`` is atomic: a reader sees the whole
-    object or none of it. Implementations are safe to call from several threads.
+    Keys are relative paths (see :func:`check_key`). Writes are **create-only**: a key, once written, is
+    never written again (``ObjectExists``), so a registered object's bytes can never change. Each write is
+    atomic: a reader sees the whole object or none of it. Reads are bounded: ``get`` checks an object's size
+    before reading it. Implementations are safe to call from several threads.
     """
 
     @property
@@ -45,23 +47,34 @@ class Store(Protocol):
         ...
 
     def put(self, key: str, data: bytes | bytearray | memoryview) -> None:
-        """Write an object atomically, replacing any object under ``key``."""
+        """Create an object atomically. Raises ObjectExists if the key is taken."""
         ...
 
     def put_many(self, items: Iterable[tuple[str, bytes | bytearray | memoryview]]) -> None:
-        """Write several objects (a version's shards) together: one batch where the store has batches."""
+        """Create several objects (a version's shards): one batch where the store has batches. Raises
+        ObjectExists, before writing any, if a key is taken."""
         ...
 
     def put_file(self, key: str, path: str | os.PathLike[str]) -> None:
-        """Write an object atomically from a local file, streaming."""
+        """Create an object atomically from a local file, streaming. Raises ObjectExists if the key is taken."""
         ...
 
-    def get(self, key: str) -> bytes:
-        """Read a whole object. Raises ObjectNotFound if there is none."""
+    def get(self, key: str, *, max_bytes: int | None = None) -> bytes:
+        """Read a whole object.
+
+        Raises:
+            ObjectNotFound: there is none.
+            ObjectTooLarge: it is larger than ``max_bytes`` (checked before reading).
+            UnsafeObject: the key leads to something that is not a regular file.
+        """
         ...
 
     def open(self, key: str) -> BinaryIO:
         """Open an object for streaming reads. Raises ObjectNotFound if there is none."""
+        ...
+
+    def size(self, key: str) -> int:
+        """An object's size in bytes, without reading it. Raises ObjectNotFound if there is none."""
         ...
 
     def exists(self, key: str) -> bool:

@@ -18,7 +18,7 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any, BinaryIO, TypeVar
 
-from ..errors import ObjectNotFound, StoreError
+from ..errors import ObjectExists, ObjectNotFound, ObjectTooLarge, StoreError
 from .base import check_key
 
 __all__ = ["HubBucketStore", "parse_hub_uri"]
@@ -175,22 +175,41 @@ class HubBucketStore:
 
     # ------------------------------------------------------------------ writes
 
+    def _refuse_existing(self, keys: list[str]) -> None:
+        """Create-only: a bucket has no conditional put, so every key is looked up first (one call) and the
+        upload is refused if one exists. Two writers racing inside that gap are kept apart by the
+        coordinator's publisher lease, not by the bucket."""
+        remotes = [self._path(k) for k in keys]
+        try:
+            infos = self._call(
+                f"stat {remotes[:3]}", lambda: list(self.api.get_bucket_paths_info(self.bucket_id, remotes))
+            )
+        except ObjectNotFound:  # no bucket yet: nothing exists
+            return
+        taken = sorted({i.path for i in infos} & set(remotes))
+        if taken:
+            raise ObjectExists(f"{self.uri}: {taken[:3]} exist; objects are create-only (another writer?)")
+
     def put(self, key: str, data: bytes | bytearray | memoryview) -> None:
-        """Upload one object (one batch)."""
+        """Upload one object (one batch). Raises ObjectExists if the key is taken."""
         self.put_many([(key, bytes(data))])
 
     def put_many(self, items: Iterable[tuple[str, bytes | bytearray | memoryview]]) -> None:
-        """Upload several objects in one batch (a version's shards)."""
-        add: list[tuple[str | Path | bytes, str]] = [(bytes(data), self._path(key)) for key, data in items]
+        """Upload several objects in one batch (a version's shards). Raises ObjectExists, uploading nothing,
+        if a key is taken."""
+        pairs = [(key, bytes(data)) for key, data in items]
+        add: list[tuple[str | Path | bytes, str]] = [(data, self._path(key)) for key, data in pairs]
         if not add:
             return
         self._ensure_bucket()
+        self._refuse_existing([k for k, _ in pairs])
         self._call(f"upload {[p for _, p in add][:3]}", lambda: self.api.batch_bucket_files(self.bucket_id, add=add))
 
     def put_file(self, key: str, path: str | os.PathLike[str]) -> None:
-        """Upload a local file (streamed by huggingface_hub)."""
+        """Upload a local file (streamed by huggingface_hub). Raises ObjectExists if the key is taken."""
         remote = self._path(key)
         self._ensure_bucket()
+        self._refuse_existing([key])
         self._call(f"upload {remote}", lambda: self.api.batch_bucket_files(self.bucket_id, add=[(str(path), remote)]))
 
     def delete(self, key: str) -> None:
@@ -213,10 +232,14 @@ class HubBucketStore:
         except ObjectNotFound:
             return False
 
-    def _fetch(self, key: str) -> Path:
+    def _fetch(self, key: str, max_bytes: int | None = None) -> Path:
         info = self._info(key)
         if info is None:
             raise ObjectNotFound(f"{self.uri}: no object {key!r}")
+        if max_bytes is not None and info.size > max_bytes:
+            raise ObjectTooLarge(
+                f"{self.uri}: {key!r} is {info.size} bytes, more than the {max_bytes} allowed; not downloaded"
+            )
         cached = self.cache_dir / "blobs" / str(info.xet_hash)
         if cached.exists() and cached.stat().st_size == info.size:
             return cached
@@ -236,8 +259,19 @@ class HubBucketStore:
             tmp.parent.rmdir()
         return cached
 
-    def get(self, key: str) -> bytes:
-        return self._fetch(key).read_bytes()
+    def get(self, key: str, *, max_bytes: int | None = None) -> bytes:
+        path = self._fetch(key, max_bytes)
+        with open(path, "rb") as f:
+            data = f.read(max_bytes + 1 if max_bytes is not None else -1)
+        if max_bytes is not None and len(data) > max_bytes:
+            raise ObjectTooLarge(f"{self.uri}: {key!r} is larger than the {max_bytes} bytes allowed")
+        return data
+
+    def size(self, key: str) -> int:
+        info = self._info(key)
+        if info is None:
+            raise ObjectNotFound(f"{self.uri}: no object {key!r}")
+        return int(info.size)
 
     def open(self, key: str) -> BinaryIO:
         return open(self._fetch(key), "rb")

@@ -1,29 +1,56 @@
-"""LocalStore: a store in a local directory, with atomic writes (temp file, fsync, rename)."""
+"""LocalStore: a store in a local directory. Create-only atomic writes; bounded reads of regular files only.
+
+Every path is walked one component at a time from a descriptor of the root (``openat`` with
+``O_NOFOLLOW``), so no read, write or delete ever follows a symbolic link or leaves the root, whatever
+another process does to the tree meanwhile.
+"""
 
 from __future__ import annotations
 
-import contextlib
+import builtins
+import errno
 import os
-import shutil
+import stat
 import uuid
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import BinaryIO
 
-from ..errors import ObjectNotFound, StoreError
+from ..errors import ObjectExists, ObjectNotFound, ObjectTooLarge, StoreError, UnsafeObject
 from .base import check_key
 
 __all__ = ["LocalStore"]
 
 _TMP_PREFIX = ".tmp-"
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+_READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC  # NONBLOCK: a fifo cannot hang us
+_CHUNK = 8 << 20
+
+
+def _kind(mode: int) -> str:
+    for test, name in (
+        (stat.S_ISLNK, "a symlink"),
+        (stat.S_ISDIR, "a directory"),
+        (stat.S_ISCHR, "a character device"),
+        (stat.S_ISBLK, "a block device"),
+        (stat.S_ISFIFO, "a fifo"),
+        (stat.S_ISSOCK, "a socket"),
+    ):
+        if test(mode):
+            return name
+    return "not a regular file"
 
 
 class LocalStore:
     """A store rooted at a local directory (created on the first write).
 
-    Writes go to a hidden temporary file in the target directory, are fsynced, renamed over the
-    key and the directory is fsynced, so a crash leaves either the old object or the new one.
-    Temporary files are invisible to :meth:`list`.
+    Writes go to a hidden temporary file in the target directory, are fsynced, then hard-linked to the key
+    (which fails if the key exists: create-only) and the directory is fsynced, so a crash leaves either no
+    object or the whole one. Temporary files are invisible to :meth:`list`. Reads open regular files only,
+    never through a symlink, and check the size before reading.
+
+    The root itself may be a symlink (an operator's choice, resolved once); nothing below it may.
 
     Example:
         >>> store = LocalStore("/tmp/run1")  # doctest: +SKIP
@@ -41,100 +68,266 @@ class LocalStore:
         """``file://`` URI of the root."""
         return self.root.as_uri()
 
-    def _path(self, key: str) -> Path:
-        return self.root.joinpath(*check_key(key).split("/"))
+    # ------------------------------------------------------------------ descriptors
 
-    def _write_atomic(self, key: str, write: object) -> None:
-        target = self._path(key)
+    def _root_fd(self, create: bool) -> int:
         try:
-            target.parent.mkdir(parents=True, exist_ok=True)
-            tmp = target.parent / f"{_TMP_PREFIX}{target.name}.{uuid.uuid4().hex}"
-            try:
-                with open(tmp, "wb") as f:
-                    write(f)  # type: ignore[operator]
-                    f.flush()
-                    os.fsync(f.fileno())
-                os.replace(tmp, target)
-            except BaseException:
-                with contextlib.suppress(FileNotFoundError):
-                    tmp.unlink()
-                raise
-            dir_fd = os.open(target.parent, os.O_RDONLY)
-            try:
-                os.fsync(dir_fd)
-            finally:
-                os.close(dir_fd)
+            return os.open(self.root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        except FileNotFoundError:
+            if not create:
+                raise ObjectNotFound(f"{self.uri}: the store directory does not exist") from None
+            self.root.mkdir(parents=True, exist_ok=True)
+            return os.open(self.root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+
+    @contextmanager
+    def _dir(self, parts: builtins.list[str], *, create: bool) -> Iterator[int]:
+        """A descriptor of the directory ``root/parts``, walked without following links."""
+        fd = self._root_fd(create)
+        try:
+            for i, part in enumerate(parts):
+                try:
+                    nfd = os.open(part, _DIR_FLAGS, dir_fd=fd)
+                except FileNotFoundError:
+                    if not create:
+                        raise ObjectNotFound(f"{self.uri}: no object under {'/'.join(parts[: i + 1])!r}") from None
+                    try:
+                        os.mkdir(part, 0o755, dir_fd=fd)
+                    except FileExistsError:
+                        pass  # another writer made it
+                    nfd = os.open(part, _DIR_FLAGS, dir_fd=fd)
+                except OSError as exc:
+                    if exc.errno in (errno.ELOOP, errno.ENOTDIR):
+                        raise UnsafeObject(
+                            f"{self.uri}: {'/'.join(parts[: i + 1])!r} is a symlink or not a directory; "
+                            "deltasync never follows links inside a store: remove it"
+                        ) from None
+                    raise
+                os.close(fd)
+                fd = nfd
+            yield fd
+        finally:
+            os.close(fd)
+
+    @staticmethod
+    def _split(key: str) -> tuple[builtins.list[str], str]:
+        parts = check_key(key).split("/")
+        return parts[:-1], parts[-1]
+
+    def _wrap(self, key: str, action: str, exc: OSError) -> StoreError:
+        return StoreError(f"{self.uri}: could not {action} {key!r} ({exc})")
+
+    # ------------------------------------------------------------------ writes
+
+    def _create(self, key: str, write: object) -> None:
+        dirs, name = self._split(key)
+        try:
+            with self._dir(dirs, create=True) as dfd:
+                if self._lexists(dfd, name):
+                    raise ObjectExists(f"{self.uri}: {key!r} exists; objects are create-only (another writer?)")
+                tmp = f"{_TMP_PREFIX}{name}.{uuid.uuid4().hex}"
+                fd = os.open(
+                    tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644, dir_fd=dfd
+                )
+                try:
+                    with os.fdopen(fd, "wb") as f:
+                        write(f)  # type: ignore[operator]
+                        f.flush()
+                        os.fsync(f.fileno())
+                    try:
+                        os.link(tmp, name, src_dir_fd=dfd, dst_dir_fd=dfd, follow_symlinks=False)
+                    except FileExistsError:
+                        raise ObjectExists(
+                            f"{self.uri}: {key!r} exists; objects are create-only (another writer?)"
+                        ) from None
+                finally:
+                    try:
+                        os.unlink(tmp, dir_fd=dfd)
+                    except FileNotFoundError:
+                        pass
+                os.fsync(dfd)
+        except StoreError:
+            raise
         except OSError as exc:
-            raise StoreError(f"{self.uri}: could not write {key!r} ({exc})") from exc
+            raise self._wrap(key, "write", exc) from exc
+
+    @staticmethod
+    def _lexists(dfd: int, name: str) -> bool:
+        try:
+            os.stat(name, dir_fd=dfd, follow_symlinks=False)
+            return True
+        except FileNotFoundError:
+            return False
 
     def put(self, key: str, data: bytes | bytearray | memoryview) -> None:
-        """Write an object atomically, replacing any object under ``key``."""
-        self._write_atomic(key, lambda f: f.write(data))
+        """Create an object atomically. Raises ObjectExists if the key is taken."""
+        self._create(key, lambda f: f.write(data))
 
     def put_many(self, items: Iterable[tuple[str, bytes | bytearray | memoryview]]) -> None:
-        """Write several objects, each atomically."""
+        """Create several objects, each atomically; refuses them all if one key is taken."""
+        items = list(items)
+        for key, _ in items:
+            if self.exists(key) or self._is_link(key):
+                raise ObjectExists(f"{self.uri}: {key!r} exists; objects are create-only (another writer?)")
         for key, data in items:
             self.put(key, data)
 
     def put_file(self, key: str, path: str | os.PathLike[str]) -> None:
-        """Copy a local file in atomically."""
+        """Copy a local file in atomically. Raises ObjectExists if the key is taken."""
 
         def copy(dst: BinaryIO) -> None:
             with open(path, "rb") as src:
-                shutil.copyfileobj(src, dst, 8 << 20)
+                while chunk := src.read(_CHUNK):
+                    dst.write(chunk)
 
-        self._write_atomic(key, copy)
+        self._create(key, copy)
 
-    def get(self, key: str) -> bytes:
-        """Read a whole object."""
-        with self.open(key) as f:
-            return f.read()
+    # ------------------------------------------------------------------ reads
+
+    @contextmanager
+    def _open_regular(self, key: str) -> Iterator[tuple[int, os.stat_result]]:
+        dirs, name = self._split(key)
+        try:
+            with self._dir(dirs, create=False) as dfd:
+                try:
+                    fd = os.open(name, _READ_FLAGS, dir_fd=dfd)
+                except FileNotFoundError:
+                    raise ObjectNotFound(f"{self.uri}: no object {key!r}") from None
+                except OSError as exc:
+                    if exc.errno == errno.ELOOP:
+                        raise UnsafeObject(
+                            f"{self.uri}: {key!r} is a symlink; deltasync reads only regular files: remove it"
+                        ) from None
+                    raise
+        except ObjectNotFound:
+            raise ObjectNotFound(f"{self.uri}: no object {key!r}") from None
+        except StoreError:
+            raise
+        except OSError as exc:
+            raise self._wrap(key, "read", exc) from exc
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                raise UnsafeObject(
+                    f"{self.uri}: {key!r} is {_kind(st.st_mode)}; deltasync reads only regular files: remove it"
+                )
+            os.set_blocking(fd, True)
+            yield fd, st
+        finally:
+            os.close(fd)
+
+    def get(self, key: str, *, max_bytes: int | None = None) -> bytes:
+        """Read a whole object; its size is checked against ``max_bytes`` before a byte is read."""
+        with self._open_regular(key) as (fd, st):
+            if max_bytes is not None and st.st_size > max_bytes:
+                raise ObjectTooLarge(
+                    f"{self.uri}: {key!r} is {st.st_size} bytes, more than the {max_bytes} allowed; not read"
+                )
+            limit = st.st_size if max_bytes is None else max_bytes
+            chunks, total = [], 0
+            try:
+                while total <= limit:  # read at most limit + 1 bytes: a file that grows cannot exhaust memory
+                    chunk = os.read(fd, min(_CHUNK, limit + 1 - total))
+                    if not chunk:
+                        break
+                    chunks.append(chunk)
+                    total += len(chunk)
+            except OSError as exc:
+                raise self._wrap(key, "read", exc) from exc
+            if max_bytes is not None and total > max_bytes:
+                raise ObjectTooLarge(f"{self.uri}: {key!r} grew past the {max_bytes} bytes allowed while read")
+            return b"".join(chunks)
 
     def open(self, key: str) -> BinaryIO:
-        """Open an object for streaming reads."""
-        path = self._path(key)
+        """Open an object (a regular file, never through a link) for streaming reads."""
+        with self._open_regular(key) as (fd, _):
+            return os.fdopen(os.dup(fd), "rb")
+
+    def size(self, key: str) -> int:
+        """An object's size in bytes."""
+        with self._open_regular(key) as (_, st):
+            return st.st_size
+
+    def _is_link(self, key: str) -> bool:
+        dirs, name = self._split(key)
         try:
-            return open(path, "rb")
-        except FileNotFoundError:
-            raise ObjectNotFound(f"{self.uri}: no object {key!r}") from None
-        except OSError as exc:
-            raise StoreError(f"{self.uri}: could not read {key!r} ({exc})") from exc
+            with self._dir(dirs, create=False) as dfd:
+                return stat.S_ISLNK(os.stat(name, dir_fd=dfd, follow_symlinks=False).st_mode)
+        except (StoreError, OSError):
+            return False
 
     def exists(self, key: str) -> bool:
-        """Whether an object is stored under ``key``."""
-        return self._path(key).is_file()
+        """Whether a regular file is stored under ``key`` (a symlink there does not count)."""
+        dirs, name = self._split(key)
+        try:
+            with self._dir(dirs, create=False) as dfd:
+                return stat.S_ISREG(os.stat(name, dir_fd=dfd, follow_symlinks=False).st_mode)
+        except (StoreError, OSError):
+            return False
 
     def list(self, prefix: str = "") -> list[str]:
-        """Keys under a directory-like ``prefix`` (``""`` or ending in ``/``), sorted.
+        """Keys of the regular files under a directory-like ``prefix`` (``""`` or ending in ``/``), sorted.
+
+        Symlinks, devices and hidden names are skipped, and symlinked directories are not entered.
 
         Raises:
             ObjectNotFound: the store's root directory does not exist.
+            UnsafeObject: ``prefix`` itself leads through a symlink.
         """
         if prefix and not prefix.endswith("/"):
             raise ValueError(f"prefix {prefix!r} must be empty or end with '/'")
         if not self.root.is_dir():
             raise ObjectNotFound(f"{self.uri}: the store directory does not exist")
-        base = self._path(prefix.rstrip("/")) if prefix else self.root
-        keys: list[str] = []
-        for dirpath, dirnames, filenames in os.walk(base):
-            dirnames[:] = [d for d in dirnames if not d.startswith(".")]
-            rel = Path(dirpath).relative_to(self.root)
-            keys.extend("/".join((*rel.parts, f)) for f in filenames if not f.startswith("."))
+        parts = check_key(prefix.rstrip("/")).split("/") if prefix else []
+        keys: builtins.list[str] = []
+        try:
+            with self._dir(parts, create=False) as dfd:
+                self._walk(dfd, parts, keys)
+        except ObjectNotFound:
+            return []
         return sorted(keys)
 
+    def _walk(self, dfd: int, parts: builtins.list[str], out: builtins.list[str]) -> None:
+        for entry in os.scandir(dfd):
+            if entry.name.startswith("."):
+                continue
+            if entry.is_dir(follow_symlinks=False):
+                try:
+                    sub = os.open(entry.name, _DIR_FLAGS, dir_fd=dfd)
+                except OSError:
+                    continue  # replaced by a link or removed meanwhile: not ours to list
+                try:
+                    self._walk(sub, [*parts, entry.name], out)
+                finally:
+                    os.close(sub)
+            elif entry.is_file(follow_symlinks=False):
+                out.append("/".join([*parts, entry.name]))
+
+    # ------------------------------------------------------------------ deletes
+
     def delete(self, key: str) -> None:
-        """Delete an object and any directories it leaves empty."""
-        path = self._path(key)
+        """Delete a regular file (never a link, never outside the root) and the directories it leaves empty."""
+        dirs, name = self._split(key)
         try:
-            path.unlink()
-        except FileNotFoundError:
+            with self._dir(dirs, create=False) as dfd:
+                try:
+                    st = os.stat(name, dir_fd=dfd, follow_symlinks=False)
+                except FileNotFoundError:
+                    raise ObjectNotFound(f"{self.uri}: no object {key!r}") from None
+                if not stat.S_ISREG(st.st_mode):
+                    raise UnsafeObject(
+                        f"{self.uri}: {key!r} is {_kind(st.st_mode)}; deltasync deletes only regular files it "
+                        "wrote, never through a link: remove it by hand"
+                    )
+                os.unlink(name, dir_fd=dfd)
+        except ObjectNotFound:
             raise ObjectNotFound(f"{self.uri}: no object {key!r}") from None
+        except StoreError:
+            raise
         except OSError as exc:
-            raise StoreError(f"{self.uri}: could not delete {key!r} ({exc})") from exc
-        parent = path.parent
-        while parent != self.root:
+            raise self._wrap(key, "delete", exc) from exc
+        for depth in range(len(dirs), 0, -1):  # remove emptied directories, innermost first
             try:
-                parent.rmdir()
-            except OSError:  # not empty (or raced with a writer): stop climbing
+                with self._dir(dirs[: depth - 1], create=False) as parent:
+                    os.rmdir(dirs[depth - 1], dir_fd=parent)
+            except (OSError, StoreError):  # not empty (or raced with a writer): stop climbing
                 break
-            parent = parent.parent

@@ -8,7 +8,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
 from deltasync.testing import offline_llm
 
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")

@@ -21,11 +21,12 @@ def _pause(marker: str) -> None:
 
 
 def publish(args: argparse.Namespace) -> None:
+    from deltasync.testing import TINY_QWEN3_CONFIG, UpdateStream, qwen3_shapes
+
     from deltasync.client import CoordinatorClient
     from deltasync.config import PublisherConfig
     from deltasync.publisher import Publisher
     from deltasync.store import LocalStore
-    from deltasync.testing import TINY_QWEN3_CONFIG, UpdateStream, qwen3_shapes
 
     class PausingStore(LocalStore):
         def put(self, key: str, data: Any) -> None:

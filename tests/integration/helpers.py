@@ -13,13 +13,13 @@ from pathlib import Path
 
 import httpx
 import torch
+from deltasync.protocol import VersionCreate
+from deltasync.testing import CoordinatorProcess, UpdateStream, VllmServerProcess, qwen3_effective_checksums
 from safetensors.torch import load_file
 
 from deltasync import LocalStore, compute_delta, write_anchor, write_delta
 from deltasync.client import CoordinatorClient
 from deltasync.manifest import DeltaManifest
-from deltasync.protocol import VersionCreate
-from deltasync.testing import CoordinatorProcess, UpdateStream, VllmServerProcess, qwen3_effective_checksums
 from tests.conftest import AGENT_TOKEN, PUBLISHER_TOKEN
 
 TOKENS_ENV = {"DELTASYNC_PUBLISHER_TOKEN": PUBLISHER_TOKEN, "DELTASYNC_AGENT_TOKEN": AGENT_TOKEN}

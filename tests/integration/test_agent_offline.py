@@ -13,6 +13,9 @@ from typing import Any
 
 import pytest
 import torch
+from deltasync.testing import qwen3_effective_checksums
+from deltasync_coordinator.app import create_app
+from deltasync_coordinator.settings import Settings
 from safetensors.torch import load_file, save_file
 
 from deltasync import ApplyError, IntegrityError, LocalStore, TensorDelta, VersionGapError, encode_shard
@@ -20,9 +23,6 @@ from deltasync.agent import Agent
 from deltasync.client import CoordinatorClient
 from deltasync.config import AgentConfig
 from deltasync.targets import OfflineLLMTarget
-from deltasync.testing import qwen3_effective_checksums
-from services.coordinator.app import create_app
-from services.coordinator.settings import Settings
 from tests.conftest import AGENT_TOKEN, PUBLISHER_TOKEN, ServerThread
 from tests.integration.fresh_engine import generate
 from tests.integration.helpers import StreamPublisher

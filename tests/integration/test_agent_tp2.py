@@ -9,15 +9,15 @@ import sys
 from pathlib import Path
 
 import pytest
+from deltasync.testing import offline_llm
+from deltasync_coordinator.app import create_app
+from deltasync_coordinator.settings import Settings
 from safetensors.torch import load_file, save_file
 
 from deltasync import LocalStore
 from deltasync.agent import Agent
 from deltasync.client import CoordinatorClient
 from deltasync.config import AgentConfig
-from deltasync.testing import offline_llm
-from services.coordinator.app import create_app
-from services.coordinator.settings import Settings
 from tests.conftest import AGENT_TOKEN, PUBLISHER_TOKEN, ServerThread
 from tests.integration.fresh_engine import generate
 from tests.integration.helpers import StreamPublisher

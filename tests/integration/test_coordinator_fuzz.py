@@ -8,11 +8,10 @@ from pathlib import Path
 
 import pytest
 import schemathesis
+from deltasync_coordinator.app import create_app
+from deltasync_coordinator.settings import Settings
 from hypothesis import HealthCheck, settings
 from schemathesis.specs.openapi.checks import positive_data_acceptance
-
-from services.coordinator.app import create_app
-from services.coordinator.settings import Settings
 
 _tmp = Path(tempfile.mkdtemp(prefix="deltasync-fuzz-"))
 APP = create_app(Settings(db=_tmp / "c.db", store=str(_tmp / "store"), max_wait_s=0.05))

@@ -11,11 +11,11 @@ from pathlib import Path
 
 import httpx
 import pytest
+from deltasync.protocol import VersionCreate
+from deltasync.testing import CoordinatorProcess
 
 from deltasync import CoordinatorError
 from deltasync.client import CoordinatorClient
-from deltasync.protocol import VersionCreate
-from deltasync.testing import CoordinatorProcess
 from tests.conftest import AGENT_TOKEN, PUBLISHER_TOKEN, version_body
 
 pytestmark = pytest.mark.slow

@@ -18,6 +18,8 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
+from deltasync.testing import CoordinatorProcess, HostTarget, UpdateStream, qwen3_shapes
+from deltasync.versions import manifest_key
 
 from deltasync import (
     FormatError,
@@ -34,8 +36,6 @@ from deltasync.agent import Agent
 from deltasync.client import CoordinatorClient
 from deltasync.config import AgentConfig, PublisherConfig
 from deltasync.publisher import Publisher
-from deltasync.testing import CoordinatorProcess, HostTarget, UpdateStream, qwen3_shapes
-from deltasync.versions import manifest_key
 from tests.conftest import AGENT_TOKEN, PUBLISHER_TOKEN, SMALL_QWEN3, assert_bit_equal
 
 pytestmark = pytest.mark.slow
@@ -247,8 +247,9 @@ def test_a_manifest_with_a_wrong_size(published) -> None:
 
 
 def test_duplicate_out_of_order_and_replayed_versions(published, tmp_path: Path) -> None:
-    from deltasync.errors import CoordinatorError
     from deltasync.protocol import VersionCreate
+
+    from deltasync.errors import CoordinatorError
 
     store, agent, step, truth, client = published
     v1, v2 = step(), step()
@@ -290,8 +291,9 @@ def test_a_delta_for_another_model(published, tmp_path: Path) -> None:
 
 
 def _stage_raw(store: LocalStore, version: int, tmp: Path) -> Path:
-    from deltasync import encode_shard
     from deltasync.versions import load_object
+
+    from deltasync import encode_shard
 
     base = read_weights(store, version - 1)
     deltas = load_object(store, read_manifest(store, version), base=base)

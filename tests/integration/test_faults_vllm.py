@@ -11,11 +11,11 @@ from pathlib import Path
 
 import httpx
 import pytest
+from deltasync.testing import HostTarget
 
 from deltasync.agent import Agent
 from deltasync.client import CoordinatorClient
 from deltasync.config import AgentConfig
-from deltasync.testing import HostTarget
 from tests.conftest import AGENT_TOKEN, assert_bit_equal
 from tests.integration.helpers import ServerStack, server_stack
 

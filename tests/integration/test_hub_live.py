@@ -7,11 +7,11 @@ import uuid
 from pathlib import Path
 
 import pytest
+from deltasync.testing import UpdateStream
 
 from deltasync import list_versions, read_weights
 from deltasync.publisher import Publisher
 from deltasync.store.hub import HubBucketStore
-from deltasync.testing import UpdateStream
 from tests.conftest import assert_bit_equal
 
 pytestmark = pytest.mark.hub

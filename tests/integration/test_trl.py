@@ -6,13 +6,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from deltasync_coordinator.app import create_app
+from deltasync_coordinator.settings import Settings
 
 from deltasync import LocalStore, list_versions, read_weights
 from deltasync.client import CoordinatorClient
 from deltasync.integrations.trl import DeltaSyncCallback, DeltaSyncWeightTransfer
 from deltasync.publisher import Publisher
-from services.coordinator.app import create_app
-from services.coordinator.settings import Settings
 from tests.conftest import PUBLISHER_TOKEN, ServerThread, assert_bit_equal
 
 pytestmark = pytest.mark.slow

@@ -7,9 +7,11 @@ from pathlib import Path
 
 import pytest
 
-from deltasync import LocalStore, compute_delta, write_anchor, write_delta
+from deltasync import LocalStore, ObjectWriter, SigningKey, VerifyKey, compute_delta, write_anchor, write_delta
 from deltasync.cli import main
-from deltasync.testing import UpdateStream
+from deltasync.tokens import agent_id_of
+from tests.conftest import PUBLISHER_TOKEN, ServerThread, coordinator_settings, overwrite
+from tests.support.stream import UpdateStream
 
 
 @pytest.fixture
@@ -62,6 +64,8 @@ def test_verify(published: LocalStore, capsys: pytest.CaptureFixture[str]) -> No
         "deltas": [1, 2],
         "tensors": 24,
         "elements": 0,
+        "signed": False,
+        "ledger": False,
     }
     assert main(["verify", str(published.root), "--version", "3"]) == 0
     assert "v3: ok, 24 tensors" in capsys.readouterr().out
@@ -71,7 +75,7 @@ def test_errors_exit_1_with_the_class_name(published: LocalStore, capsys: pytest
     key = "v00000002/shard-00000.safetensors"
     data = bytearray(published.get(key))
     data[-1] ^= 0xFF
-    published.put(key, bytes(data))
+    overwrite(published, key, bytes(data))
     assert main(["verify", str(published.root), "--version", "2"]) == 1
     err = capsys.readouterr().err
     assert err.startswith("IntegrityError: ") and "sha256" in err and "Traceback" not in err
@@ -85,11 +89,76 @@ def test_usage_errors_exit_2(tmp_path: Path, capsys: pytest.CaptureFixture[str])
     with pytest.raises(SystemExit) as exc:
         main(["verify", str(tmp_path)])
     assert exc.value.code == 2
-    assert main(["ls", "s3://bucket"]) == 2
-    assert "no store for scheme 's3'" in capsys.readouterr().err
+    assert main(["ls", "gopher://bucket"]) == 2
+    assert "no store for scheme 'gopher'" in capsys.readouterr().err
 
 
 def test_console_script_is_installed(published: LocalStore) -> None:
     exe = Path(sys.executable).with_name("deltasync")
     out = subprocess.run([str(exe), "ls", str(published.root), "--json"], capture_output=True, text=True, check=True)
     assert len(json.loads(out.stdout)) == 5
+
+
+def test_verify_with_a_public_key_refuses_what_the_publisher_did_not_sign(
+    tmp_path: Path, update_stream: UpdateStream, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Issue 11 row 7 (observed): a forged manifest + shard written into the store: `deltasync verify` said "all
+    checksums match". Signed by the publisher, and checked with its public key, the forgery is refused."""
+    assert main(["keygen", str(tmp_path / "key")]) == 0
+    assert (tmp_path / "key").stat().st_mode & 0o777 == 0o600 and "key id sha256:" in capsys.readouterr().out
+    store = LocalStore(tmp_path / "store")
+    signed = ObjectWriter(store=store, signing_key=SigningKey.from_file(tmp_path / "key"))
+    weights = update_stream.bf16()
+    write_anchor(signed, weights, version=0)
+    pub = str(tmp_path / "key.pub")
+    assert main(["verify", str(store.root), "--version", "0", "--public-key", pub]) == 0
+    assert "every manifest signed by sha256:" in capsys.readouterr().out
+    forger = ObjectWriter(store=LocalStore(tmp_path / "evil"))  # unsigned, consistent, zeros
+    write_anchor(forger, {k: v * 0 for k, v in weights.items()}, version=0)
+    for k in forger.store.list():
+        overwrite(store, k, forger.store.get(k))
+    assert main(["verify", str(store.root), "--version", "0"]) == 0  # the store alone cannot tell
+    assert "not that the publisher wrote it" in capsys.readouterr().err
+    assert main(["verify", str(store.root), "--version", "0", "--public-key", pub]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("SignatureError: ") and "the signature does not match the manifest's bytes" in err
+    assert VerifyKey.from_file(pub).key_id.startswith("sha256:")
+
+
+def test_verify_against_the_coordinator_refuses_unregistered_bytes(
+    tmp_path: Path, update_stream: UpdateStream, capsys: pytest.CaptureFixture[str], monkeypatch
+) -> None:
+    from deltasync_coordinator.app import create_app
+
+    from deltasync.client import CoordinatorClient
+    from deltasync.schemas import VersionCreate
+
+    store = LocalStore(tmp_path / "store")
+    with ServerThread(create_app(coordinator_settings(tmp_path))) as server:
+        with CoordinatorClient(server.url, token=PUBLISHER_TOKEN) as client:
+            lease = client.acquire_lease("cli-test", ttl_s=60)
+            m = write_anchor(store, update_stream.bf16(), version=0)
+            client.register_version(VersionCreate.for_manifest(m), lease=lease)
+        monkeypatch.setenv("DELTASYNC_TOKEN", PUBLISHER_TOKEN)
+        assert main(["verify", str(store.root), "--version", "0", "--coordinator", server.url]) == 0
+        assert f"every manifest registered with {server.url}" in capsys.readouterr().out
+        forger = LocalStore(tmp_path / "evil")
+        write_anchor(forger, {k: v * 0 for k, v in update_stream.bf16().items()}, version=0)
+        for k in forger.list():
+            overwrite(store, k, forger.get(k))
+        assert main(["verify", str(store.root), "--version", "0", "--coordinator", server.url]) == 1
+        assert "the coordinator registered sha256:" in capsys.readouterr().err
+        monkeypatch.setenv("DELTASYNC_PUBLISHER_TOKEN", PUBLISHER_TOKEN)
+        assert main(["gc", "--coordinator", server.url, "--dry-run"]) == 0
+        out = capsys.readouterr().out
+        assert "problem: anchor v0: its manifest's sha256 is" in out and "0 objects would delete" in out
+
+
+def test_token_prints_an_agent_token_bound_to_its_id(monkeypatch, capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setenv("DELTASYNC_AGENT_SECRET", "s" * 32)
+    assert main(["token", "--agent-id", "vllm-3"]) == 0
+    token = capsys.readouterr().out.strip()
+    assert agent_id_of("s" * 32, token) == "vllm-3" and agent_id_of("t" * 32, token) is None
+    monkeypatch.delenv("DELTASYNC_AGENT_SECRET")
+    with pytest.raises(SystemExit, match="set DELTASYNC_AGENT_SECRET"):
+        main(["token", "--agent-id", "vllm-3"])

@@ -9,13 +9,13 @@ from pathlib import Path
 
 import httpx
 import pytest
+from deltasync_coordinator.app import create_app
 
-from deltasync import CoordinatorError
+from deltasync import CoordinatorError, LeaseError, RunMismatch
 from deltasync.client import CoordinatorClient
-from deltasync.protocol import VersionCreate
-from services.coordinator.app import create_app
-from tests.conftest import AGENT_TOKEN, PUBLISHER_TOKEN, ServerThread, version_body
-from tests.unit.test_coordinator_api import make_settings
+from deltasync.schemas import VersionCreate
+from tests.conftest import PUBLISHER_TOKEN, ServerThread, agent_token, version_body
+from tests.support.asgi import make_settings
 
 
 @pytest.fixture
@@ -24,24 +24,32 @@ def server(tmp_path: Path) -> Iterator[ServerThread]:
         yield s
 
 
+class Publishing(CoordinatorClient):
+    """A publisher's client holding the run's lease, for brevity."""
+
+    def register(self, body: dict):
+        return self.register_version(VersionCreate(**body), lease=self.lease)
+
+
 @pytest.fixture
-def publisher(server: ServerThread) -> Iterator[CoordinatorClient]:
-    with CoordinatorClient(server.url, token=PUBLISHER_TOKEN, backoff_s=0.01) as c:
+def publisher(server: ServerThread) -> Iterator[Publishing]:
+    with Publishing(server.url, token=PUBLISHER_TOKEN, backoff_s=0.01) as c:
+        c.lease = c.acquire_lease("test", ttl_s=60)
         yield c
 
 
 @pytest.fixture
 def agent(server: ServerThread) -> Iterator[CoordinatorClient]:
-    with CoordinatorClient(server.url, token=AGENT_TOKEN, backoff_s=0.01) as c:
+    with CoordinatorClient(server.url, token=agent_token("vllm-0"), backoff_s=0.01) as c:
         yield c
 
 
-def test_publish_read_plan_and_heartbeat(publisher: CoordinatorClient, agent: CoordinatorClient) -> None:
+def test_publish_read_plan_and_heartbeat(publisher: Publishing, agent: CoordinatorClient) -> None:
     assert publisher.latest_version() is None
-    v0, created = publisher.register_version(VersionCreate(**version_body(0, "anchor")))
+    v0, created = publisher.register(version_body(0, "anchor"))
     assert created and v0.kind == "anchor" and v0.created_at.tzinfo is not None
-    assert publisher.register_version(VersionCreate(**version_body(0, "anchor")))[1] is False
-    publisher.register_version(VersionCreate(**version_body(1)))
+    assert publisher.register(version_body(0, "anchor"))[1] is False
+    publisher.register(version_body(1))
     assert publisher.latest_version().version == 1
     assert agent.get_version(0, "anchor").manifest_key == "v00000000/anchor/manifest.json"
     assert [v.version for v in agent.wait_for_versions(None, wait_s=0)] == [0, 1]
@@ -53,35 +61,69 @@ def test_publish_read_plan_and_heartbeat(publisher: CoordinatorClient, agent: Co
     assert publisher.health()["latest"] == 1
     assert publisher.gc_candidates().keep_from == 0
     assert "pub-secret" not in repr(publisher)
+    assert publisher.run_id == agent.run_id == publisher.health()["run_id"]  # both pinned from the first answer
+
+
+def test_a_second_publisher_and_a_fenced_one_get_lease_errors(publisher: Publishing, server: ServerThread) -> None:
+    with CoordinatorClient(server.url, token=PUBLISHER_TOKEN, backoff_s=0.01) as other:
+        with pytest.raises(LeaseError, match=r"the run is being published by 'test' \(lease epoch 1"):
+            other.acquire_lease("job-b", ttl_s=30)
+        publisher.release_lease(publisher.lease)
+        taken = other.acquire_lease("job-b", ttl_s=30)
+        assert taken.epoch == 2
+    with pytest.raises(
+        LeaseError, match="registering needs the run's publisher lease, and the lease is held by 'job-b'"
+    ):
+        publisher.register(version_body(0, "anchor"))
+    with pytest.raises(LeaseError, match="is lost"):
+        publisher.renew_lease(publisher.lease, ttl_s=30)
+
+
+def test_a_client_refuses_a_coordinator_of_another_run(tmp_path: Path, agent: CoordinatorClient) -> None:
+    """Issue 11 row 1: agents and publishers pin the run identity; a coordinator with another one (a new
+    ledger behind the same URL) is refused."""
+    agent.health()
+    pinned = agent.run_id
+    assert pinned and pinned.startswith("run-")
+    with ServerThread(create_app(make_settings(tmp_path / "other"))) as other:
+        stranger = CoordinatorClient(other.url, token=agent_token("vllm-0"), run_id=pinned, retries=0)
+        with pytest.raises(RunMismatch, match=rf"keeps run run-[0-9a-f]+, this client follows run {pinned}"):
+            stranger.latest_version()
+        stranger.close()
+    with pytest.raises(RunMismatch, match="this client follows run"):
+        agent.pin_run("run-other")
 
 
 def test_errors_carry_status_method_and_url(
-    publisher: CoordinatorClient, agent: CoordinatorClient, server: ServerThread
+    publisher: Publishing, agent: CoordinatorClient, server: ServerThread
 ) -> None:
-    publisher.register_version(VersionCreate(**version_body(0, "anchor")))
+    publisher.register(version_body(0, "anchor"))
     with pytest.raises(CoordinatorError) as exc:
-        publisher.register_version(VersionCreate(**version_body(0, "anchor", nbytes=3)))
+        publisher.register(version_body(0, "anchor", nbytes=3))
     assert exc.value.status_code == 409 and exc.value.method == "POST" and exc.value.url == f"{server.url}/v1/versions"
     assert str(exc.value).startswith("POST /v1/versions: 409 anchor v0 is already registered with other fields")
     with pytest.raises(CoordinatorError) as exc:
         agent.register_version(VersionCreate(**version_body(1)))
     assert exc.value.status_code == 403
     with pytest.raises(CoordinatorError) as exc:
+        agent.heartbeat("vllm-1", applied_version=0, state="idle")  # another agent's id
+    assert exc.value.status_code == 403
+    with pytest.raises(CoordinatorError) as exc:
         agent.get_version(42)
     assert exc.value.status_code == 404 and "version 42 is not registered" in str(exc.value)
     with pytest.raises(CoordinatorError) as exc:
         agent.heartbeat("bad id!", applied_version=0, state="idle")
-    assert exc.value.status_code in (404, 422)
+    assert exc.value.status_code in (403, 404, 422)
 
 
-def test_long_poll_returns_when_a_version_is_published(publisher: CoordinatorClient, agent: CoordinatorClient) -> None:
-    publisher.register_version(VersionCreate(**version_body(0, "anchor")))
+def test_long_poll_returns_when_a_version_is_published(publisher: Publishing, agent: CoordinatorClient) -> None:
+    publisher.register(version_body(0, "anchor"))
     got: list = []
     t = threading.Thread(target=lambda: got.extend(agent.wait_for_versions(0, wait_s=10)))
     t0 = time.monotonic()
     t.start()
     time.sleep(0.3)
-    publisher.register_version(VersionCreate(**version_body(1)))
+    publisher.register(version_body(1))
     t.join(5)
     assert [v.version for v in got] == [1] and time.monotonic() - t0 < 3
 
@@ -93,7 +135,7 @@ def _client(handler, retries: int = 3) -> CoordinatorClient:
 
 def test_retries_connection_errors_and_5xx_then_succeeds() -> None:
     calls: list[int] = []
-    health = {"status": "ok", "latest": 3, "schema_version": 1}
+    health = {"status": "ok", "latest": 3, "run_id": "run-x", "schema_version": 2, "reasons": []}
 
     def handler(request: httpx.Request) -> httpx.Response:
         calls.append(1)

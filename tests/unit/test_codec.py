@@ -34,7 +34,8 @@ def test_zigzag_round_trip(values: list[int]) -> None:
 def test_planes_round_trip(values: list[int]) -> None:
     a = np.array(values, dtype=np.uint32)
     planes = _codec.planes_needed(a)
-    assert planes == (0 if not values or max(values) == 0 else (max(values).bit_length() + 7) // 8)
+    # format 1.1: at least one plane for any element, so a frame's size bounds what it can declare
+    assert planes == (0 if not values else max(1, (max(values).bit_length() + 7) // 8))
     buf = _codec.split_planes(a, planes)
     assert len(buf) == planes * a.size
     assert np.array_equal(_codec.join_planes(buf, a.size, planes, np.uint32), a)
@@ -55,3 +56,12 @@ def test_zstd_decompress_refuses_a_wrong_size() -> None:
         _codec.zstd_decompress(frame, 31)
     with pytest.raises(ValueError, match="not a zstd frame"):
         _codec.zstd_decompress(b"nope", 3)
+
+
+def test_a_frame_cannot_declare_more_than_zstd_can_expand() -> None:
+    """Issue 11 (unbounded reads): a 473-byte shard declared 2**28 elements; a frame is refused before any
+    allocation when it declares more than 32768x its own size (zstd's own ceiling: 128 KiB per 4-byte block)."""
+    zeros = _codec.zstd_compress(bytes(1 << 24), 3)
+    assert len(_codec.zstd_decompress(zeros, 1 << 24)) == 1 << 24  # the real ratio of zeros passes
+    with pytest.raises(ValueError, match=r"a \d+-byte zstd frame cannot hold 268435456 bytes"):
+        _codec.zstd_decompress(zeros[:473], 1 << 28)

@@ -151,11 +151,14 @@ def test_golden(name: str) -> None:
         assert produced == golden
 
 
-def test_golden_files_decode_to_the_documented_values() -> None:
+@pytest.mark.parametrize("directory", [GOLDEN, GOLDEN / "1.0"], ids=["1.1", "1.0"])
+def test_golden_files_decode_to_the_documented_values(directory: Path) -> None:
+    """Files of format 1.0 (before the model fingerprint and run identity) stay readable."""
     base, new = _inputs()
     for name in ("delta-raw", "delta-packed", "anchor-raw", "anchor-packed"):
-        header, out = decode_shard((GOLDEN / f"{name}.safetensors").read_bytes(), name=name, base=base)
+        header, out = decode_shard((directory / f"{name}.safetensors").read_bytes(), name=name, base=base)
         assert header.target_version == 7
+        assert header.format_version == directory.name if directory != GOLDEN else header.format_version == "1.1"
         for t, d in out.items():
             full = base[t].clone().reshape(-1)
             if d.indices is None:
@@ -164,8 +167,9 @@ def test_golden_files_decode_to_the_documented_values() -> None:
                 full[d.indices] = d.values
             assert torch.equal(bits(full), bits(new[t].reshape(-1))), (name, t)
             assert d.checksum == tensor_checksum(new[t])
-    m = DeltaManifest.from_json((GOLDEN / "manifest-delta.json").read_bytes(), name="golden")
-    assert m.shards[0].bytes == len((GOLDEN / "delta-packed.safetensors").read_bytes())
+    m = DeltaManifest.from_json((directory / "manifest-delta.json").read_bytes(), name="golden")
+    assert m.shards[0].bytes == len((directory / "delta-packed.safetensors").read_bytes())
+    assert m.model_fingerprint.startswith("sha256:")
 
 
 def test_documented_example_header() -> None:

@@ -1,12 +1,13 @@
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
 import jsonschema
 import pytest
 
-from deltasync import DeltaManifest, FormatError, ShardEntry, TensorEntry, UnsupportedFormatVersion
+from deltasync import DeltaManifest, FormatError, ShardEntry, TensorEntry, UnsupportedFormatVersion, model_fingerprint
 
 SCHEMA = json.loads((Path(__file__).parents[2] / "docs" / "manifest.schema.json").read_text())
 C0, C1 = "xxh3_128:" + "0" * 32, "xxh3_128:" + "1" * 32
@@ -57,7 +58,12 @@ def _broken(path: list, value: object) -> bytes:
 CASES = [
     (["kind"], "diff", "m: kind must be one of ['delta', 'anchor'], found 'diff'"),
     (["encoding"], "lz4", "m: encoding must be one of ['raw', 'packed'], found 'lz4'"),
-    (["version"], -1, "m: version must be an int in [0, 9223372036854775807], found -1"),
+    # issue 16: one version cap everywhere (the store's v{N:08d}), not three
+    (["version"], -1, "m: version must be an int in [0, 99999999], found -1"),
+    (["version"], 10**8, "m: version must be an int in [0, 99999999], found 100000000"),
+    (["run_id"], "../x", "m: run_id must be null or a run identity like 'run-2f1c...', found '../x'"),
+    (["model_id"], "", "m: model_id must be null or a string of 1 to 256 characters, found ''"),
+    (["model_fingerprint"], "md5:1", "m: model_fingerprint must be 'sha256:' and 64 hex digits, found 'md5:1'"),
     (["base_version"], 5, "m: base_version must be an int in [0, 4], found 5"),
     (["format_version"], "x", "m: format_version must be 'major.minor', found 'x'"),
     (["shards"], {}, "m: shards must be a list, found dict"),
@@ -66,7 +72,7 @@ CASES = [
     (
         ["shards", 0, "bytes"],
         "10",
-        "m: shards[0].bytes must be an int in [0, 4611686018427387904], found '10'",
+        "m: shards[0].bytes must be an int in [0, 9223372036854775807], found '10'",
     ),
     (["shards", 1, "file"], "shard-00000.safetensors", "m: shards must name each file once"),
     (
@@ -83,7 +89,7 @@ CASES = [
     (
         ["tensors", "a", "shape"],
         [2, -3],
-        "m: tensors['a'].shape must be a list of non-negative ints, found [2, -3]",
+        "m: tensors['a'].shape must be a list of at most 16 non-negative ints, found [2, -3]",
     ),
     (["tensors", "a", "nnz"], 7, "m: tensors['a'].nnz must be an int in [0, 6], found 7"),
     (
@@ -141,3 +147,36 @@ def test_document_level_errors() -> None:
     delta0 = json.loads(_broken(["version"], 0))
     with pytest.raises(FormatError, match=r"^m: version of a delta must be > 0, found 0$"):
         DeltaManifest.from_json(json.dumps(delta0), name="m")
+
+
+def test_the_fingerprint_must_match_the_tensors() -> None:
+    """Issue 11 (foreign model): every object names its model; a manifest whose declared fingerprint is not
+    the one its tensors give is corrupt (or edited), and refused."""
+    m = _manifest()
+    assert m.model_fingerprint == model_fingerprint({"a": ("BF16", (2, 3)), "b": ("F32", (4,))})
+    other = model_fingerprint({"a": ("BF16", (2, 4)), "b": ("F32", (4,))})
+    assert other != m.model_fingerprint
+    with pytest.raises(FormatError, match=r"model_fingerprint is sha256:.* but the tensors listed give sha256:"):
+        DeltaManifest.from_json(_broken(["model_fingerprint"], other), name="m")
+
+
+def test_model_and_run_ids_round_trip() -> None:
+    m = dataclasses.replace(_manifest(), model_id="Qwen/Qwen3-0.6B", run_id="run-" + "ab" * 16)
+    back = DeltaManifest.from_json(m.to_json(), name="m")
+    assert (back.model_id, back.run_id) == ("Qwen/Qwen3-0.6B", "run-" + "ab" * 16)
+    jsonschema.validate(json.loads(m.to_json()), SCHEMA)
+
+
+def test_format_1_0_manifests_still_read_and_newer_minors_may_add_keys() -> None:
+    old = json.loads(_manifest().to_json())
+    for key in ("model_fingerprint", "model_id", "run_id"):
+        del old[key]
+    old["format_version"] = "1.0"
+    jsonschema.validate(old, SCHEMA)
+    m = DeltaManifest.from_json(json.dumps(old), name="m")
+    assert m.format_version == "1.0" and m.run_id is None and "model_fingerprint" not in m.to_json().decode()
+    assert DeltaManifest.from_json(m.to_json(), name="m") == m
+    newer = json.loads(_manifest().to_json()) | {"format_version": "1.7", "something_new": [1, 2]}
+    assert DeltaManifest.from_json(json.dumps(newer), name="m").version == 5  # a newer minor: unknown keys ignored
+    with pytest.raises(FormatError, match=r"must have exactly the keys"):  # our own minor: no stray keys
+        DeltaManifest.from_json(json.dumps(json.loads(_manifest().to_json()) | {"something_new": 1}), name="m")

@@ -14,8 +14,25 @@ def test_all_is_sorted_and_complete() -> None:
     assert public - {"annotations"} == set(deltasync.__all__)
 
 
+def test_publisher_and_agent_are_lazy() -> None:
+    """Issue 16: `from deltasync import Publisher, Agent` works, and `import deltasync` stays light."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, deltasync; light = 'deltasync.publisher' not in sys.modules and 'httpx' not in sys.modules; "
+        "from deltasync import Publisher, Agent, CoordinatorClient, InMemoryTarget; print(light, Publisher.__module__)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    assert out == ["True", "deltasync.publisher"]
+
+
 def test_every_module_declares_all() -> None:
-    for mod in pkgutil.walk_packages(deltasync.__path__, "deltasync."):
+    import deltasync_coordinator
+
+    modules = [*pkgutil.walk_packages(deltasync.__path__, "deltasync.")]
+    modules += [*pkgutil.walk_packages(deltasync_coordinator.__path__, "deltasync_coordinator.")]
+    for mod in modules:
         module = importlib.import_module(mod.name)
         assert isinstance(getattr(module, "__all__", None), list), mod.name
         for name in module.__all__:
@@ -28,10 +45,16 @@ def test_error_tree_keeps_builtin_bases() -> None:
     assert issubclass(deltasync.FormatError, ValueError)
     assert issubclass(deltasync.IntegrityError, deltasync.FormatError)
     assert issubclass(deltasync.ApplyError, RuntimeError)
+    assert issubclass(deltasync.ObjectExists, FileExistsError)
+    assert issubclass(deltasync.SignatureError, deltasync.IntegrityError)
+    assert issubclass(deltasync.VersionGapError, deltasync.UpdateRefused)
+    assert not issubclass(deltasync.UpdateRefused, deltasync.ApplyError)  # a refusal is not a failure past a write
     for cls in (
         deltasync.FormatError,
         deltasync.StoreError,
-        deltasync.VersionGapError,
+        deltasync.UpdateRefused,
         deltasync.CoordinatorError,
+        deltasync.RunMismatch,
+        deltasync.LeaseError,
     ):
         assert issubclass(cls, deltasync.DeltaSyncError)

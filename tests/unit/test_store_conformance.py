@@ -9,14 +9,23 @@ from pathlib import Path
 
 import pytest
 
-from deltasync import ObjectNotFound, Store, StoreError, list_versions, open_store, read_weights
+from deltasync import (
+    ObjectExists,
+    ObjectNotFound,
+    ObjectTooLarge,
+    Store,
+    StoreError,
+    list_versions,
+    open_store,
+    read_weights,
+)
 from deltasync.config import PublisherConfig
 from deltasync.publisher import Publisher
 from deltasync.store import LocalStore
 from deltasync.store.hub import HubBucketStore, parse_hub_uri
-from deltasync.testing import UpdateStream
 from tests.conftest import assert_bit_equal
 from tests.fakes import FakeBucketApi
+from tests.support.stream import UpdateStream
 
 KINDS = ["local", "hub"]
 
@@ -50,10 +59,32 @@ def test_put_get_open_exists_list_delete(store: Store, tmp_path: Path) -> None:
     ]
     assert store.list("v00000001/anchor/") == ["v00000001/anchor/shard-00000.safetensors"]
     assert store.exists("v00000001/manifest.json") and not store.exists("v00000009/manifest.json")
-    store.put("v00000001/manifest.json", b"[]")
-    assert store.get("v00000001/manifest.json") == b"[]"  # replaced, not a stale cached copy
+    assert store.size("v00000001/shard-00000.safetensors") == 10
     store.delete("v00000001/shard-00001.safetensors")
     assert "v00000001/shard-00001.safetensors" not in store.list()
+
+
+def test_writes_are_create_only(store: Store, tmp_path: Path) -> None:
+    """Issue 11 (registered objects overwritten): no store ever writes a key that exists."""
+    store.put("v00000001/manifest.json", b"{}")
+    src = tmp_path / "f"
+    src.write_bytes(b"other")
+    for write in (
+        lambda: store.put("v00000001/manifest.json", b"[]"),
+        lambda: store.put_many([("v00000001/new.bin", b"1"), ("v00000001/manifest.json", b"[]")]),
+        lambda: store.put_file("v00000001/manifest.json", src),
+    ):
+        with pytest.raises(ObjectExists, match="create-only"):
+            write()
+    assert store.get("v00000001/manifest.json") == b"{}"
+    assert not store.exists("v00000001/new.bin")  # a refused batch writes none of its objects
+
+
+def test_reads_are_bounded_before_reading(store: Store) -> None:
+    store.put("big", b"x" * 1000)
+    assert store.get("big", max_bytes=1000) == b"x" * 1000
+    with pytest.raises(ObjectTooLarge, match=r"'big' is 1000 bytes, more than the 999 allowed"):
+        store.get("big", max_bytes=999)
 
 
 def test_missing_objects_are_errors(store: Store) -> None:
@@ -83,7 +114,7 @@ def test_publish_and_rebuild_through_the_store(store: Store, update_stream: Upda
 def test_readers_ignore_versions_without_a_manifest(store: Store, update_stream: UpdateStream) -> None:
     with Publisher(store) as pub:
         pub.publish(update_stream.bf16(), 0)
-    store.put("v00000001/shard-00000.safetensors", b"uploaded, never committed")
+    store.put("v00000001/shard-00000.safetensors", b"uploaded, never committed")  # a writer that crashed
     assert [x.version for x in list_versions(store)] == [0]
 
 
@@ -126,6 +157,7 @@ def test_429_then_success(tmp_path: Path) -> None:
     api = FakeBucketApi()
     store = hub(tmp_path, api)
     store.put("k", b"v")
+    api.calls.clear()
     api.fail["get_bucket_paths_info"].extend([429, 429])
     assert store.get("k") == b"v"
     assert api.calls["get_bucket_paths_info"] == 3
@@ -136,9 +168,9 @@ def test_500_forever_gives_a_clear_error_after_the_retries(tmp_path: Path) -> No
     store = hub(tmp_path, api, retries=2)
     store.put("k", b"v")
     api.fail_forever = 500
-    with pytest.raises(StoreError, match=r"hf://buckets/me/run1: upload \['k'\] failed after 3 attempts: HTTP 500"):
-        store.put("k", b"w")
-    assert api.calls["batch_bucket_files"] == 1 + 3
+    with pytest.raises(StoreError, match=r"hf://buckets/me/run1: stat \['k2'\] failed after 3 attempts: HTTP 500"):
+        store.put("k2", b"w")
+    assert api.calls["get_bucket_paths_info"] == 1 + 3 and api.calls["batch_bucket_files"] == 1
 
 
 def test_a_missing_file_is_an_error_not_a_warning(tmp_path: Path) -> None:

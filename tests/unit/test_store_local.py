@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from deltasync import LocalStore, ObjectNotFound, Store, StoreError, open_store, register_store_scheme
+from deltasync import LocalStore, ObjectExists, ObjectNotFound, Store, StoreError, open_store, register_store_scheme
 from deltasync.store import check_key
 
 
@@ -51,7 +51,7 @@ def test_temporary_files_are_invisible_and_cleaned_on_failure(local_store: Local
     (local_store.root / "v00000001" / ".tmp-manifest.json.123").write_bytes(b"partial")
 
     def failing_write() -> None:
-        local_store._write_atomic("v00000001/shard-00000.safetensors", lambda f: (_ for _ in ()).throw(OSError("disk")))
+        local_store._create("v00000001/shard-00000.safetensors", lambda f: (_ for _ in ()).throw(OSError("disk")))
 
     with pytest.raises(StoreError, match="could not write 'v00000001/shard-00000.safetensors' \\(disk\\)"):
         failing_write()
@@ -62,13 +62,25 @@ def test_temporary_files_are_invisible_and_cleaned_on_failure(local_store: Local
     ]
 
 
-def test_concurrent_writers_leave_one_whole_object(local_store: LocalStore) -> None:
+def test_concurrent_writers_one_wins_whole_and_the_others_are_refused(local_store: LocalStore) -> None:
+    """Issue 11 (two writers): create-only means exactly one writer gets a key; the rest get ObjectExists
+    and the object is never a mix, nor replaced later."""
     payloads = [bytes([i]) * (1 << 20) for i in range(8)]
-    threads = [threading.Thread(target=local_store.put, args=("k", p)) for p in payloads]
+    outcomes: list[str] = []
+
+    def write(p: bytes) -> None:
+        try:
+            local_store.put("k", p)
+            outcomes.append("ok")
+        except ObjectExists:
+            outcomes.append("exists")
+
+    threads = [threading.Thread(target=write, args=(p,)) for p in payloads]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
+    assert sorted(outcomes) == ["exists"] * 7 + ["ok"]
     assert local_store.get("k") in payloads
 
 
@@ -77,8 +89,8 @@ def test_open_store(tmp_path: Path) -> None:
     s = open_store(tmp_path.as_uri())
     assert isinstance(s, LocalStore) and s.root == tmp_path
     assert open_store(s.uri).root == tmp_path
-    with pytest.raises(ValueError, match="no store for scheme 's3'"):
-        open_store("s3://bucket/x")
+    with pytest.raises(ValueError, match="no store for scheme 'gopher'"):
+        open_store("gopher://bucket/x")
     with pytest.raises(ValueError, match="file:// URIs must name a local path"):
         open_store("file://remotehost/x")
     register_store_scheme("mem", lambda uri: LocalStore(tmp_path / uri.split("://")[1]))

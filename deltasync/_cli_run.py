@@ -1,0 +1,172 @@
+"""The long-running commands of the CLI: ``deltasync coordinator`` (and ``coordinator backup``) and
+``deltasync agent``. Every flag maps to a field of the coordinator's ``Settings`` or of :class:`AgentConfig`;
+secrets come only from the environment."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import os
+import resource
+import signal
+import sys
+import threading
+from typing import Any
+
+__all__ = ["add_agent_parser", "add_coordinator_parser"]
+
+logger = logging.getLogger("deltasync.cli")
+
+
+def _raise_nofile() -> int:
+    """Long-polls hold a socket each: raise the soft limit on open files to the hard one."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < hard:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    return hard
+
+
+def _cmd_coordinator(args: argparse.Namespace) -> int:
+    try:
+        import uvicorn
+        from deltasync_coordinator.app import create_app
+        from deltasync_coordinator.db import DamagedLedger, LedgerLocked
+        from deltasync_coordinator.settings import InsecureConfiguration, Settings
+    except ImportError as exc:
+        raise SystemExit(
+            f"deltasync coordinator needs the service extra: pip install 'deltasync[service]' ({exc})"
+        ) from None
+    from pydantic import ValidationError
+
+    flags = {k: v for k, v in vars(args).items() if k in Settings.model_fields and v is not None}
+    try:
+        settings = Settings(**flags)
+        nofile = _raise_nofile()
+        if settings.max_long_polls > nofile - 64:
+            logger.warning("max_long_polls %d is near the open-files limit %d", settings.max_long_polls, nofile)
+        app = create_app(settings)
+    except (InsecureConfiguration, LedgerLocked, DamagedLedger) as exc:
+        print(f"deltasync coordinator: {exc}", file=sys.stderr)
+        return 1
+    except ValidationError as exc:
+        print(f"deltasync coordinator: invalid settings: {exc.errors()[0]['msg']}", file=sys.stderr)
+        return 2
+    if settings.insecure and settings.host not in ("127.0.0.1", "localhost", "::1"):
+        logger.warning("INSECURE on %s: every host that reaches this port controls the ledger", settings.host)
+    ssl: dict[str, Any] = {}
+    if settings.ssl_certfile is not None:
+        ssl = {"ssl_certfile": str(settings.ssl_certfile), "ssl_keyfile": str(settings.ssl_keyfile)}
+    uvicorn.run(
+        app,
+        host=settings.host,
+        port=settings.port,
+        log_level="info",
+        h11_max_incomplete_event_size=settings.max_header_bytes,
+        timeout_graceful_shutdown=5,
+        **ssl,
+    )
+    return 0
+
+
+def _cmd_backup(args: argparse.Namespace) -> int:
+    from deltasync_coordinator.db import DamagedLedger, backup
+
+    try:
+        pages = backup(args.db, args.out)
+    except (DamagedLedger, FileExistsError, FileNotFoundError) as exc:
+        print(f"deltasync coordinator backup: {exc}", file=sys.stderr)
+        return 1
+    print(f"backed up {args.db} to {args.out} ({pages} pages), consistent as of now")
+    return 0
+
+
+def add_coordinator_parser(sub: Any) -> None:
+    """``deltasync coordinator [backup]``."""
+    coord = sub.add_parser(
+        "coordinator",
+        help="run the coordinator service (credentials only from DELTASYNC_PUBLISHER_TOKEN, DELTASYNC_AGENT_SECRET, "
+        "DELTASYNC_READ_TOKEN, DELTASYNC_METRICS_TOKEN)",
+    )
+    coord.add_argument("--db", help="SQLite file (default deltasync-coordinator.db)")
+    coord.add_argument("--store", help="store URI, needed for garbage collection")
+    coord.add_argument("--host", help="interface to bind (default 127.0.0.1)")
+    coord.add_argument("--port", type=int, help="port to bind (default 8600)")
+    coord.add_argument("--insecure", action="store_true", default=None, help="run without credentials (never shared)")
+    coord.add_argument("--ssl-certfile", help="serve HTTPS with this certificate (PEM)")
+    coord.add_argument("--ssl-keyfile", help="the certificate's private key (PEM)")
+    coord.add_argument("--max-wait-s", type=float, help="cap of a long-poll's wait (default 60)")
+    coord.add_argument("--max-long-polls", type=int, help="concurrent long-polls; more get 503 (default 512)")
+    coord.add_argument("--agent-stale-after-s", type=float, help="an agent not seen this long is stale (default 60)")
+    coord.add_argument("--agent-expire-after-s", type=float, help="forget agents silent this long (default 86400)")
+    coord.add_argument("--plan-lease-s", type=float, help="GC keeps objects of plans this recent (default 600)")
+    coord.add_argument("--db-timeout-s", type=float, help="wait this long for the database, then 503 (default 5)")
+    coord.add_argument("--max-body-bytes", type=int, help="larger request bodies get 413 (default 1 MiB)")
+    coord.add_argument("--max-header-bytes", type=int, help="larger request headers get 431 (default 64 KiB)")
+    coord.set_defaults(func=_cmd_coordinator)
+    tools = coord.add_subparsers(dest="tool")
+    backup = tools.add_parser("backup", help="a consistent online copy of a (running) coordinator's ledger")
+    backup.add_argument("--db", required=True, help="the ledger to back up")
+    backup.add_argument("--out", required=True, help="the backup file to create (never overwritten)")
+    backup.set_defaults(func=_cmd_backup)
+
+
+def _cmd_agent(args: argparse.Namespace) -> int:
+    from .agent import Agent
+    from .client import CoordinatorClient
+    from .config import AgentConfig
+    from .store import open_store
+    from .targets import HttpVllmTarget
+
+    fields = {f.name for f in dataclasses.fields(AgentConfig)}
+    config = AgentConfig(**{k: v for k, v in vars(args).items() if k in fields and v is not None})
+    if config.allow_rollback:
+        logger.warning(
+            "agent %s: --allow-rollback: the engine may go back to a lower version or another run", config.agent_id
+        )
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    target = HttpVllmTarget(args.vllm_url, pause_mode=config.pause_mode)
+    token = os.environ.get("DELTASYNC_AGENT_TOKEN")
+    with CoordinatorClient(args.coordinator, token=token, ca_bundle=args.ca_bundle) as coordinator:
+        agent = Agent(store=open_store(args.store), coordinator=coordinator, target=target, config=config)
+        logger.info("agent %s: %s -> %s", config.agent_id, args.store, args.vllm_url)
+        try:
+            agent.run(stop)
+        finally:
+            target.close()
+    return 0
+
+
+def add_agent_parser(sub: Any) -> None:
+    """``deltasync agent``."""
+    agent = sub.add_parser(
+        "agent",
+        help="keep a vLLM server at the latest version (a sidecar; its own token comes from DELTASYNC_AGENT_TOKEN)",
+    )
+    agent.add_argument("--vllm-url", required=True, help="the vLLM server (VLLM_SERVER_DEV_MODE=1; keep it private)")
+    agent.add_argument("--coordinator", required=True, help="the coordinator's URL (https:// with --ca-bundle)")
+    agent.add_argument("--ca-bundle", help="CA certificates (PEM) for an https coordinator")
+    agent.add_argument("--store", required=True, help="store URI or path")
+    agent.add_argument("--agent-id", help="name shown by the coordinator, bound to its token (default agent-0)")
+    agent.add_argument("--poll-wait-s", type=float, help="long-poll wait (default 30)")
+    agent.add_argument("--max-lag", type=int, help="stop serving while more than N versions behind")
+    agent.add_argument("--staging-dir", help="where shards are cached and staged (default: a temporary dir)")
+    agent.add_argument("--fetch-workers", type=int, help="shards fetched in parallel (default 4)")
+    agent.add_argument("--retries", type=int, help="retries of a fetch or checksum mismatch (default 5)")
+    agent.add_argument("--backoff-s", type=float, help="first backoff, doubling (default 0.5)")
+    agent.add_argument("--assume-version", type=int, help="the server was started from this version's weights")
+    agent.add_argument("--pause-mode", choices=["keep", "wait", "abort"], help="vLLM /pause mode (default keep)")
+    agent.add_argument("--tp-size", type=int, help="the server's tensor-parallel size (default 1)")
+    agent.add_argument(
+        "--allow-rollback",
+        action="store_true",
+        default=None,
+        help="let the engine go below the highest version it served, or to another run (logged)",
+    )
+    agent.add_argument("--public-key", help="refuse manifests not signed by this Ed25519 public key (PEM)")
+    agent.add_argument(
+        "--integrity-fallback-after", type=int, help="anchor route after this many integrity failures (default 3)"
+    )
+    agent.set_defaults(func=_cmd_agent)

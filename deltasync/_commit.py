@@ -1,0 +1,184 @@
+"""Committing one object from one or many trainer ranks: each rank writes its own shards, rank 0 writes the
+manifest last and registers it under the run's publisher lease, which a thread keeps renewed."""
+
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+from collections.abc import Mapping
+from typing import Any
+
+import torch.distributed as dist
+
+from ._sharding import TensorView
+from .client import CoordinatorClient, Lease
+from .errors import LeaseError
+from .format import TensorDelta
+from .manifest import ChecksumPart, DeltaManifest, TensorEntry
+from .schemas import VersionCreate
+from .vocab import Kind
+from .writer import ObjectWriter
+
+__all__ = ["LeaseKeeper", "RankCommit"]
+
+logger = logging.getLogger("deltasync.publisher")
+
+
+class LeaseKeeper:
+    """Holds the run's publisher lease and renews it every third of its TTL, on a daemon thread.
+
+    A lost lease (another publisher took the run, or renewals failed past the TTL) is kept as :attr:`error`
+    and raised by :meth:`check` before the next registration: a fenced publisher never registers again.
+    """
+
+    def __init__(self, client: CoordinatorClient, lease: Lease, ttl_s: float) -> None:
+        self.client, self.lease, self.ttl_s = client, lease, ttl_s
+        self.error: LeaseError | None = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="deltasync-lease", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.ttl_s / 3):
+            try:
+                self.lease = self.client.renew_lease(self.lease, ttl_s=self.ttl_s)
+            except LeaseError as exc:
+                self.error = exc
+                logger.error("the publisher lease is lost: %s", exc)
+                return
+            except Exception as exc:  # noqa: BLE001 - the coordinator may be down: retried next round, fenced if too late
+                logger.warning("renewing the publisher lease failed (%s); retrying", exc)
+
+    def check(self) -> None:
+        """Raise LeaseError if the lease is lost."""
+        if self.error is not None:
+            raise self.error
+
+    def close(self) -> None:
+        """Stop renewing and release the lease (so the next publisher need not wait for it to expire)."""
+        self._stop.set()
+        self._thread.join(5)
+        if self.error is None:
+            try:
+                self.client.release_lease(self.lease)
+            except Exception as exc:  # noqa: BLE001 - it will expire on its own
+                logger.warning("releasing the publisher lease failed (%s); it expires on its own", exc)
+
+
+class RankCommit:
+    """Writes this rank's part of an object and, on rank 0, commits and registers the whole.
+
+    Args:
+        writer: the store writer (encoding, signing, model and run ids).
+        coordinator: where rank 0 registers; ``None`` to only write the store.
+        lease: rank 0's lease keeper (``None`` without a coordinator).
+        rank, world: this rank and the number of ranks.
+        group: the gloo group for metadata (``None`` in one process).
+    """
+
+    def __init__(
+        self,
+        writer: ObjectWriter,
+        coordinator: CoordinatorClient | None,
+        lease: LeaseKeeper | None,
+        *,
+        rank: int,
+        world: int,
+        group: Any,
+    ) -> None:
+        self.writer, self.coordinator, self.lease = writer, coordinator, lease
+        self.rank, self.world, self.group = rank, world, group
+        self.parts: dict[str, list[ChecksumPart]] = {}
+        """Rank 0: the checksum parts of every tensor at the last committed version (spans from every rank)."""
+        self.published: list[DeltaManifest] = []
+
+    def publish(
+        self,
+        version: int,
+        kind: Kind,
+        deltas: list[TensorDelta],
+        *,
+        base_version: int | None,
+        views: Mapping[str, TensorView],
+        dtype_name: str,
+    ) -> int:
+        """Write this rank's shards; rank 0 writes the manifest last and registers. Returns the object's bytes.
+
+        Raises:
+            RuntimeError: rank 0 could not commit (every rank raises it).
+            LeaseError: the publisher was fenced (rank 0; every rank raises it).
+        """
+        shards = self.writer.encode(
+            deltas,
+            kind=kind,
+            version=version,
+            base_version=base_version,
+            first_index=self.rank,
+            grouped=self.world == 1,
+        )
+        self.writer.put_shards(version, kind, shards)  # this rank's shards in one batch; rank 0 commits later
+        meta = {
+            "entries": [(s.index, s.entry, list(s.tensors)) for s in shards],
+            "tensors": {n: t for s in shards for n, t in s.tensors.items()},
+        }
+        metas: list[Any] = [meta]
+        if self.group is not None:
+            metas = [None] * self.world
+            dist.all_gather_object(metas, meta, group=self.group)
+        status: list[Any] = [None]
+        if self.rank == 0:
+            try:
+                status = [("ok", self._commit(version, kind, base_version, metas, views, dtype_name))]
+            except BaseException as exc:
+                status = [("error", f"{type(exc).__name__}: {exc}")]
+                if self.group is None:
+                    raise
+        if self.group is not None:
+            dist.broadcast_object_list(status, src=0, group=self.group)
+        outcome, detail = status[0]
+        if outcome != "ok":
+            raise RuntimeError(f"rank 0 could not commit {kind} v{version}: {detail}")
+        return int(detail)
+
+    def _commit(
+        self,
+        version: int,
+        kind: Kind,
+        base_version: int | None,
+        metas: list[dict[str, Any]],
+        views: Mapping[str, TensorView],
+        dtype_name: str,
+    ) -> int:
+        shards = sorted((index, entry, names) for m in metas for index, entry, names in m["entries"])
+        nnz: dict[str, int] = collections.Counter()
+        for m in metas:
+            for name, (count, part) in m["tensors"].items():
+                nnz[name] += count
+                kept = [p for p in self.parts.get(name, []) if (p[0], p[1]) != (part[0], part[1])]
+                self.parts[name] = sorted([*kept, tuple(part)])
+        tensors = {
+            name: TensorEntry(
+                shape=view.shape,
+                dtype=dtype_name,
+                nnz=nnz.get(name, 0),
+                shards=(),
+                checksums=tuple(self.parts[name]),
+            )
+            for name, view in views.items()
+        }
+        manifest = self.writer.manifest(
+            kind=kind,
+            version=version,
+            base_version=base_version,
+            shards=[(entry, names) for _, entry, names in shards],
+            tensors=tensors,
+        )
+        if self.lease is not None:
+            self.lease.check()  # a fenced publisher never commits over another's run
+        data = self.writer.commit(manifest)
+        if self.coordinator is not None:
+            lease = self.lease.lease if self.lease is not None else None
+            self.coordinator.register_version(VersionCreate.for_manifest(manifest, data), lease=lease)
+        self.published.append(manifest)
+        return manifest.total_bytes

@@ -1,0 +1,239 @@
+"""The one apply rule, used by every receiver: the store reader, the in-memory engine and the vLLM engine.
+
+An object goes through four steps, in order:
+
+1. :func:`admit`: everything knowable from its (verified) manifest and what the receiver holds: the model
+   fingerprint, the run, the base version, the receiver's health and the highest version it has served.
+   A refusal raises :class:`~deltasync.errors.UpdateRefused` before anything is read or written.
+2. :func:`check_decoded`: the decoded entries agree with the manifest (names, dtypes, shapes, spans, counts).
+   Raises ``FormatError``; still nothing written.
+3. :func:`write`: the entries go into the receiver's tensors. **Not transactional**: a failure here leaves
+   the tensors partly updated, and the receiver must not serve them until an anchor restores it.
+4. :func:`verify`: the written tensors match the manifest's checksums (``IntegrityError`` otherwise).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable, Mapping, MutableMapping, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from .errors import FormatError, IntegrityError, RefusalReason, UpdateRefused, VersionGapError
+from .format import TensorDelta, tensor_checksum
+from .manifest import DeltaManifest, ModelSpec, describe_spec_difference, model_fingerprint
+from .vocab import DTYPE_NAMES, DTYPES
+
+__all__ = [
+    "Holding",
+    "admit",
+    "check_decoded",
+    "spec_of",
+    "verify",
+    "write",
+]
+
+
+def spec_of(tensors: Mapping[str, torch.Tensor]) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """The model spec (name -> dtype name, shape) of a state dict."""
+    return {n: (DTYPE_NAMES.get(t.dtype, str(t.dtype)), tuple(t.shape)) for n, t in tensors.items()}
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Holding:
+    """What a receiver holds, as far as admitting an object is concerned."""
+
+    version: int | None = None
+    """The version its tensors are at; ``None``: unknown (only an anchor is admitted)."""
+    healthy: bool = True
+    """False after a failure past the first write: only an anchor is admitted."""
+    spec: ModelSpec | None = None
+    """The model it serves (name -> dtype, shape); ``None``: not known yet, the first anchor defines it."""
+    model_id: str | None = None
+    """The model id it serves, if known."""
+    run_id: str | None = None
+    """The run whose objects it has applied; ``None``: none yet."""
+    high_water: int | None = None
+    """The highest version it has served in this run."""
+
+    def after(self, manifest: DeltaManifest) -> Holding:
+        """What the receiver holds once ``manifest``'s object is applied."""
+        top = manifest.version if self.high_water is None else max(self.high_water, manifest.version)
+        return dataclasses.replace(
+            self,
+            version=manifest.version,
+            healthy=True,
+            spec=manifest.spec,
+            model_id=manifest.model_id or self.model_id,
+            run_id=manifest.run_id or self.run_id,
+            high_water=top if manifest.run_id in (None, self.run_id) else manifest.version,
+        )
+
+
+def admit(
+    manifest: DeltaManifest,
+    holding: Holding,
+    *,
+    where: str,
+    target: int | None = None,
+    allow_rollback: bool = False,
+) -> None:
+    """Refuse an object the receiver must not take; nothing has been read or written when this raises.
+
+    Args:
+        manifest: the object's verified manifest.
+        holding: what the receiver holds now (after the objects before this one in the same session).
+        where: the object's name for messages (``store uri/prefix``).
+        target: the version the update session finishes at (default: this object's). The engine serves
+            only that one, so an anchor below the highest version served is fine on the way to a higher one.
+        allow_rollback: an operator's explicit permission to go below the highest version served, or to
+            another run (logged by the caller).
+
+    Raises:
+        UpdateRefused: with ``reason`` MODEL, RUN, ROLLBACK or UNHEALTHY.
+        VersionGapError: a delta whose base is not the version held (``reason`` BASE).
+    """
+    what = f"{where}: {manifest.kind} v{manifest.version}"
+    if holding.spec is not None and model_fingerprint(holding.spec) != manifest.model_fingerprint:
+        raise UpdateRefused(
+            f"{what} is for another model (fingerprint {manifest.model_fingerprint[:19]}..., this engine serves "
+            f"{model_fingerprint(holding.spec)[:19]}...): {describe_spec_difference(holding.spec, manifest.spec)}; "
+            "point the agent at the run of the model it serves",
+            reason=RefusalReason.MODEL,
+        )
+    if manifest.model_id and holding.model_id and manifest.model_id != holding.model_id:
+        raise UpdateRefused(
+            f"{what} is for model {manifest.model_id!r}, this engine serves {holding.model_id!r}",
+            reason=RefusalReason.MODEL,
+        )
+    other_run = holding.run_id is not None and manifest.run_id is not None and manifest.run_id != holding.run_id
+    if other_run and not allow_rollback:
+        raise UpdateRefused(
+            f"{what} belongs to run {manifest.run_id}, this engine follows run {holding.run_id}; to switch runs "
+            "on purpose, restart the agent with --allow-rollback",
+            reason=RefusalReason.RUN,
+        )
+    if manifest.kind == "delta":
+        if not holding.healthy:
+            raise UpdateRefused(
+                f"{what} refused: this engine failed an earlier update past its first write and takes only an "
+                "anchor now",
+                reason=RefusalReason.UNHEALTHY,
+            )
+        if holding.version is None or holding.version != manifest.base_version:
+            held = "an unknown version" if holding.version is None else f"v{holding.version}"
+            raise VersionGapError(
+                f"{what} (base v{manifest.base_version}) refused: this engine holds {held}; apply an anchor or "
+                "the delta from the version held"
+            )
+    end = manifest.version if target is None else target
+    lower = holding.high_water is not None and end < holding.high_water and not other_run
+    if lower and not allow_rollback:
+        raise UpdateRefused(
+            f"{what} refused: the update would end at v{end}, this engine has served v{holding.high_water} of "
+            "this run and never goes back "
+            "(is the coordinator's ledger restored from an old backup?); to roll back on purpose, restart the "
+            "agent with --allow-rollback",
+            reason=RefusalReason.ROLLBACK,
+        )
+
+
+def check_decoded(manifest: DeltaManifest, deltas: Sequence[TensorDelta], *, where: str) -> None:
+    """The decoded entries of an object agree with its manifest: each names a tensor the manifest lists with
+    the same dtype and shape, spans of one tensor do not overlap, counts add up to the manifest's ``nnz``,
+    and an anchor covers every element of every tensor.
+
+    Raises:
+        FormatError: naming the tensor.
+    """
+    covered: dict[str, list[tuple[int, int]]] = {}
+    nnz: dict[str, int] = {}
+    for d in deltas:
+        e = manifest.tensors.get(d.ckpt_name)
+        if e is None or e.shape != d.shape or e.dtype != DTYPE_NAMES.get(d.dtype):
+            raise FormatError(
+                f"{where}: tensor {d.ckpt_name!r} ({DTYPE_NAMES.get(d.dtype)} {list(d.shape)}) does not match the "
+                f"manifest's entry ({None if e is None else f'{e.dtype} {list(e.shape)}'})"
+            )
+        covered.setdefault(d.ckpt_name, []).append(d.bounds)
+        nnz[d.ckpt_name] = nnz.get(d.ckpt_name, 0) + d.nnz
+    for name, spans in covered.items():
+        spans.sort()
+        for (_, stop), (start, _) in zip(spans, spans[1:], strict=False):
+            if start < stop:
+                raise FormatError(f"{where}: tensor {name!r} has overlapping entries ({spans[:4]})")
+    for name, e in manifest.tensors.items():
+        if nnz.get(name, 0) != e.nnz:
+            raise FormatError(
+                f"{where}: tensor {name!r} has {nnz.get(name, 0)} elements in the shards, the manifest says {e.nnz}"
+            )
+        if manifest.kind == "anchor" and e.numel and sum(b - a for a, b in covered.get(name, [])) != e.numel:
+            raise FormatError(f"{where}: the anchor does not cover every element of {name!r}")
+
+
+def write(
+    tensors: MutableMapping[str, torch.Tensor] | None, manifest: DeltaManifest, deltas: Iterable[TensorDelta]
+) -> MutableMapping[str, torch.Tensor]:
+    """Write an object's (checked) entries: an anchor builds new tensors, a delta updates ``tensors`` in place.
+
+    Not transactional: an error part-way leaves ``tensors`` partly updated.
+
+    Returns:
+        The tensors at ``manifest.version`` (a new dict for an anchor, ``tensors`` for a delta).
+
+    Raises:
+        ValueError: a delta without ``tensors``.
+        FormatError: an entry names a tensor ``tensors`` lacks, or with another dtype or shape.
+    """
+    if manifest.kind == "anchor":
+        out: dict[str, torch.Tensor] = {}
+        for d in deltas:
+            if d.span is None:
+                out[d.ckpt_name] = d.values.reshape(d.shape)
+            else:
+                full = out.setdefault(d.ckpt_name, torch.empty(d.shape, dtype=d.dtype))
+                full.view(-1)[d.span[0] : d.span[1]] = d.values
+        for name, e in manifest.tensors.items():  # empty tensors have no entry
+            out.setdefault(name, torch.empty(e.shape, dtype=DTYPES[e.dtype]))
+        return out
+    if tensors is None:
+        raise ValueError(f"delta v{manifest.version} needs the tensors of v{manifest.base_version}")
+    for d in deltas:
+        t = tensors.get(d.ckpt_name)
+        if t is None or tuple(t.shape) != d.shape or t.dtype != d.dtype:
+            found = "nothing" if t is None else f"{DTYPE_NAMES.get(t.dtype, t.dtype)} {list(t.shape)}"
+            raise FormatError(
+                f"tensor {d.ckpt_name!r}: the delta is for {DTYPE_NAMES[d.dtype]} {list(d.shape)}, the receiver "
+                f"holds {found} (a delta for another model?)"
+            )
+        flat = t.view(-1)
+        if d.indices is not None:
+            flat[d.indices] = d.values
+        elif d.span is not None:
+            flat[d.span[0] : d.span[1]] = d.values
+        else:
+            t.copy_(d.values.reshape(t.shape))
+    return tensors
+
+
+def verify(tensors: Mapping[str, torch.Tensor], manifest: DeltaManifest, names: Iterable[str] | None = None) -> None:
+    """Check tensors against the manifest's checksums (all of them, or only ``names``).
+
+    Raises:
+        IntegrityError: a tensor is missing or differs; the message lists them.
+    """
+    bad = []
+    for name in manifest.tensors if names is None else names:
+        entry, t = manifest.tensors[name], tensors.get(name)
+        if t is None:
+            bad.append(f"{name} (missing)")
+            continue
+        for start, stop, digest in entry.checksums:
+            if tensor_checksum(t, (start, stop)) != digest:
+                bad.append(f"{name}[{start}:{stop}]")
+    if bad:
+        raise IntegrityError(
+            f"v{manifest.version}: {len(bad)} tensors differ from the published checksums: "
+            f"{', '.join(bad[:10])}{' ...' if len(bad) > 10 else ''}"
+        )

@@ -1,0 +1,281 @@
+"""The read path of a store: list committed versions, read and authenticate manifests, fetch and decode
+objects, and rebuild the weights at any version.
+
+Every read is bounded before it happens: a manifest by :data:`~deltasync.manifest.MAX_MANIFEST_BYTES`, a
+shard by the size its manifest declares, a signature by :data:`~deltasync.signing.MAX_SIGNATURE_BYTES`; and a
+shard's header is checked against its manifest before any payload is decoded.
+
+Authenticity: the store alone proves nothing (anyone who can write the bucket can write a consistent forged
+object). A :class:`Trust` adds either or both of the coordinator's ledger (each manifest's sha256 must equal the
+digest the publisher registered) and the publisher's public key (each manifest must carry a valid signature).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+
+import torch
+
+from . import apply
+from ._shard_header import parse_shard as _parse_shard
+from .errors import FormatError, IntegrityError, ObjectNotFound
+from .format import TensorDelta, decode_shard
+from .layout import manifest_key, object_prefix, parse_manifest_key, signature_key
+from .manifest import MAX_MANIFEST_BYTES, DeltaManifest, ShardEntry
+from .signing import MAX_SIGNATURE_BYTES, VerifyKey
+from .store.base import Store
+from .vocab import Kind
+
+__all__ = [
+    "LedgerLookup",
+    "Trust",
+    "VersionListing",
+    "check_shard",
+    "decode_object",
+    "fetch_object",
+    "iter_weights",
+    "list_versions",
+    "load_object",
+    "read_chain",
+    "read_manifest",
+    "read_weights",
+]
+
+LedgerLookup = Callable[[int, Kind], str]
+"""``(version, kind) -> "sha256:..."``: the digest the coordinator registered; raises if it has none."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Trust:
+    """What a reader checks manifests against, beyond their own consistency.
+
+    Example:
+        >>> key = VerifyKey.from_file("publisher.pub")  # doctest: +SKIP
+        >>> trust = Trust(verify_key=key, ledger=lambda v, kind: client.get_version(v, kind).checksum)  # doctest: +SKIP
+        >>> read_weights(store, 12, trust=trust)  # doctest: +SKIP
+    """
+
+    verify_key: VerifyKey | None = None
+    """Require each manifest to be signed by this key."""
+    ledger: LedgerLookup | None = None
+    """Require each manifest's sha256 to be the digest the coordinator registered."""
+
+    def check(self, store: Store, version: int, kind: Kind, data: bytes) -> None:
+        """Authenticate a manifest's bytes.
+
+        Raises:
+            IntegrityError: the sha256 is not the registered digest.
+            SignatureError: no valid signature by :attr:`verify_key`.
+        """
+        name = f"{store.uri}/{manifest_key(version, kind)}"
+        if self.ledger is not None:
+            registered = self.ledger(version, kind)
+            digest = "sha256:" + hashlib.sha256(data).hexdigest()
+            if digest != registered:
+                raise IntegrityError(
+                    f"{name}: sha256 is {digest}, the coordinator registered {registered}; the store holds other "
+                    "bytes than the publisher registered (a forged or corrupted object)"
+                )
+        if self.verify_key is not None:
+            try:
+                sig: bytes | None = store.get(signature_key(version, kind), max_bytes=MAX_SIGNATURE_BYTES)
+            except ObjectNotFound:
+                sig = None
+            self.verify_key.verify(data, sig, name=name)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class VersionListing:
+    """The committed objects of one version in a store."""
+
+    version: int
+    """The version."""
+    delta: bool
+    """A delta to this version is committed."""
+    anchor: bool
+    """An anchor at this version is committed."""
+
+
+def list_versions(store: Store) -> list[VersionListing]:
+    """Committed versions (those with a manifest), ascending; uncommitted files are ignored."""
+    found: dict[int, tuple[bool, bool]] = {}
+    for key in store.list():
+        parsed = parse_manifest_key(key)
+        if parsed is None:
+            continue
+        v, kind = parsed
+        delta, anchor = found.get(v, (False, False))
+        found[v] = (delta or kind == "delta", anchor or kind == "anchor")
+    return [VersionListing(version=v, delta=found[v][0], anchor=found[v][1]) for v in sorted(found)]
+
+
+def read_manifest(store: Store, version: int, kind: Kind = "delta", *, trust: Trust | None = None) -> DeltaManifest:
+    """Read, authenticate (with ``trust``) and validate the manifest of a committed object.
+
+    Raises:
+        ObjectNotFound: the object is not committed.
+        ObjectTooLarge: the manifest is over the cap (nothing read).
+        FormatError: the manifest is malformed or describes another object than its key says.
+        IntegrityError, SignatureError: ``trust`` refused it.
+    """
+    key = manifest_key(version, kind)
+    data = store.get(key, max_bytes=MAX_MANIFEST_BYTES)
+    if trust is not None:
+        trust.check(store, version, kind, data)
+    manifest = DeltaManifest.from_json(data, name=f"{store.uri}/{key}")
+    if manifest.version != version or manifest.kind != kind:
+        raise FormatError(
+            f"{store.uri}/{key}: manifest describes {manifest.kind} v{manifest.version}, "
+            f"expected {kind} v{version} (a file copied to the wrong place?)"
+        )
+    return manifest
+
+
+def check_shard(data: bytes, entry: ShardEntry, *, name: str) -> None:
+    """Raise IntegrityError unless ``data`` has the size and sha256 the manifest promises."""
+    if len(data) != entry.bytes:
+        raise IntegrityError(f"{name}: size is {len(data)} bytes, the manifest says {entry.bytes}; refetch it")
+    digest = hashlib.sha256(data).hexdigest()
+    if digest != entry.sha256:
+        raise IntegrityError(f"{name}: sha256 is {digest}, the manifest says {entry.sha256}; refetch it")
+
+
+def fetch_object(store: Store, manifest: DeltaManifest) -> list[bytes]:
+    """The shards of an object, each read with the manifest's size as its cap and checked (size, sha256).
+
+    Raises:
+        ObjectNotFound: a shard is missing.
+        ObjectTooLarge: a shard is larger than its manifest says (nothing read).
+        IntegrityError: a shard's size or sha256 differs.
+    """
+    prefix = object_prefix(manifest.version, manifest.kind)
+    out = []
+    for entry in manifest.shards:
+        data = store.get(prefix + entry.file, max_bytes=entry.bytes)
+        check_shard(data, entry, name=f"{store.uri}/{prefix}{entry.file}")
+        out.append(data)
+    return out
+
+
+def _check_header_against_manifest(manifest: DeltaManifest, index: int, data: bytes, name: str) -> None:
+    """A shard's header (read without its payload) must describe what the manifest says this shard holds."""
+    header, _ = _parse_shard(data, name)
+    want = (manifest.kind, manifest.encoding, manifest.base_version, manifest.version)
+    got = (header.kind, header.encoding, header.base_version, header.target_version)
+    if got != want:
+        raise FormatError(f"{name}: shard is {got} (kind, encoding, base, target), the manifest says {want}")
+    for t, info in header.tensors.items():
+        e = manifest.tensors.get(t)
+        if e is None or e.shape != info.shape or e.dtype != info.dtype or index not in e.shards or info.nnz > e.nnz:
+            raise FormatError(
+                f"{name}: tensor {t!r} ({info.dtype} {list(info.shape)}, nnz {info.nnz}) does not "
+                f"match the manifest's entry {e}"
+            )
+
+
+def decode_object(
+    manifest: DeltaManifest,
+    shards: list[bytes],
+    *,
+    where: str,
+    base: Mapping[str, torch.Tensor] | None = None,
+) -> list[TensorDelta]:
+    """Check and decode every shard of an object against its manifest; nothing is applied.
+
+    Each shard's size and sha256 are checked, then its header against the manifest (so a shard can never
+    make the decoder allocate more than the manifest declares), then its payload is decoded, and finally
+    the decoded entries are checked against the manifest as a whole (:func:`deltasync.apply.check_decoded`).
+
+    Args:
+        manifest: the object's manifest.
+        shards: the bytes of ``manifest.shards``, in order.
+        where: the object's location, for messages (``store uri/prefix``).
+        base: the base version's tensors (``packed`` deltas are coded against them).
+
+    Raises:
+        IntegrityError: a shard's size or sha256 differs from the manifest.
+        FormatError: a shard is malformed or disagrees with the manifest.
+    """
+    out: list[TensorDelta] = []
+    for i, (entry, data) in enumerate(zip(manifest.shards, shards, strict=True)):
+        name = f"{where}{entry.file}"
+        check_shard(data, entry, name=name)
+        _check_header_against_manifest(manifest, i, data, name)
+        _, deltas = decode_shard(bytearray(data), name=name, base=base)
+        out.extend(deltas.values())
+    apply.check_decoded(manifest, out, where=where)
+    return out
+
+
+def load_object(
+    store: Store, manifest: DeltaManifest, base: Mapping[str, torch.Tensor] | None = None
+) -> list[TensorDelta]:
+    """Fetch, check and decode every shard of an object (see :func:`decode_object`); nothing is applied."""
+    prefix = object_prefix(manifest.version, manifest.kind)
+    return decode_object(manifest, fetch_object(store, manifest), where=f"{store.uri}/{prefix}", base=base)
+
+
+def read_chain(store: Store, version: int, *, trust: Trust | None = None) -> list[DeltaManifest]:
+    """Manifests to rebuild ``version``: the newest anchor on its delta chain, then the deltas.
+
+    Raises:
+        ObjectNotFound: a version on the chain has neither a delta nor an anchor.
+    """
+    chain: list[DeltaManifest] = []
+    v = version
+    while True:
+        if store.exists(manifest_key(v, "anchor")):
+            chain.append(read_manifest(store, v, "anchor", trust=trust))
+            chain.reverse()
+            for m in chain[1:]:
+                if m.model_fingerprint != chain[0].model_fingerprint:
+                    raise FormatError(
+                        f"{store.uri}: {m.kind} v{m.version} is for another model than anchor v{chain[0].version} "
+                        f"(fingerprints {m.model_fingerprint[:19]}... and {chain[0].model_fingerprint[:19]}...); "
+                        "the chain mixes objects of two models"
+                    )
+            return chain
+        if not store.exists(manifest_key(v, "delta")):
+            needed = f" (needed to rebuild v{version})" if v != version else ""
+            raise ObjectNotFound(f"{store.uri}: version {v} is not committed{needed}")
+        m = read_manifest(store, v, "delta", trust=trust)
+        chain.append(m)
+        assert m.base_version is not None
+        v = m.base_version
+
+
+def iter_weights(
+    store: Store, version: int, *, trust: Trust | None = None, verify: bool = True
+) -> Iterator[tuple[DeltaManifest, dict[str, torch.Tensor]]]:
+    """Each object on ``version``'s chain and the full state once it is applied, in order."""
+    chain = read_chain(store, version, trust=trust)
+    state: dict[str, torch.Tensor] | None = None
+    for m in chain:
+        deltas = load_object(store, m, base=state)
+        state = dict(apply.write(state, m, deltas))
+        if verify:
+            apply.verify(state, m, names=None if m.kind == "anchor" else {d.ckpt_name for d in deltas})
+        yield m, state
+
+
+def read_weights(
+    store: Store, version: int, *, trust: Trust | None = None, verify: bool = True
+) -> dict[str, torch.Tensor]:
+    """Rebuild the full state dict at ``version``.
+
+    Starts from the newest anchor on the version's delta chain and applies each delta in order. With
+    ``verify``, every tensor an object touches is checked against that object's checksums, so the result
+    provably equals what the publisher held; with ``trust``, every manifest is authenticated first.
+
+    Raises:
+        ObjectNotFound: the version, or one its chain needs, is not committed.
+        IntegrityError, FormatError: a shard is corrupt or a rebuilt tensor differs.
+        SignatureError: ``trust`` has a key and a manifest is not signed by it.
+    """
+    steps = list(iter_weights(store, version, trust=trust, verify=verify))
+    manifest, state = steps[-1]
+    if set(state) != set(manifest.tensors):
+        raise FormatError(f"{store.uri}: v{version} lists other tensors than its chain rebuilt")
+    return {name: state[name] for name in manifest.tensors}

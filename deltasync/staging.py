@@ -1,0 +1,246 @@
+"""The typed message between an agent and its engine: one verified object, staged for applying.
+
+The agent fetches and authenticates an object, decodes it against its host copy, proves the result against
+the manifest's checksums, and only then stages it: the verified ``manifest.json`` and the object re-encoded
+``raw`` (no base needed to decode it), in a directory the engine can read. A :class:`StagedObject` names those
+files; it crosses vLLM's RPC boundary as ``update_info`` (:meth:`to_update_info` / :meth:`from_update_info`),
+parsed and validated once. In-process engines take the decoded entries directly (:attr:`deltas`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import stat
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ._shard_header import parse_shard
+from .apply import check_decoded
+from .errors import FormatError
+from .format import TensorDelta, decode_shard, encode_shard
+from .layout import MANIFEST_FILE, shard_file
+from .manifest import MAX_MANIFEST_BYTES, DeltaManifest
+from .vocab import DTYPES, KINDS, MAX_VERSION, Kind
+
+__all__ = ["StagedObject", "StagedUpdate", "read_staged", "stage_object"]
+
+_FIELDS = ("kind", "version", "base_version", "manifest_path", "shard_paths")
+_MAX_OBJECTS = 10_000
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class StagedObject:
+    """One object ready to apply: a delta ``base_version -> version`` or an anchor at ``version``.
+
+    The engine trusts nothing in this message that it can check: it re-reads and re-validates the staged
+    manifest, requires the message's kind and versions to match it, and checks every staged shard against it.
+    """
+
+    kind: Kind
+    """``delta`` or ``anchor``."""
+    version: int
+    """The version the object produces."""
+    base_version: int | None
+    """A delta's base: the engine must hold exactly this version."""
+    manifest_path: str
+    """The staged, verified ``manifest.json`` (model fingerprint, run, checksums of the result)."""
+    shard_paths: tuple[str, ...]
+    """The staged shards, ``raw`` encoding, local paths every rank can read."""
+    manifest: DeltaManifest | None = dataclasses.field(default=None, compare=False)
+    """The parsed manifest (in-process engines; not sent over RPC)."""
+    deltas: tuple[TensorDelta, ...] | None = dataclasses.field(default=None, compare=False, repr=False)
+    """The decoded entries (in-process engines; not sent over RPC)."""
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise ValueError(f"staged object: kind must be one of {list(KINDS)}, got {self.kind!r}")
+        if type(self.version) is not int or not 0 <= self.version <= MAX_VERSION:
+            raise ValueError(f"staged object: version must be an int in [0, {MAX_VERSION}], got {self.version!r}")
+        if self.kind == "delta" and (type(self.base_version) is not int or not 0 <= self.base_version < self.version):
+            raise ValueError(f"staged object: a delta needs 0 <= base_version < version, got {self.base_version!r}")
+        if self.kind == "anchor" and self.base_version is not None:
+            raise ValueError(f"staged object: an anchor has no base_version, got {self.base_version!r}")
+        if not isinstance(self.manifest_path, str) or not self.manifest_path:
+            raise ValueError("staged object: manifest_path must be a path")
+        if not all(isinstance(p, str) and p for p in self.shard_paths):
+            raise ValueError("staged object: shard_paths must be paths")
+
+    @property
+    def label(self) -> str:
+        """``delta v3 -> v4`` or ``anchor v4``, for messages."""
+        return f"anchor v{self.version}" if self.kind == "anchor" else f"delta v{self.base_version} -> v{self.version}"
+
+    def to_update_info(self) -> dict[str, Any]:
+        """The JSON ``update_info`` of vLLM's ``update_weights`` (files only; no tensors cross the RPC)."""
+        out = {f: getattr(self, f) for f in _FIELDS}
+        out["shard_paths"] = list(self.shard_paths)
+        return out
+
+    @classmethod
+    def from_update_info(cls, info: Mapping[str, Any]) -> StagedObject:
+        """Parse and validate an ``update_info``.
+
+        Raises:
+            ValueError: a missing, unknown or invalid field (named).
+        """
+        if not isinstance(info, Mapping):
+            raise ValueError(f"update_info must be an object, got {type(info).__name__}")
+        unknown = sorted(set(info) - set(_FIELDS))
+        missing = sorted({"kind", "version", "manifest_path", "shard_paths"} - set(info))
+        if unknown or missing:
+            raise ValueError(f"update_info: unknown fields {unknown}, missing fields {missing}")
+        paths = info["shard_paths"]
+        if not isinstance(paths, list | tuple):
+            raise ValueError(f"update_info.shard_paths must be a list, got {type(paths).__name__}")
+        return cls(
+            kind=info["kind"],
+            version=info["version"],
+            base_version=info.get("base_version"),
+            manifest_path=info["manifest_path"],
+            shard_paths=tuple(paths),
+        )
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class StagedUpdate:
+    """One update session: the objects of a plan, in apply order, validated together before the first write.
+
+    The engine serves only :attr:`target_version` (the last object's): an anchor below the engine's highest
+    served version is fine on the way to a higher target.
+    """
+
+    objects: tuple[StagedObject, ...]
+    """An anchor first (if any), then deltas, each on the previous one's version."""
+    allow_rollback: bool = False
+    """An operator's explicit permission to end below the engine's highest served version, or in another run."""
+
+    def __post_init__(self) -> None:
+        if not self.objects or len(self.objects) > _MAX_OBJECTS:
+            raise ValueError(f"staged update: needs 1 to {_MAX_OBJECTS} objects, got {len(self.objects)}")
+        for prev, obj in zip(self.objects, self.objects[1:], strict=False):
+            if obj.kind == "delta" and obj.base_version != prev.version:
+                raise ValueError(f"staged update: {obj.label} does not follow {prev.label}")
+            if obj.kind == "anchor" and obj.version < prev.version:
+                raise ValueError(f"staged update: {obj.label} goes back from {prev.label}")
+
+    @property
+    def target_version(self) -> int:
+        """The version the session finishes at."""
+        return self.objects[-1].version
+
+    def to_update_info(self) -> dict[str, Any]:
+        """The JSON ``update_info`` of vLLM's ``update_weights``."""
+        return {"objects": [o.to_update_info() for o in self.objects], "allow_rollback": self.allow_rollback}
+
+    @classmethod
+    def from_update_info(cls, info: Mapping[str, Any]) -> StagedUpdate:
+        """Parse and validate an ``update_info``.
+
+        Raises:
+            ValueError: a missing, unknown or invalid field (named).
+        """
+        if not isinstance(info, Mapping) or set(info) - {"objects", "allow_rollback"} or "objects" not in info:
+            raise ValueError("update_info must be {'objects': [...], 'allow_rollback': bool}")
+        objects = info["objects"]
+        if not isinstance(objects, list | tuple) or len(objects) > _MAX_OBJECTS:
+            raise ValueError(f"update_info.objects must be a list of at most {_MAX_OBJECTS} objects")
+        allow = info.get("allow_rollback", False)
+        if not isinstance(allow, bool):
+            raise ValueError(f"update_info.allow_rollback must be a bool, got {allow!r}")
+        return cls(objects=tuple(StagedObject.from_update_info(o) for o in objects), allow_rollback=allow)
+
+
+def stage_object(
+    directory: str | os.PathLike[str],
+    manifest: DeltaManifest,
+    manifest_bytes: bytes,
+    deltas: Sequence[TensorDelta],
+) -> StagedObject:
+    """Write a verified object into ``directory`` for an engine: its manifest and one ``raw`` shard.
+
+    Files are written to temporary names and renamed, so a reader never sees a partial file.
+    """
+    root = Path(directory)
+    root.mkdir(parents=True, exist_ok=True)
+    plain = [dataclasses.replace(d, base_values=None) for d in deltas]
+    paths: list[str] = []
+    if plain:
+        data = encode_shard(
+            plain,
+            kind=manifest.kind,
+            encoding="raw",
+            target_version=manifest.version,
+            base_version=manifest.base_version,
+        )
+        paths.append(_write(root / shard_file(0), data))
+    return StagedObject(
+        kind=manifest.kind,
+        version=manifest.version,
+        base_version=manifest.base_version,
+        manifest_path=_write(root / MANIFEST_FILE, manifest_bytes),
+        shard_paths=tuple(paths),
+        manifest=manifest,
+        deltas=tuple(deltas),
+    )
+
+
+def _write(path: Path, data: bytes) -> str:
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_bytes(data)
+    os.replace(tmp, path)
+    return str(path)
+
+
+def _read_regular(path: str, max_bytes: int, what: str) -> bytes:
+    """A local regular file (not through a final symlink), at most ``max_bytes``, checked before reading."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as exc:
+        raise FormatError(f"{path}: cannot read the staged {what} ({exc})") from None
+    with os.fdopen(fd, "rb") as f:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise FormatError(f"{path}: the staged {what} is not a regular file")
+        if st.st_size > max_bytes:
+            raise FormatError(f"{path}: the staged {what} is {st.st_size} bytes, more than the {max_bytes} allowed")
+        return f.read(max_bytes + 1)
+
+
+def read_staged(obj: StagedObject) -> tuple[DeltaManifest, list[TensorDelta]]:
+    """Read and check a staged object: its manifest, then each ``raw`` shard against it; nothing is applied.
+
+    Objects built in this process (:attr:`StagedObject.deltas`) are returned as they are.
+
+    Raises:
+        FormatError: a file is unreadable, malformed, or disagrees with the manifest or with the message.
+    """
+    if obj.manifest is not None and obj.deltas is not None:
+        return obj.manifest, list(obj.deltas)
+    data = _read_regular(obj.manifest_path, MAX_MANIFEST_BYTES, "manifest")
+    manifest = DeltaManifest.from_json(data, name=obj.manifest_path)
+    if (manifest.kind, manifest.version, manifest.base_version) != (obj.kind, obj.version, obj.base_version):
+        raise FormatError(
+            f"{obj.manifest_path}: the staged manifest is {manifest.kind} v{manifest.version} (base "
+            f"{manifest.base_version}), the update message says {obj.label}"
+        )
+    cap = 1 << 20  # header and alignment
+    for entry in manifest.tensors.values():
+        cap += entry.nnz * (DTYPES[entry.dtype].itemsize + 8)
+    deltas: list[TensorDelta] = []
+    for path in obj.shard_paths:
+        shard = bytearray(_read_regular(path, cap, "shard"))
+        header, _ = parse_shard(shard, path)
+        got = (header.kind, header.encoding, header.base_version, header.target_version)
+        want = (manifest.kind, "raw", manifest.base_version, manifest.version)
+        if got != want:
+            raise FormatError(f"{path}: staged shard is {got} (kind, encoding, base, target), expected {want}")
+        for t, info in header.tensors.items():
+            e = manifest.tensors.get(t)
+            if e is None or e.shape != info.shape or e.dtype != info.dtype or info.nnz > e.nnz:
+                raise FormatError(f"{path}: tensor {t!r} does not match the staged manifest's entry {e}")
+        deltas.extend(decode_shard(shard, name=path)[1].values())
+    check_decoded(manifest, deltas, where=f"{os.path.dirname(obj.manifest_path)}/")
+    return manifest, deltas

@@ -1,0 +1,137 @@
+"""InMemoryTarget: an engine whose weights are a state dict in this process, under the same rules as vLLM's.
+
+It is a real :class:`~deltasync.targets.EngineTarget`, not a test double: the rules are those of the vLLM
+engine (one :mod:`deltasync.apply` path: admission before any write, checks of what was decoded, checksums
+after), and it serves whoever reads :attr:`InMemoryTarget.weights`: a trainer-side evaluator, a reference
+model, a light replica in a load test, or an agent's unit tests.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+import torch
+
+from .. import apply
+from ..errors import ApplyError, UpdateRefused
+from ..manifest import ModelSpec, model_fingerprint
+from ..staging import StagedUpdate, read_staged
+from .base import UNHEALTHY_LABEL, EngineState
+
+__all__ = ["InMemoryTarget"]
+
+logger = logging.getLogger(__name__)
+
+
+class InMemoryTarget:
+    """Weights in host memory, updated by an agent.
+
+    Args:
+        spec: the model it serves (name -> dtype, shape); ``None``: the first anchor defines it.
+        model_id: the model id it serves, if any.
+
+    Thread safety: :meth:`apply` holds a lock; readers that must not see a half-applied delta take
+    :attr:`lock` too (or copy :attr:`weights` under it).
+    """
+
+    def __init__(self, *, spec: ModelSpec | None = None, model_id: str | None = None) -> None:
+        self.weights: dict[str, torch.Tensor] | None = None
+        self.holding = apply.Holding(spec=spec, model_id=model_id)
+        self.label: str | None = None
+        self.paused = False
+        self.pauses = 0
+        self.applied: list[int] = []
+        """Every version a session finished at, in order."""
+        self.detail = ""
+        self.lock = threading.Lock()
+        self._raise_errors = True
+
+    @property
+    def version(self) -> int | None:
+        """The version held (``None``: unknown or unhealthy)."""
+        return self.holding.version if self.holding.healthy else None
+
+    def state(self) -> EngineState:
+        h = self.holding
+        return EngineState(
+            version=self.version,
+            label=self.label,
+            healthy=h.healthy,
+            run_id=h.run_id,
+            high_water=h.high_water,
+            fingerprint=None if h.spec is None else model_fingerprint(h.spec),
+            model_id=h.model_id,
+            detail=self.detail,
+        )
+
+    def recover(self) -> None:
+        """Nothing outlives an agent here but the label, which is made to say what is held."""
+        if not self.holding.healthy:
+            self.label = UNHEALTHY_LABEL
+        elif self.holding.version is not None:
+            self.label = str(self.holding.version)
+
+    def init(self, *, base_version: int | None = None, raise_errors: bool | None = None) -> None:
+        if raise_errors is not None:
+            self._raise_errors = raise_errors
+        if base_version is not None:
+            self.holding = apply.Holding(
+                version=base_version, spec=self.holding.spec, model_id=self.holding.model_id, high_water=base_version
+            )
+            self.label = str(base_version)
+
+    def pause(self) -> None:
+        self.paused = True
+        self.pauses += 1
+
+    def resume(self) -> None:
+        self.paused = False
+
+    def apply(self, update: StagedUpdate) -> None:
+        """Validate every object of the session, then write them; see :class:`~deltasync.targets.EngineTarget`."""
+        with self.lock:
+            holding, checked = self.holding, []
+            try:
+                for obj in update.objects:
+                    manifest, deltas = read_staged(obj)
+                    apply.admit(
+                        manifest,
+                        holding,
+                        where=obj.manifest_path,
+                        target=update.target_version,
+                        allow_rollback=update.allow_rollback,
+                    )
+                    checked.append((manifest, deltas))
+                    holding = holding.after(manifest)
+            except UpdateRefused:
+                raise
+            except (ValueError, OSError) as exc:  # a malformed staged file: refused, nothing written
+                raise ApplyError(f"{update.objects[0].label}: the staged update is unreadable ({exc})") from exc
+            try:
+                weights = self.weights
+                for manifest, deltas in checked:
+                    weights = dict(apply.write(weights, manifest, deltas))
+                    if manifest.kind == "anchor":
+                        weights = {n: t.clone() for n, t in weights.items()}  # own them: staged buffers may be reused
+                    apply.verify(
+                        weights, manifest, names=None if manifest.kind == "anchor" else {d.ckpt_name for d in deltas}
+                    )
+            except Exception as exc:
+                self.holding = apply.Holding(
+                    healthy=False,
+                    spec=self.holding.spec,
+                    model_id=self.holding.model_id,
+                    run_id=self.holding.run_id,
+                    high_water=self.holding.high_water,
+                )
+                self.label = UNHEALTHY_LABEL
+                self.detail = f"failed past the first write: {exc}"
+                raise ApplyError(f"applying v{update.target_version}: {exc}; the engine needs an anchor") from exc
+            self.weights, self.holding = weights, holding
+            self.label = str(update.target_version)
+            self.detail = ""
+            self.applied.append(update.target_version)
+
+    def __repr__(self) -> str:
+        return f"InMemoryTarget(version={self.version}, label={self.label!r})"

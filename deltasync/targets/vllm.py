@@ -1,0 +1,234 @@
+"""The vLLM engines an agent drives: an offline ``vllm.LLM`` in this process, or a vLLM server over HTTP.
+
+Both speak vLLM's weight-transfer lifecycle with the ``deltasync`` backend: start_weight_update ->
+update_weights (one call carrying the whole :class:`~deltasync.staging.StagedUpdate`) -> finish_weight_update
+-> only then, once every rank reports the target version, the ``weight_version`` label -> reset the prefix
+cache. The engine's own state (each rank's ``deltasync_status`` RPC, from the worker extension) is the truth;
+failures are read from it as structured outcomes, never from error text.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Literal
+
+import httpx
+
+from ..errors import ApplyError, UpdateRefused
+from ..staging import StagedUpdate
+from .base import UNHEALTHY_LABEL, EngineState, combine_ranks, raise_outcome
+
+__all__ = ["WORKER_EXTENSION", "HttpVllmTarget", "OfflineLLMTarget"]
+
+logger = logging.getLogger(__name__)
+
+WORKER_EXTENSION = "deltasync.vllm.worker_ext.DeltaSyncWorkerExtension"
+"""vLLM ``worker_extension_cls`` that adds the ``deltasync_status`` and ``deltasync_effective`` RPCs."""
+
+
+class _VllmTarget:
+    """The session logic shared by both targets, over a few primitives."""
+
+    def _ranks(self) -> list[dict[str, Any]]:
+        raise NotImplementedError
+
+    def _label(self) -> str | None:
+        raise NotImplementedError
+
+    def _set_label(self, label: str) -> None:
+        raise NotImplementedError
+
+    def _call(self, method: str, body: dict[str, Any] | None = None) -> None:
+        """One lifecycle call: ``init_weight_transfer_engine``, ``start_weight_update``, ``update_weights``,
+        ``finish_weight_update`` or ``reset_prefix_cache``; raises on failure."""
+        raise NotImplementedError
+
+    def pause(self) -> None:
+        raise NotImplementedError
+
+    def resume(self) -> None:
+        raise NotImplementedError
+
+    def state(self) -> EngineState:
+        return combine_ranks(self._ranks(), self._label())
+
+    def _close_dangling(self) -> bool:
+        """Finish a session an earlier caller left open (the engine's finish is a no-op after a failure)."""
+        if not self.state().session_open:
+            return False
+        try:
+            self._call("finish_weight_update")
+        except Exception as exc:  # noqa: BLE001 - reported, and the engine state below says what holds
+            logger.warning("could not close the dangling update session: %s", exc)
+            return False
+        logger.warning("closed an update session that an earlier call left open")
+        return True
+
+    def recover(self) -> None:
+        self._close_dangling()
+        st = self.state()
+        if not st.healthy:
+            self.pause()  # it must not serve mixed weights; an anchor restores it
+            if st.label != UNHEALTHY_LABEL:
+                self._set_label(UNHEALTHY_LABEL)
+            return
+        self.resume()
+        if st.version is not None and st.label != str(st.version):
+            logger.warning("weight_version said %s, the engine holds v%d: relabelled", st.label, st.version)
+            self._set_label(str(st.version))
+
+    def init(self, *, base_version: int | None = None, raise_errors: bool | None = None) -> None:
+        info: dict[str, Any] = {}
+        if base_version is not None:
+            info["base_version"] = base_version
+        if raise_errors is not None:
+            info["raise_errors"] = raise_errors
+        self._call("init_weight_transfer_engine", {"init_info": info})
+        if base_version is not None:
+            self._set_label(str(base_version))
+
+    def apply(self, update: StagedUpdate) -> None:
+        what = f"applying {update.objects[0].label}" + (
+            f" .. v{update.target_version}" if len(update.objects) > 1 else ""
+        )
+        try:
+            self._call("start_weight_update")
+            self._call("update_weights", {"update_info": update.to_update_info()})
+            self._call("finish_weight_update")
+            ranks = self._ranks()
+            raise_outcome(ranks, what)  # engines started with raise_errors=False (TP > 1) report, never raise
+        except UpdateRefused:
+            self._close_dangling()
+            raise
+        except Exception as exc:
+            self._close_dangling()
+            try:
+                ranks = self._ranks()
+            except Exception:  # noqa: BLE001 - no status: all we know is the failure itself
+                self._invalidate()
+                raise ApplyError(f"{what}: {str(exc)[:800]}") from exc
+            try:
+                raise_outcome(ranks, what, exc)
+            except UpdateRefused:
+                raise
+            except ApplyError:
+                if not combine_ranks(ranks, None).healthy:
+                    self._invalidate()
+                raise
+        st = combine_ranks(ranks, None)
+        if st.version != update.target_version:
+            self._invalidate()
+            raise ApplyError(f"{what}: the engine reports v{st.version} after the update ({st.detail})")
+        self._set_label(str(update.target_version))
+        self._call("reset_prefix_cache")
+
+    def _invalidate(self) -> None:
+        try:
+            self._set_label(UNHEALTHY_LABEL)
+        except Exception as exc:  # noqa: BLE001 - the engine is unhealthy anyway; its status says so
+            logger.warning("could not relabel the engine %r: %s", UNHEALTHY_LABEL, exc)
+
+
+class OfflineLLMTarget(_VllmTarget):
+    """An offline ``vllm.LLM`` started with ``weight_transfer_config={"backend": "deltasync"}`` and
+    ``worker_extension_cls=`` :data:`WORKER_EXTENSION`.
+
+    Offline generation runs in the caller's thread, so ``pause``/``resume`` are no-ops: call the agent's
+    ``sync()`` between ``generate`` calls, never concurrently with them. After a failure past the first write
+    the label becomes :data:`~deltasync.targets.UNHEALTHY_LABEL` and ``sync()`` raises until an anchor restores
+    the engine: do not generate meanwhile.
+    """
+
+    def __init__(self, llm: Any) -> None:
+        self.llm = llm
+
+    def _ranks(self) -> list[dict[str, Any]]:
+        try:
+            ranks: list[dict[str, Any]] = self.llm.collective_rpc("deltasync_status")
+        except Exception as exc:
+            raise ApplyError(
+                f"the engine has no deltasync_status RPC ({exc}); start vLLM with "
+                f"worker_extension_cls={WORKER_EXTENSION!r}"
+            ) from exc
+        return ranks
+
+    def _label(self) -> str | None:
+        return str(self.llm.get_weight_version())
+
+    def _set_label(self, label: str) -> None:
+        self.llm.update_weight_version(label)
+
+    def _call(self, method: str, body: dict[str, Any] | None = None) -> None:
+        if method == "update_weights":
+            self.llm.update_weights(body)
+        elif method == "init_weight_transfer_engine":
+            self.llm.init_weight_transfer_engine(body)
+        else:
+            getattr(self.llm, method)()
+
+    def pause(self) -> None:
+        """Nothing to do offline."""
+
+    def resume(self) -> None:
+        """Nothing to do offline."""
+
+
+class HttpVllmTarget(_VllmTarget):
+    """A vLLM server started with ``VLLM_SERVER_DEV_MODE=1``, ``--weight-transfer-config
+    '{"backend":"deltasync"}'`` and ``--worker-extension-cls`` :data:`WORKER_EXTENSION`. Keep that port private:
+    dev mode also exposes administrative routes.
+
+    A failed RL route answers 500 and drops the keep-alive connection, so every call uses a fresh one.
+    """
+
+    def __init__(self, url: str, *, pause_mode: Literal["keep", "wait", "abort"] = "keep", timeout_s: float = 600):
+        self.url = url.rstrip("/")
+        self.pause_mode = pause_mode
+        self._http = httpx.Client(
+            base_url=self.url,
+            timeout=timeout_s,
+            headers={"Connection": "close"},
+            transport=httpx.HTTPTransport(retries=3),
+        )
+
+    def close(self) -> None:
+        self._http.close()
+
+    def _post(self, path: str, **kwargs: Any) -> httpx.Response:
+        response = self._http.post(path, **kwargs)
+        if response.status_code >= 400:
+            raise ApplyError(f"POST {self.url}{path}: {response.status_code} {response.text[:800]}")
+        return response
+
+    def _ranks(self) -> list[dict[str, Any]]:
+        response = self._http.post("/collective_rpc", json={"method": "deltasync_status"})
+        if response.status_code >= 400:
+            raise ApplyError(
+                f"POST {self.url}/collective_rpc deltasync_status: {response.status_code} {response.text[:300]}; "
+                f"start the server with --worker-extension-cls {WORKER_EXTENSION}"
+            )
+        ranks: list[dict[str, Any]] = response.json().get("results", [])
+        return ranks
+
+    def _label(self) -> str | None:
+        response = self._http.get("/weight_info")
+        if response.status_code >= 400:
+            raise ApplyError(f"GET {self.url}/weight_info: {response.status_code} {response.text[:300]}")
+        raw = response.json().get("weight_version")
+        return None if raw is None else str(raw)
+
+    def _set_label(self, label: str) -> None:
+        self._post("/update_weight_version", json={"new_version": label})
+
+    def _call(self, method: str, body: dict[str, Any] | None = None) -> None:
+        self._post(f"/{method}", json=body if body is not None else {})
+
+    def is_paused(self) -> bool:
+        """Whether the server is paused."""
+        return bool(self._http.get("/is_paused").json().get("is_paused"))
+
+    def pause(self) -> None:
+        self._post("/pause", params={"mode": self.pause_mode})
+
+    def resume(self) -> None:
+        self._post("/resume")

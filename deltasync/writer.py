@@ -1,0 +1,276 @@
+"""The write path of a store: encode an object's shards, create them, then sign and commit its manifest.
+
+:class:`ObjectWriter` is the one writer: :func:`write_anchor` / :func:`write_delta` use it in one process,
+and the :class:`~deltasync.publisher.Publisher` uses it on every rank (each rank writes its own shards, rank 0
+commits). Every write is create-only, so a key that was committed (or left behind by a crash) is never
+overwritten; the manifest goes last and is the commit marker.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import logging
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+
+from .format import DEFAULT_ZSTD_LEVEL, TensorDelta, encode_shard, tensor_checksum
+from .layout import manifest_key, object_prefix, shard_file, signature_key
+from .manifest import DeltaManifest, ShardEntry, TensorEntry
+from .signing import SigningKey
+from .store.base import Store
+from .vocab import DTYPE_NAMES, Encoding, Kind
+
+__all__ = [
+    "DEFAULT_MAX_SHARD_BYTES",
+    "EncodedShard",
+    "ObjectWriter",
+    "group_by_size",
+    "write_anchor",
+    "write_delta",
+]
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MAX_SHARD_BYTES = 1 << 30
+"""Tensors are grouped into shards of about this many raw bytes (a tensor is never split)."""
+
+
+def group_by_size(deltas: list[TensorDelta], max_shard_bytes: int) -> list[list[TensorDelta]]:
+    """Split entries, in order, into groups of about ``max_shard_bytes`` raw bytes (never splitting one)."""
+    groups: list[list[TensorDelta]] = [[]]
+    size = 0
+    for d in deltas:
+        n = d.nnz * (d.values.element_size() + (0 if d.indices is None else 4))
+        if groups[-1] and size + n > max_shard_bytes:
+            groups.append([])
+            size = 0
+        groups[-1].append(d)
+        size += n
+    return groups if groups[0] else []
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class EncodedShard:
+    """One encoded shard of an object, not yet written."""
+
+    index: int
+    """Its index (``shard-{index:05d}.safetensors``; a rank's own index under FSDP)."""
+    entry: ShardEntry
+    """Its manifest entry (file, bytes, sha256)."""
+    data: bytes
+    """Its bytes."""
+    tensors: dict[str, tuple[int, tuple[int, int, str]]]
+    """Per tensor it holds: (stored elements, (span start, span stop, checksum of the span after applying))."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ObjectWriter:
+    """Encodes and writes objects to one store.
+
+    Args:
+        store: where objects go.
+        encoding: ``packed`` (the default) or ``raw``.
+        zstd_level: zstd level of ``packed``.
+        max_shard_bytes: tensors are grouped into shards of about this size.
+        signing_key: sign every manifest (``manifest.sig``, written before the manifest).
+        model_id: the model id each manifest names.
+        run_id: the run (coordinator ledger identity) each manifest names.
+    """
+
+    store: Store
+    encoding: Encoding = "packed"
+    zstd_level: int = DEFAULT_ZSTD_LEVEL
+    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES
+    signing_key: SigningKey | None = None
+    model_id: str | None = None
+    run_id: str | None = None
+
+    def encode(
+        self,
+        deltas: list[TensorDelta],
+        *,
+        kind: Kind,
+        version: int,
+        base_version: int | None,
+        first_index: int = 0,
+        grouped: bool = True,
+    ) -> list[EncodedShard]:
+        """Encode entries into shards (grouped by size, or all in one with ``grouped=False``)."""
+        groups = group_by_size(deltas, self.max_shard_bytes) if grouped else ([deltas] if deltas else [])
+        out = []
+        for i, group in enumerate(groups):
+            data = encode_shard(
+                group,
+                kind=kind,
+                encoding=self.encoding,
+                target_version=version,
+                base_version=base_version,
+                zstd_level=self.zstd_level,
+            )
+            index = first_index + i
+            entry = ShardEntry(file=shard_file(index), bytes=len(data), sha256=hashlib.sha256(data).hexdigest())
+            tensors = {d.ckpt_name: (d.nnz, (*d.bounds, str(d.checksum))) for d in group}
+            out.append(EncodedShard(index=index, entry=entry, data=data, tensors=tensors))
+        return out
+
+    def put_shards(self, version: int, kind: Kind, shards: list[EncodedShard]) -> None:
+        """Create the shard files (one batch where the store has batches). Raises ObjectExists if one is taken."""
+        prefix = object_prefix(version, kind)
+        self.store.put_many([(prefix + s.entry.file, s.data) for s in shards])
+
+    def manifest(
+        self,
+        *,
+        kind: Kind,
+        version: int,
+        base_version: int | None,
+        shards: list[tuple[ShardEntry, list[str]]],
+        tensors: dict[str, TensorEntry],
+    ) -> DeltaManifest:
+        """The manifest of an object whose shards are ``shards`` (entry, tensor names), in order."""
+        where: dict[str, list[int]] = {}
+        for i, (_, names) in enumerate(shards):
+            for n in names:
+                where.setdefault(n, []).append(i)
+        tensors = {n: dataclasses.replace(e, shards=tuple(where.get(n, ()))) for n, e in sorted(tensors.items())}
+        return DeltaManifest(
+            kind=kind,
+            version=version,
+            base_version=base_version,
+            encoding=self.encoding,
+            shards=tuple(e for e, _ in shards),
+            tensors=tensors,
+            model_id=self.model_id,
+            run_id=self.run_id,
+        )
+
+    def commit(self, manifest: DeltaManifest) -> bytes:
+        """Validate the manifest, write its signature (with a key) and then the manifest itself: the commit.
+
+        Returns:
+            The manifest's bytes (register their sha256 with the coordinator).
+
+        Raises:
+            ObjectExists: the object is already committed (another writer).
+        """
+        data = manifest.to_json()
+        DeltaManifest.from_json(data, name=f"{manifest.kind} v{manifest.version}")  # never commit what readers refuse
+        if self.signing_key is not None:
+            self.store.put(signature_key(manifest.version, manifest.kind), self.signing_key.sign(data))
+        self.store.put(manifest_key(manifest.version, manifest.kind), data)
+        return data
+
+    def write(
+        self,
+        deltas: list[TensorDelta],
+        tensors: dict[str, TensorEntry],
+        *,
+        kind: Kind,
+        version: int,
+        base_version: int | None,
+    ) -> DeltaManifest:
+        """Encode, write and commit a whole object in this process."""
+        t0 = time.perf_counter()
+        shards = self.encode(deltas, kind=kind, version=version, base_version=base_version)
+        self.put_shards(version, kind, shards)
+        totals: dict[str, int] = {}
+        for s in shards:
+            for n, (nnz, _) in s.tensors.items():
+                totals[n] = totals.get(n, 0) + nnz
+        tensors = {n: dataclasses.replace(e, nnz=totals.get(n, 0)) for n, e in tensors.items()}
+        manifest = self.manifest(
+            kind=kind,
+            version=version,
+            base_version=base_version,
+            shards=[(s.entry, list(s.tensors)) for s in shards],
+            tensors=tensors,
+        )
+        self.commit(manifest)
+        logger.info(
+            "published %s v%d: %d tensors, nnz=%d, %.2f MiB, %.0f ms",
+            kind,
+            version,
+            len(deltas),
+            manifest.nnz,
+            manifest.total_bytes / 2**20,
+            (time.perf_counter() - t0) * 1e3,
+        )
+        return manifest
+
+
+def write_anchor(
+    store: Store | ObjectWriter,
+    state: Mapping[str, torch.Tensor],
+    *,
+    version: int,
+    encoding: Encoding = "packed",
+) -> DeltaManifest:
+    """Publish a full snapshot of ``state`` as the anchor of ``version`` (shards first, manifest last).
+
+    Args:
+        store: a store, or an :class:`ObjectWriter` (to sign, name the model or the run, or set zstd).
+        state: every tensor, by checkpoint name.
+        version: the version.
+        encoding: used when ``store`` is a plain store.
+    """
+    writer = store if isinstance(store, ObjectWriter) else ObjectWriter(store=store, encoding=encoding)
+    deltas, tensors = [], {}
+    for name, t in state.items():
+        t = t.detach().contiguous()
+        checksum = tensor_checksum(t)
+        deltas.append(
+            TensorDelta(ckpt_name=name, shape=tuple(t.shape), dtype=t.dtype, indices=None, values=t, checksum=checksum)
+        )
+        tensors[name] = TensorEntry(
+            shape=tuple(t.shape),
+            dtype=DTYPE_NAMES.get(t.dtype, str(t.dtype)),
+            nnz=t.numel(),
+            shards=(),
+            checksums=((0, t.numel(), checksum),),
+        )
+    return writer.write(deltas, tensors, kind="anchor", version=version, base_version=None)
+
+
+def write_delta(
+    store: Store | ObjectWriter,
+    changes: Mapping[str, TensorDelta],
+    *,
+    state: Mapping[str, torch.Tensor],
+    version: int,
+    base: DeltaManifest,
+    encoding: Encoding = "packed",
+) -> DeltaManifest:
+    """Publish the delta ``base.version -> version``.
+
+    Args:
+        store: a store, or an :class:`ObjectWriter`.
+        changes: the changed tensors, as :func:`deltasync.diff.compute_delta` returns them.
+        state: the new weights (used for the checksums of the changed tensors).
+        version: the new version, greater than ``base.version``.
+        base: the manifest of the base version (delta or anchor): unchanged tensors keep its
+            checksums, and the model must have the same names, shapes and dtypes.
+        encoding: used when ``store`` is a plain store.
+
+    Raises:
+        ValueError: ``changes`` names a tensor the base lacks or with another shape or dtype.
+    """
+    writer = store if isinstance(store, ObjectWriter) else ObjectWriter(store=store, encoding=encoding)
+    if version <= base.version:
+        raise ValueError(f"version {version} must be greater than the base version {base.version}")
+    tensors = {n: dataclasses.replace(e, nnz=0, shards=()) for n, e in base.tensors.items()}
+    deltas = []
+    for name, d in changes.items():
+        entry = tensors.get(name)
+        if entry is None or entry.shape != d.shape or entry.dtype != DTYPE_NAMES.get(d.dtype):
+            raise ValueError(
+                f"tensor {name!r} ({DTYPE_NAMES.get(d.dtype)} {list(d.shape)}) does not match base "
+                f"v{base.version} ({entry and [entry.dtype, list(entry.shape)]}); publish an anchor"
+            )
+        checksum = tensor_checksum(state[name])
+        tensors[name] = dataclasses.replace(entry, checksums=((0, entry.numel, checksum),))
+        deltas.append(dataclasses.replace(d, checksum=checksum))
+    return writer.write(deltas, tensors, kind="delta", version=version, base_version=base.version)

@@ -1,1 +1,0 @@
-"""deltasync's services (the coordinator)."""

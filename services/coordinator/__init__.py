@@ -1,1 +1,0 @@
-"""The deltasync coordinator: a FastAPI service over a SQLite ledger of versions, plans and agents."""

@@ -1,0 +1,305 @@
+"""The coordinator's FastAPI app factory: ``uvicorn deltasync_coordinator.app:create_app --factory``."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator, Iterator, MutableMapping
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from fastapi.routing import APIRoute
+from prometheus_client import CollectorRegistry, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
+from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.routing import Match
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from deltasync._logging import setup_logging
+from deltasync.errors import ObjectNotFound
+from deltasync.reader import list_versions
+from deltasync.schemas import RUN_HEADER
+from deltasync.store import open_store
+
+from .db import Busy, Database
+from .fleet import LAG_BUCKETS, Fleet
+from .registry import MIGRATIONS, Registry
+from .retention import Retention
+from .routes import agents, gc, lease, ops, versions
+from .settings import Settings, check_credentials
+
+__all__ = ["create_app"]
+
+logger = logging.getLogger("deltasync.coordinator")
+
+_PROBE_EVERY_S = 1.0
+_EXPIRE_EVERY_S = 60.0
+
+
+class _SizeLimits:
+    """Refuse request headers over ``max_header_bytes`` (431) and bodies over ``max_bytes`` (413): by
+    Content-Length, and by reading the body (at most ``max_bytes + 1``) before the app sees it, so a chunked
+    upload cannot get past."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int, max_header_bytes: int) -> None:
+        self.app, self.max_bytes, self.max_header_bytes = app, max_bytes, max_header_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        if sum(len(k) + len(v) for k, v in scope["headers"]) > self.max_header_bytes:
+            await _refuse(send, 431, f"request headers over {self.max_header_bytes} bytes")
+            return
+        length = dict(scope["headers"]).get(b"content-length")
+        if length is not None and (not length.isdigit() or int(length) > self.max_bytes):
+            await _refuse(send, 413, f"request body over {self.max_bytes} bytes")
+            return
+        body, more = bytearray(), True
+        while more:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return
+            body += message.get("body", b"")
+            more = message.get("more_body", False)
+            if len(body) > self.max_bytes:
+                await _refuse(send, 413, f"request body over {self.max_bytes} bytes")
+                return
+        replayed = False
+
+        async def replay() -> MutableMapping[str, Any]:
+            nonlocal replayed
+            if replayed:
+                return await receive()  # after the body: wait for the disconnect
+            replayed = True
+            return {"type": "http.request", "body": bytes(body), "more_body": False}
+
+        await self.app(scope, replay, send)
+
+
+async def _refuse(send: Send, status: int, detail: str) -> None:
+    await JSONResponse({"detail": detail}, status_code=status)({"type": "http"}, _no_receive, send)
+
+
+async def _no_receive() -> MutableMapping[str, Any]:
+    return {"type": "http.disconnect"}
+
+
+class _Observe:
+    """Pure ASGI (no per-request task, unlike ``@app.middleware``): names the run in every response's
+    ``Deltasync-Run-Id`` header and records request latency by route."""
+
+    def __init__(self, app: ASGIApp, run_id: str, latency: Histogram) -> None:
+        self.app, self.latency = app, latency
+        self.header = (RUN_HEADER.lower().encode(), run_id.encode())
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        t0 = time.perf_counter()
+        status = [500]
+
+        async def send_with_header(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                status[0] = message["status"]
+                message = {**message, "headers": [*message.get("headers", []), self.header]}
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_with_header)
+        finally:
+            route = getattr(scope.get("route"), "path", "unmatched")
+            self.latency.labels(scope["method"], route, str(status[0])).observe(time.perf_counter() - t0)
+
+
+class _Health:
+    """Why the coordinator is degraded, kept in memory so ``/healthz`` never waits for the database."""
+
+    def __init__(self, fleet: Fleet) -> None:
+        self.fleet = fleet
+        self.db_problem: str | None = None
+
+    @property
+    def reasons(self) -> list[str]:
+        return [*([self.db_problem] if self.db_problem else []), *self.fleet.alerts()]
+
+
+def _metrics(registry: Registry, fleet: Fleet, settings: Settings) -> tuple[CollectorRegistry, Histogram]:
+    """Prometheus metrics; ledger gauges are read at scrape time, and the fleet only as aggregates."""
+    out = CollectorRegistry()
+    latency = Histogram(
+        "deltasync_request_seconds",
+        "HTTP request latency",
+        ["method", "route", "status"],
+        registry=out,
+        buckets=(0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1, 5, 30, 120),
+    )
+
+    class _Ledger:
+        def collect(self) -> Iterator[Metric]:
+            n, latest = registry.counts()
+            yield GaugeMetricFamily("deltasync_latest_version", "newest registered version", value=latest or 0)
+            yield CounterMetricFamily("deltasync_versions_registered", "objects in the ledger", value=n)
+            states, lags = fleet.stats(settings.agent_stale_after_s)
+            by_state = GaugeMetricFamily("deltasync_agents", "agents by state", labels=["state"])
+            for state, count in sorted(states.items()):
+                by_state.add_metric([state], count)
+            yield by_state
+            lag = HistogramMetricFamily("deltasync_agent_lag_versions", "latest minus applied, over the fleet")
+            buckets = [(str(b), c) for b, c in zip((*LAG_BUCKETS, "+Inf"), lags, strict=True)]
+            lag.add_metric([], buckets, sum_value=None)
+            yield lag
+
+    out.register(_Ledger())
+    return out, latency
+
+
+def create_app(settings: Settings | None = None) -> FastAPI:
+    """Build the coordinator app. Opens the SQLite ledger now: takes its one-coordinator lock, checks its
+    integrity, migrates it.
+
+    Args:
+        settings: defaults to reading ``DELTASYNC_*`` environment variables.
+
+    Raises:
+        InsecureConfiguration: no credentials and not ``insecure``.
+        LedgerLocked: another coordinator holds the database.
+        DamagedLedger: the database fails its integrity check.
+    """
+    settings = settings or Settings()
+    check_credentials(settings)
+    setup_logging()
+    db = Database(settings.db, MIGRATIONS, timeout_s=settings.db_timeout_s)
+    registry = Registry(db)
+    fleet = Fleet(db, registry)
+    health = _Health(fleet)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        tasks = [asyncio.create_task(_probe(db, health)), asyncio.create_task(_expire(fleet, settings))]
+        if settings.store is not None:
+            tasks.append(asyncio.create_task(_check_store(settings.store, registry, fleet)))
+        try:
+            yield
+        finally:
+            for task in tasks:
+                task.cancel()
+            db.close()  # checkpoint the WAL into the main file and release the lock
+            logger.info("coordinator stopped: ledger %s checkpointed and closed", settings.db)
+
+    app = FastAPI(
+        title="deltasync coordinator",
+        version="1",
+        description="Version ledger for deltasync: small JSON only, never weights. See docs/PROTOCOL.md.",
+        openapi_url=None,  # served by ops.router behind a token
+        docs_url=None,
+        redoc_url=None,
+        lifespan=lifespan,
+    )
+    app.state.settings, app.state.db, app.state.registry, app.state.fleet = settings, db, registry, fleet
+    app.state.retention = Retention(
+        db, registry, fleet, stale_after_s=settings.agent_stale_after_s, plan_lease_s=settings.plan_lease_s
+    )
+    app.state.health = health
+    app.state.notifier = versions.VersionNotifier(settings.max_long_polls)
+    app.state.notifier.latest = registry.latest_version()
+    metrics_registry, latency = _metrics(registry, fleet, settings)
+    app.state.metrics = type("Metrics", (), {"registry": metrics_registry})()
+    for router in (versions.router, lease.router, agents.router, gc.router, ops.router):
+        app.include_router(router)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        headers = dict(exc.headers or {})
+        if exc.status_code == 405:  # several routes may share a path: list every method they allow
+            methods = {
+                m
+                for r in app.router.routes
+                if isinstance(r, APIRoute) and r.matches(request.scope)[0] != Match.NONE
+                for m in r.methods
+            }
+            headers["Allow"] = ", ".join(sorted(methods))
+        return JSONResponse({"detail": exc.detail}, status_code=exc.status_code, headers=headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
+        # FastAPI's own handler echoes each input back, which fails on NaN (a 500) and can be large: name the
+        # field and the rule only
+        errors = [
+            {"loc": list(e.get("loc", ())), "msg": e.get("msg", ""), "type": e.get("type", "")} for e in exc.errors()
+        ]
+        return JSONResponse({"detail": errors}, status_code=422)
+
+    @app.exception_handler(Busy)
+    async def _busy(request: Request, exc: Busy) -> JSONResponse:
+        health.db_problem = str(exc)
+        return JSONResponse({"detail": f"{exc}; retry"}, status_code=503, headers={"Retry-After": "1"})
+
+    app.add_middleware(_Observe, run_id=registry.run_id, latency=latency)
+    app.add_middleware(_SizeLimits, max_bytes=settings.max_body_bytes, max_header_bytes=settings.max_header_bytes)
+    if settings.insecure:
+        logger.warning(
+            "INSECURE: the coordinator runs without credentials (--insecure): anyone who reaches %s:%d can "
+            "register versions, delete them through GC and forge any agent's heartbeat. Never do this on a "
+            "shared network.",
+            settings.host,
+            settings.port,
+        )
+    logger.info(
+        "coordinator ready: db=%s run=%s schema=%d latest=%s",
+        settings.db,
+        registry.run_id,
+        db.schema_version,
+        app.state.notifier.latest,
+    )
+    return app
+
+
+async def _probe(db: Database, health: _Health) -> None:
+    """Watch the database from a thread, so ``/healthz`` answers from memory and says when it is busy."""
+    while True:
+        t0 = time.monotonic()
+        try:
+            problem = await asyncio.wait_for(run_in_threadpool(db.probe), timeout=5)
+        except TimeoutError:
+            problem = "the ledger database did not answer a probe within 5 s"
+        health.db_problem = problem
+        await asyncio.sleep(max(0.0, _PROBE_EVERY_S - (time.monotonic() - t0)))
+
+
+async def _expire(fleet: Fleet, settings: Settings) -> None:
+    while True:
+        try:
+            n = await run_in_threadpool(fleet.expire, settings.agent_expire_after_s)
+            if n:
+                logger.info("forgot %d agents silent for %.0f s", n, settings.agent_expire_after_s)
+        except Busy as exc:  # the next round retries; the probe reports the database
+            logger.warning("agent expiry skipped: %s", exc)
+        await asyncio.sleep(_EXPIRE_EVERY_S)
+
+
+async def _check_store(uri: str, registry: Registry, fleet: Fleet) -> None:
+    """A ledger behind its store (copied without its WAL, restored from a backup) is degraded, not healthy."""
+    try:
+        committed = await run_in_threadpool(lambda: list_versions(open_store(uri)))
+    except ObjectNotFound:  # a new run: nothing published yet
+        return
+    except Exception as exc:  # noqa: BLE001 - a store we cannot list is reported, the service runs on
+        logger.warning("cannot list the store %s to compare it with the ledger: %s", uri, exc)
+        return
+    top = committed[-1].version if committed else None
+    latest = registry.latest_version()
+    if top is not None and (latest is None or top > latest):
+        fleet.raise_alert(
+            "behind:store",
+            f"the store holds committed v{top}, above the ledger's latest "
+            f"{'(nothing)' if latest is None else f'v{latest}'}: the ledger is behind its store (copied without its "
+            "WAL, or restored from a backup?)",
+            top,
+        )

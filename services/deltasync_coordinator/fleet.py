@@ -1,0 +1,139 @@
+"""The fleet: each agent's heartbeat, its lag and staleness, expiry of silent agents, and the ledger's alerts
+(a ledger behind what its agents report is degraded, never healthy)."""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+from datetime import UTC, datetime
+
+from deltasync.schemas import AgentHeartbeat, AgentPublic, AgentsPublic
+
+from .db import Database
+from .registry import Invalid, Registry
+
+__all__ = ["LAG_BUCKETS", "Fleet"]
+
+LAG_BUCKETS = (0, 1, 2, 5, 10, 100)
+"""Upper bounds (versions behind) of the aggregate lag histogram in ``/metrics``."""
+
+
+def _dt(ts: float) -> datetime:
+    return datetime.fromtimestamp(ts, tz=UTC)
+
+
+class Fleet:
+    """Agents and alerts, over the registry's database."""
+
+    def __init__(self, db: Database, registry: Registry) -> None:
+        self.db, self.registry = db, registry
+        self._clock = db._clock
+        with db.tx() as c:
+            self._alerts: dict[str, tuple[int | None, str]] = {
+                r["key"]: (r["version"], r["detail"]) for r in c.execute("SELECT * FROM alerts ORDER BY at")
+            }
+
+    def heartbeat(self, agent_id: str, hb: AgentHeartbeat, stale_after_s: float) -> AgentPublic:
+        """Record an agent's state; returns its fleet view entry.
+
+        Raises:
+            Invalid: ``applied_version`` is above the latest version: recorded as an alert (the ledger is then
+                degraded: restored from an old backup, or copied without its WAL?) and refused.
+        """
+        now = self._clock()
+        latest = self.registry.latest_version()
+        if hb.applied_version is not None and (latest is None or hb.applied_version > latest):
+            detail = (
+                f"agent {agent_id} reports v{hb.applied_version}, above the ledger's latest "
+                f"{'(nothing registered)' if latest is None else f'v{latest}'}: the ledger is behind its agents "
+                "(restored from an old backup, or copied without its WAL?)"
+            )
+            self.raise_alert(f"behind:{agent_id}", detail, hb.applied_version)
+            raise Invalid(f"applied_version {hb.applied_version} is above the latest version {latest}; {detail}")
+        with self.db.tx(durable=False) as c:
+            c.execute(
+                "INSERT INTO agents VALUES (?, ?, ?, ?, ?, ?) ON CONFLICT(agent_id) DO UPDATE SET "
+                "applied_version=excluded.applied_version, state=excluded.state, "
+                "last_error=excluded.last_error, timings=excluded.timings, last_seen=excluded.last_seen",
+                (agent_id, hb.applied_version, hb.state, hb.last_error, json.dumps(hb.timings), now),
+            )
+            row = c.execute("SELECT * FROM agents WHERE agent_id=?", (agent_id,)).fetchone()
+        return self._agent(row, latest, now, stale_after_s)
+
+    @staticmethod
+    def _agent(row: sqlite3.Row, latest: int | None, now: float, stale_after_s: float) -> AgentPublic:
+        applied = row["applied_version"]
+        return AgentPublic(
+            agent_id=row["agent_id"],
+            applied_version=applied,
+            state=row["state"],
+            last_error=row["last_error"],
+            timings=json.loads(row["timings"]),
+            last_seen=_dt(row["last_seen"]),
+            lag=None if applied is None or latest is None else latest - applied,
+            stale=now - row["last_seen"] > stale_after_s,
+        )
+
+    def agents(self, stale_after_s: float, *, limit: int = 100, after: str | None = None) -> AgentsPublic:
+        """One page of the fleet, by agent id (``after``: the last id of the previous page)."""
+        now = self._clock()
+        with self.db.tx() as c:
+            rows = c.execute(
+                "SELECT * FROM agents WHERE agent_id > ? ORDER BY agent_id LIMIT ?", (after or "", limit + 1)
+            ).fetchall()
+            total = c.execute("SELECT COUNT(*) FROM agents").fetchone()[0]
+        latest = self.registry.latest_version()
+        page = [self._agent(r, latest, now, stale_after_s) for r in rows[:limit]]
+        return AgentsPublic(
+            agents=page, latest=latest, next_after=page[-1].agent_id if len(rows) > limit else None, total=total
+        )
+
+    def live_applied(self, stale_after_s: float) -> list[int]:
+        """The applied versions of live (not stale) agents."""
+        now = self._clock()
+        with self.db.tx() as c:
+            rows = c.execute(
+                "SELECT applied_version FROM agents WHERE last_seen >= ? AND applied_version IS NOT NULL",
+                (now - stale_after_s,),
+            ).fetchall()
+        return [r[0] for r in rows]
+
+    def stats(self, stale_after_s: float) -> tuple[dict[str, int], list[int]]:
+        """Agents per state (``stale`` apart) and the lag histogram (cumulative counts per :data:`LAG_BUCKETS`,
+        then +Inf): aggregates only, never one series per agent."""
+        now = self._clock()
+        latest = self.registry.latest_version()
+        with self.db.tx() as c:
+            rows = c.execute("SELECT state, applied_version, last_seen FROM agents").fetchall()
+        states: dict[str, int] = {}
+        lags = [0] * (len(LAG_BUCKETS) + 1)
+        for state, applied, seen in rows:
+            key = "stale" if now - seen > stale_after_s else state
+            states[key] = states.get(key, 0) + 1
+            if applied is not None and latest is not None:
+                lag = latest - applied
+                for i, bound in enumerate((*LAG_BUCKETS, float("inf"))):
+                    if lag <= bound:
+                        lags[i] += 1
+        return states, lags
+
+    def expire(self, silent_s: float) -> int:
+        """Forget agents not seen for ``silent_s``; returns how many."""
+        with self.db.tx(durable=False) as c:
+            n: int = c.execute("DELETE FROM agents WHERE last_seen < ?", (self._clock() - silent_s,)).rowcount
+        return n
+
+    def alerts(self) -> list[str]:
+        """Why the ledger is degraded (empty when healthy), from memory. A ``behind:`` alert clears once a
+        version at or above the one the agent reported is registered."""
+        latest = self.registry.latest_version()
+        for key, (version, _) in list(self._alerts.items()):
+            if key.startswith("behind:") and version is not None and latest is not None and latest >= version:
+                self._alerts.pop(key, None)
+        return [detail for _, detail in self._alerts.values()]
+
+    def raise_alert(self, key: str, detail: str, version: int | None = None) -> None:
+        """Record (or refresh) an alert, in memory and in the ledger (it survives a restart)."""
+        self._alerts[key] = (version, detail)
+        with self.db.tx(durable=False) as c:
+            c.execute("INSERT OR REPLACE INTO alerts VALUES (?, ?, ?, ?)", (key, version, detail, self._clock()))

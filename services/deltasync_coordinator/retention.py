@@ -1,0 +1,151 @@
+"""Retention: which objects nothing can still need, proving the kept anchor first, and deleting the rest.
+
+Kept: the newest anchor **that is proven present and intact** (its manifest's sha256 is the registered digest,
+every shard is there with its size and sha256), every object above it, every delta above the lowest version a
+live agent has applied, and every object of a plan issued within ``plan_lease_s`` (an agent may be fetching
+it). Nothing is deleted while no anchor can be proven. Deletion goes through the store, which never follows a
+link nor leaves its root; the manifest goes first, so an object stops being committed before its shards do.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import sqlite3
+
+from deltasync.errors import DeltaSyncError, ObjectNotFound
+from deltasync.layout import object_prefix
+from deltasync.manifest import MAX_MANIFEST_BYTES, DeltaManifest
+from deltasync.reader import fetch_object
+from deltasync.schemas import GcPublic, VersionPublic
+from deltasync.store import Store
+
+from .db import Database
+from .fleet import Fleet
+from .registry import Registry, public
+
+__all__ = ["Retention"]
+
+logger = logging.getLogger("deltasync.coordinator.gc")
+
+
+class Retention:
+    """Garbage collection over the ledger and a store."""
+
+    def __init__(self, db: Database, registry: Registry, fleet: Fleet, *, stale_after_s: float, plan_lease_s: float):
+        self.db, self.registry, self.fleet = db, registry, fleet
+        self.stale_after_s, self.plan_lease_s = stale_after_s, plan_lease_s
+
+    def _rows(self) -> list[sqlite3.Row]:
+        with self.db.tx() as c:
+            return c.execute("SELECT * FROM versions WHERE deleted_at IS NULL ORDER BY version, kind DESC").fetchall()
+
+    def candidates(self, kept_anchor: int | None = None) -> GcPublic:
+        """What would go if ``kept_anchor`` (default: the newest anchor) is the anchor kept. A dry run."""
+        rows = self._rows()
+        anchors = [r["version"] for r in rows if r["kind"] == "anchor"]
+        if kept_anchor is None:
+            kept_anchor = max(anchors, default=None)
+        if kept_anchor is None:
+            return GcPublic(candidates=[], keep_from=None, problems=["no anchor is registered: nothing can go"])
+        keep_from = kept_anchor
+        live = self.fleet.live_applied(self.stale_after_s)
+        if live:
+            keep_from = min(keep_from, min(live))
+        planned = self.registry.recent_plan_objects(self.plan_lease_s)
+        candidates = [
+            public(r)
+            for r in rows
+            if (r["version"], r["kind"]) not in planned
+            and (
+                (r["kind"] == "anchor" and r["version"] < kept_anchor)
+                or (r["kind"] == "delta" and r["version"] <= keep_from)
+            )
+        ]
+        return GcPublic(candidates=candidates, keep_from=keep_from, kept_anchor=kept_anchor)
+
+    def _prove(self, store: Store, row: sqlite3.Row) -> str | None:
+        """``None`` if the anchor is present and intact in the store, else what is wrong."""
+        name = f"anchor v{row['version']}"
+        try:
+            data = store.get(row["manifest_key"], max_bytes=MAX_MANIFEST_BYTES)
+            digest = "sha256:" + hashlib.sha256(data).hexdigest()
+            if digest != row["checksum"]:
+                return f"{name}: its manifest's sha256 is {digest}, the ledger registered {row['checksum']}"
+            fetch_object(store, DeltaManifest.from_json(data, name=f"{store.uri}/{row['manifest_key']}"))
+        except (DeltaSyncError, OSError, ValueError) as exc:
+            return f"{name} cannot be proven intact ({type(exc).__name__}: {exc})"
+        return None
+
+    def collect(self, store: Store, *, dry_run: bool = False) -> GcPublic:
+        """Prove an anchor, then delete every candidate (unless ``dry_run``), recording each deletion."""
+        problems: list[str] = []
+        anchors = sorted((r for r in self._rows() if r["kind"] == "anchor"), key=lambda r: -r["version"])
+        kept = None
+        for row in anchors:
+            problem = self._prove(store, row)
+            if problem is None:
+                kept = row["version"]
+                break
+            problems.append(problem)
+            logger.warning("gc: %s; keeping everything above an older anchor", problem)
+        if kept is None:
+            problems.append("no anchor is proven intact: nothing is deleted")
+            return GcPublic(candidates=[], keep_from=None, problems=problems)
+        plan = self.candidates(kept)
+        if dry_run:
+            return plan.model_copy(update={"problems": problems})
+        deleted = []
+        for obj in plan.candidates:
+            problem = self._delete(store, obj)
+            if problem is None:
+                deleted.append(obj)
+            else:
+                problems.append(problem)
+        return GcPublic(
+            candidates=plan.candidates,
+            deleted=deleted,
+            keep_from=plan.keep_from,
+            kept_anchor=kept,
+            problems=problems,
+        )
+
+    def _delete(self, store: Store, obj: VersionPublic) -> str | None:
+        prefix = object_prefix(obj.version, obj.kind)
+        try:
+            keys = [k for k in store.list(prefix) if obj.kind == "anchor" or not k.startswith(prefix + "anchor/")]
+        except DeltaSyncError as exc:
+            return f"{obj.kind} v{obj.version} not deleted: {exc}"
+        ordered = sorted(keys, key=lambda k: k != obj.manifest_key)  # the manifest first: uncommit, then delete
+        done = []
+        for key in ordered:
+            try:
+                store.delete(key)
+                done.append(key)
+            except ObjectNotFound:  # already gone (an earlier GC was interrupted): nothing to do
+                logger.warning("gc: %s was already deleted", key)
+            except DeltaSyncError as exc:  # a symlink or another stranger: left where it is, reported
+                logger.warning("gc: %s", exc)
+                self._mark_deleted(obj, done, reason="gc (partial)")
+                return f"{obj.kind} v{obj.version}: {exc}"
+        self._mark_deleted(obj, done, reason="gc")
+        logger.info("gc: deleted %s v%d (%d files)", obj.kind, obj.version, len(done))
+        return None
+
+    def _mark_deleted(self, obj: VersionPublic, keys: list[str], reason: str) -> None:
+        now = self.db._clock()
+        with self.db.tx() as c:
+            c.execute("UPDATE versions SET deleted_at=? WHERE version=? AND kind=?", (now, obj.version, obj.kind))
+            c.execute(
+                "INSERT INTO deletions (version, kind, keys, reason, deleted_at) VALUES (?, ?, ?, ?, ?)",
+                (obj.version, obj.kind, json.dumps(keys), reason, now),
+            )
+            self.registry._latest = c.execute("SELECT MAX(version) FROM versions WHERE deleted_at IS NULL").fetchone()[
+                0
+            ]
+
+    def deletions(self) -> list[dict[str, object]]:
+        with self.db.tx() as c:
+            rows = c.execute("SELECT * FROM deletions ORDER BY id").fetchall()
+        return [dict(r) | {"keys": json.loads(r["keys"])} for r in rows]

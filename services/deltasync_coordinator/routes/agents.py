@@ -1,0 +1,51 @@
+"""Agents: heartbeats (each agent only its own) and the fleet view (paginated)."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from fastapi import APIRouter, Depends, HTTPException, Path, Query
+from starlette.concurrency import run_in_threadpool
+
+from deltasync.schemas import AGENT_ID_PATTERN, AgentHeartbeat, AgentPublic, AgentsPublic, ErrorPublic
+
+from ..deps import AUTH_ERRORS, BODY_ERRORS, FleetDep, SettingsDep, require_agent, require_reader
+from ..registry import Invalid
+
+__all__ = ["router"]
+
+router = APIRouter(prefix="/v1", tags=["agents"])
+
+
+@router.post(
+    "/agents/{agent_id}/heartbeat",
+    response_model=AgentPublic,
+    dependencies=[Depends(require_agent)],
+    responses={
+        422: {"model": ErrorPublic, "description": "invalid, or applied_version above the latest"},
+        **AUTH_ERRORS,
+        **BODY_ERRORS,
+    },
+)
+async def heartbeat(
+    body: AgentHeartbeat,
+    fleet: FleetDep,
+    settings: SettingsDep,
+    agent_id: Annotated[str, Path(pattern=AGENT_ID_PATTERN)],
+) -> AgentPublic:
+    """Record an agent's applied version, state, last error and timings (its own token only)."""
+    try:
+        return await run_in_threadpool(fleet.heartbeat, agent_id, body, settings.agent_stale_after_s)
+    except Invalid as exc:
+        raise HTTPException(422, str(exc)) from None
+
+
+@router.get("/agents", response_model=AgentsPublic, dependencies=[Depends(require_reader)], responses=AUTH_ERRORS)
+async def agents(
+    fleet: FleetDep,
+    settings: SettingsDep,
+    limit: Annotated[int, Query(ge=1, le=1000)] = 100,
+    after: Annotated[str | None, Query(max_length=128, description="the next_after of the previous page")] = None,
+) -> AgentsPublic:
+    """One page of the fleet: each agent's applied version, lag behind the latest, state, and staleness."""
+    return await run_in_threadpool(fleet.agents, settings.agent_stale_after_s, limit=limit, after=after)

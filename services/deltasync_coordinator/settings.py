@@ -1,0 +1,73 @@
+"""Coordinator settings, read from ``DELTASYNC_*`` environment variables (pydantic-settings)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pydantic import Field, SecretStr, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+__all__ = ["InsecureConfiguration", "Settings", "check_credentials"]
+
+
+class InsecureConfiguration(ValueError):
+    """The coordinator would start without credentials and ``insecure`` was not given."""
+
+
+class Settings(BaseSettings):
+    """Everything the coordinator reads at start-up. Each field is also a ``deltasync coordinator`` flag
+    (secrets only from the environment).
+
+    Fails closed: without ``publisher_token`` and ``agent_secret`` it refuses to start, unless ``insecure``.
+    """
+
+    model_config = SettingsConfigDict(env_prefix="DELTASYNC_", frozen=True)
+
+    db: Path = Field(Path("deltasync-coordinator.db"), description="SQLite file (created; WAL mode; one coordinator)")
+    store: str | None = Field(None, description="store URI, needed for garbage collection")
+    publisher_token: SecretStr | None = Field(None, description="bearer token to publish, lease and collect garbage")
+    agent_secret: SecretStr | None = Field(
+        None, description="HMAC key of the per-agent tokens (`deltasync token --agent-id ID`)"
+    )
+    read_token: SecretStr | None = Field(None, description="extra bearer token for read-only clients")
+    metrics_token: SecretStr | None = Field(None, description="bearer token of the Prometheus scraper (else any)")
+    insecure: bool = Field(False, description="run without any credential (development only; logged loudly)")
+    max_wait_s: float = Field(60.0, gt=0, le=600, description="cap of a long-poll's wait_s")
+    max_long_polls: int = Field(512, ge=1, le=100_000, description="concurrent long-polls; more get 503")
+    agent_stale_after_s: float = Field(60.0, gt=0, description="an agent not seen this long is stale")
+    agent_expire_after_s: float = Field(86_400.0, gt=0, description="an agent not seen this long is forgotten")
+    plan_lease_s: float = Field(600.0, ge=0, description="GC keeps every object of a plan issued this recently")
+    db_timeout_s: float = Field(5.0, gt=0, le=600, description="a request waits this long for the database; 503 after")
+    max_body_bytes: int = Field(1 << 20, gt=0, description="larger request bodies get 413")
+    max_header_bytes: int = Field(64 << 10, gt=0, description="larger request headers (all together) get 431")
+    host: str = Field("127.0.0.1", description="interface `deltasync coordinator` binds")
+    port: int = Field(8600, ge=0, le=65535, description="port `deltasync coordinator` binds")
+    ssl_certfile: Path | None = Field(None, description="serve HTTPS with this certificate (PEM)")
+    ssl_keyfile: Path | None = Field(None, description="the certificate's private key (PEM)")
+
+    @model_validator(mode="after")
+    def _tls_pair(self) -> Settings:
+        if (self.ssl_certfile is None) != (self.ssl_keyfile is None):
+            raise ValueError("ssl_certfile and ssl_keyfile go together: give both or neither")
+        return self
+
+
+def check_credentials(settings: Settings) -> None:
+    """Fail closed: no publisher token or agent secret, no coordinator (unless ``insecure``).
+
+    Raises:
+        InsecureConfiguration: naming the variables to set.
+    """
+    missing = [
+        f"DELTASYNC_{name.upper()}"
+        for name in ("publisher_token", "agent_secret")
+        if getattr(settings, name) is None or not getattr(settings, name).get_secret_value()
+    ]
+    if missing and not settings.insecure:
+        raise InsecureConfiguration(
+            f"the coordinator refuses to start without credentials: set {' and '.join(missing)} (the agent "
+            "secret signs per-agent tokens: `deltasync token --agent-id ID`), or pass --insecure for a "
+            "throwaway development ledger"
+        )
+    if settings.agent_secret is not None and 0 < len(settings.agent_secret.get_secret_value()) < 16:
+        raise InsecureConfiguration("DELTASYNC_AGENT_SECRET must have at least 16 characters")
