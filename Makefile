@@ -8,7 +8,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.deltasync-installed
 EXTRAS ?= vllm,hub,service,trl,demo,test
 
-.PHONY: venv check test demo demo-local bench clean
+.PHONY: venv check test test-fast demo demo-local bench clean
 
 # (Re)create the virtualenv whenever the project's requirements change.
 $(STAMP): pyproject.toml Makefile
@@ -28,6 +28,10 @@ check: venv
 
 test: venv
 	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" scripts/test
+
+# the fast loop while editing (under a minute): no real vLLM, nothing marked slow; CI runs `make test`
+test-fast: venv
+	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" python -m pytest -m "not slow and not vllm" -q
 
 # the Wordle RL demo: coordinator, vLLM + sidecar, environment and trainer as separate processes (~8 min)
 demo: venv

@@ -30,15 +30,11 @@ def main() -> None:
     from deltasync.agent import Agent
     from deltasync.client import CoordinatorClient
     from deltasync.config import AgentConfig
-    from deltasync.protocol import VersionCreate
-    from deltasync.testing import (
-        QWEN3_0_6B_CONFIG,
-        CoordinatorProcess,
-        UpdateStream,
-        offline_llm,
-        qwen3_shapes,
-        write_config_only_model,
-    )
+    from deltasync.schemas import VersionCreate
+    from tests.support.credentials import PUBLISHER_TOKEN, TOKENS_ENV, agent_token
+    from tests.support.launchers import CoordinatorProcess, offline_llm
+    from tests.support.models import QWEN3_0_6B_CONFIG, qwen3_shapes, write_config_only_model
+    from tests.support.stream import UpdateStream
 
     tmp = Path(tempfile.mkdtemp(prefix="deltasync-bench-apply-"))
     model = write_config_only_model(tmp / "qwen3-0.6b")
@@ -48,13 +44,18 @@ def main() -> None:
     curr = stream.bf16()
     snapshot = {k: v.clone() for k, v in curr.items()}
     with (
-        CoordinatorProcess(tmp / "ledger.db", log=tmp / "coordinator.log") as coordinator,
-        CoordinatorClient(coordinator.url) as client,
+        CoordinatorProcess(tmp / "ledger.db", env=TOKENS_ENV, log=tmp / "coordinator.log") as coordinator,
+        CoordinatorClient(coordinator.url, token=PUBLISHER_TOKEN) as client,
+        CoordinatorClient(coordinator.url, token=agent_token("bench")) as agent_client,
     ):
+        lease = client.acquire_lease("bench_apply", ttl_s=3600)
         base = write_anchor(store, curr, version=0, encoding="packed")
-        client.register_version(VersionCreate.for_manifest(base))
+        client.register_version(VersionCreate.for_manifest(base), lease=lease)
         agent = Agent.for_llm(
-            llm, store=store, coordinator=client, config=AgentConfig(agent_id="bench", staging_dir=str(tmp / "staging"))
+            llm,
+            store=store,
+            coordinator=agent_client,
+            config=AgentConfig(agent_id="bench", staging_dir=str(tmp / "staging")),
         )
         first = agent.sync()
         print(
@@ -69,7 +70,7 @@ def main() -> None:
         for v in range(1, args.steps + 1):
             curr = stream.step()
             base = write_delta(store, compute_delta(snapshot, curr, update_prev=True), state=curr, version=v, base=base)
-            client.register_version(VersionCreate.for_manifest(base))
+            client.register_version(VersionCreate.for_manifest(base), lease=lease)
             r = agent.sync()
             t = r.timings
             rows.append(
@@ -87,7 +88,7 @@ def main() -> None:
             )
         # the reference, in the same run: the same engine reloads every weight (an anchor of the latest version)
         anchor = write_anchor(store, curr, version=args.steps, encoding="packed")
-        client.register_version(VersionCreate.for_manifest(anchor))
+        client.register_version(VersionCreate.for_manifest(anchor), lease=lease)
         agent.needs_anchor = True
         full = agent.sync()
         status = llm.collective_rpc("deltasync_status")[0]

@@ -23,7 +23,10 @@ import torch
 from deltasync.client import CoordinatorClient
 from deltasync.config import PublisherConfig
 from deltasync.publisher import Publisher
-from deltasync.testing import QWEN3_0_6B_CONFIG, CoordinatorProcess, UpdateStream, free_port, qwen3_shapes
+from tests.support.credentials import PUBLISHER_TOKEN, TOKENS_ENV
+from tests.support.launchers import CoordinatorProcess, free_port
+from tests.support.models import QWEN3_0_6B_CONFIG, qwen3_shapes
+from tests.support.stream import UpdateStream
 
 
 def single(steps: int, tmp: Path) -> dict:
@@ -33,8 +36,8 @@ def single(steps: int, tmp: Path) -> dict:
     scratch32 = {k: torch.empty_like(v) for k, v in stream.master.items()}
     rows = []
     with (
-        CoordinatorProcess(tmp / "ledger.db", log=tmp / "coordinator.log") as proc,
-        CoordinatorClient(proc.url) as client,
+        CoordinatorProcess(tmp / "ledger.db", env=TOKENS_ENV, log=tmp / "coordinator.log") as proc,
+        CoordinatorClient(proc.url, token=PUBLISHER_TOKEN) as client,
     ):
         config = PublisherConfig(anchor_every=None, anchor_bytes_fraction=None)
         with Publisher(str(tmp / "store"), client, config) as pub:

@@ -32,6 +32,7 @@ def _cmd_coordinator(args: argparse.Namespace) -> int:
         import uvicorn
         from deltasync_coordinator.app import create_app
         from deltasync_coordinator.db import DamagedLedger, LedgerLocked
+        from deltasync_coordinator.http import serve_options
         from deltasync_coordinator.settings import InsecureConfiguration, Settings
     except ImportError as exc:
         raise SystemExit(
@@ -62,8 +63,8 @@ def _cmd_coordinator(args: argparse.Namespace) -> int:
         host=settings.host,
         port=settings.port,
         log_level="info",
-        h11_max_incomplete_event_size=settings.max_header_bytes,
         timeout_graceful_shutdown=5,
+        **serve_options(app),
         **ssl,
     )
     return 0

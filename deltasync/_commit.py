@@ -35,6 +35,7 @@ class LeaseKeeper:
     def __init__(self, client: CoordinatorClient, lease: Lease, ttl_s: float) -> None:
         self.client, self.lease, self.ttl_s = client, lease, ttl_s
         self.error: LeaseError | None = None
+        self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="deltasync-lease", daemon=True)
         self._thread.start()
@@ -42,13 +43,26 @@ class LeaseKeeper:
     def _run(self) -> None:
         while not self._stop.wait(self.ttl_s / 3):
             try:
-                self.lease = self.client.renew_lease(self.lease, ttl_s=self.ttl_s)
-            except LeaseError as exc:
-                self.error = exc
-                logger.error("the publisher lease is lost: %s", exc)
+                self.refresh()
+            except LeaseError:
+                logger.error("the publisher lease is lost: %s", self.error)
                 return
             except Exception as exc:  # noqa: BLE001 - the coordinator may be down: retried next round, fenced if too late
                 logger.warning("renewing the publisher lease failed (%s); retrying", exc)
+
+    def refresh(self) -> None:
+        """Renew the lease now (before each commit): proves this publisher still holds the run.
+
+        Raises:
+            LeaseError: it is lost (and stays lost).
+        """
+        with self._lock:
+            self.check()
+            try:
+                self.lease = self.client.renew_lease(self.lease, ttl_s=self.ttl_s)
+            except LeaseError as exc:
+                self.error = exc
+                raise
 
     def check(self) -> None:
         """Raise LeaseError if the lease is lost."""
@@ -175,7 +189,7 @@ class RankCommit:
             tensors=tensors,
         )
         if self.lease is not None:
-            self.lease.check()  # a fenced publisher never commits over another's run
+            self.lease.refresh()  # a fenced publisher never commits into another's run
         data = self.writer.commit(manifest)
         if self.coordinator is not None:
             lease = self.lease.lease if self.lease is not None else None

@@ -133,9 +133,9 @@ def parse_safetensors(buf: bytes | bytearray | memoryview, *, name: str) -> Safe
         }:
             raise _fail(name, f"tensor {key!r} must have exactly dtype, shape and data_offsets")
         dtype, shape, offsets = info["dtype"], info["shape"], info["data_offsets"]
-        if dtype not in DTYPE_ITEMSIZE:
+        if not isinstance(dtype, str) or dtype not in DTYPE_ITEMSIZE:
             raise _fail(name, f"tensor {key!r} has unknown dtype {dtype!r}")
-        if not isinstance(shape, list) or not all(type(d) is int and 0 <= d < 2**62 for d in shape):
+        if not isinstance(shape, list) or len(shape) > 16 or not all(type(d) is int and 0 <= d < 2**62 for d in shape):
             raise _fail(name, f"tensor {key!r} has an invalid shape {shape!r}")
         if (
             not isinstance(offsets, list)

@@ -12,6 +12,7 @@ import numpy as np
 from ._safetensors import SafetensorsFile, parse_safetensors
 from .errors import FormatError, UnsupportedFormatVersion
 from .vocab import (
+    CHECKPOINT_NAME,
     DTYPES,
     ENCODINGS,
     FORMAT_VERSION,
@@ -34,6 +35,9 @@ __all__ = [
     "parse_shard",
     "read_shard_header",
 ]
+
+MAX_NDIM = 16
+"""The most dimensions a tensor may have (torch allows 64; no checkpoint needs more than a few)."""
 
 _IMPLIED_MAX = 1 << 16
 """Format 1.0 allowed zero byte planes (values all implied); such an entry may hold at most this many elements."""
@@ -135,12 +139,16 @@ def _parse_info(file: str, name: str, raw: object, encoding: Encoding, kind: Kin
     if set(raw) - {"span"} != expected:
         raise fail(f"info must have the keys {sorted(expected)} (and optionally span), found {sorted(raw)}")
     shape, dtype, layout, nnz, checksum = (raw[k] for k in ("shape", "dtype", "layout", "nnz", "checksum"))
-    if not isinstance(shape, list) or not all(_is_count(d, 0, MAX_TENSOR_NUMEL) for d in shape):
-        raise fail(f"shape must be a list of non-negative ints, found {shape!r}")
+    if (
+        not isinstance(shape, list)
+        or len(shape) > MAX_NDIM
+        or not all(_is_count(d, 0, MAX_TENSOR_NUMEL) for d in shape)
+    ):
+        raise fail(f"shape must be a list of at most {MAX_NDIM} non-negative ints, found {shape!r}")
     numel = math.prod(shape)
     if numel > MAX_TENSOR_NUMEL:
         raise fail(f"shape {shape} has {numel} elements, more than the cap of {MAX_TENSOR_NUMEL}")
-    if dtype not in DTYPES:
+    if not isinstance(dtype, str) or dtype not in DTYPES:
         raise fail(f"dtype must be one of {sorted(DTYPES)}, found {dtype!r}")
     span = raw.get("span")
     if span is not None:
@@ -238,6 +246,9 @@ def parse_shard(buf: bytes | bytearray | memoryview, name: str) -> tuple[ShardHe
         raise _bad(name, f"metadata {META_PREFIX}tensors is not valid JSON ({exc})") from None
     if not isinstance(raw_infos, dict):
         raise _bad(name, f"metadata {META_PREFIX}tensors must be a JSON object, found {type(raw_infos).__name__}")
+    for t in raw_infos:
+        if not CHECKPOINT_NAME.fullmatch(t):
+            raise _bad(name, f"tensor name {t[:80]!r} must have 1 to 1024 characters, no ':' and no control characters")
     infos = {t: _parse_info(name, t, raw, encoding, kind, int(minor)) for t, raw in raw_infos.items()}
     expected: dict[str, EntrySpec] = {}
     for t, info in infos.items():

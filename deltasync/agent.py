@@ -22,21 +22,19 @@ What it promises (docs/RELIABILITY.md):
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import logging
-import os
 import shutil
 import tempfile
 import threading
 import time
-from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from . import apply
+from ._fetch import ObjectFetcher
+from ._localfs import ensure_dir
 from .client import CoordinatorClient, SyncPlan
 from .config import AgentConfig
 from .errors import (
@@ -46,25 +44,26 @@ from .errors import (
     IntegrityError,
     RefusalReason,
     RunMismatch,
-    StoreError,
     UpdateRefused,
     VersionGapError,
 )
-from .layout import manifest_key, object_prefix
-from .manifest import MAX_MANIFEST_BYTES, DeltaManifest, ShardEntry
-from .reader import Trust, check_shard, decode_object, read_weights
+from .layout import object_prefix
+from .reader import Trust, decode_object, read_weights
 from .signing import VerifyKey
 from .staging import StagedObject, StagedUpdate, stage_object
 from .store.base import Store
 from .targets.base import EngineState, EngineTarget
 from .targets.vllm import OfflineLLMTarget
-from .vocab import AgentState, Kind
+from .vocab import AgentState
 
 __all__ = ["Agent", "SyncResult"]
 
 logger = logging.getLogger(__name__)
 
 _MAX_ERROR_CHARS = 2000
+_PROGRESS_HEARTBEAT_BYTES = 64 << 20
+"""Plans this large report ``fetching`` and ``applying`` as they go; smaller ones report once, when done (one
+heartbeat per sync keeps a fleet of small agents cheap for the coordinator)."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -116,11 +115,19 @@ class Agent:
             verify_key = VerifyKey.from_file(self.config.public_key)
         self.verify_key = verify_key
         root = self.config.staging_dir or tempfile.mkdtemp(prefix="deltasync-agent-")
-        self.staging = Path(root)
-        (self.staging / "cache").mkdir(parents=True, exist_ok=True)
+        self.staging = Path(root).resolve()  # no symlink on the way: engines accept files only from under it
         self.host: dict[str, torch.Tensor] | None = None
         """The agent's copy of the engine's weights (``packed`` deltas decode against it)."""
         self.host_version: int | None = None
+        self.fetcher = ObjectFetcher(
+            store,
+            self.staging / "cache",
+            verify_key=verify_key,
+            retries=self.config.retries,
+            backoff_s=self.config.backoff_s,
+            workers=self.config.fetch_workers,
+            name=self.config.agent_id,
+        )
         self.started = False
         self.needs_anchor = False
         self.last_version: int | None = None
@@ -155,8 +162,8 @@ class Agent:
             RunMismatch: the coordinator's ledger is of another run than the engine's (and no ``allow_rollback``).
         """
         self.target.recover()
-        if self.config.tp_size > 1:
-            self.target.init(raise_errors=False)
+        # TP > 1: the engine records failures instead of raising them (vLLM #49972); staged files only from here
+        self.target.init(raise_errors=False if self.config.tp_size > 1 else None, staging_root=str(self.staging))
         st = self.target.state()
         if self.config.assume_version is not None and st.version is None and st.healthy:
             self.target.init(base_version=self.config.assume_version)
@@ -212,10 +219,13 @@ class Agent:
             return SyncResult(from_version=st.version, to_version=st.version, route="none", timings={}, bytes=0)
         self._check_rollback(plan, st)
         self._bound_lag(plan, held)
-        self._heartbeat(st.version, "fetching")
+        progress = plan.bytes >= _PROGRESS_HEARTBEAT_BYTES  # small syncs report once, when done
+        if progress:
+            self._heartbeat(st.version, "fetching")
         timings: dict[str, float] = {}
         update, staged = self._prepare(plan, st, timings)
-        self._heartbeat(st.version, "applying")
+        if progress:
+            self._heartbeat(st.version, "applying")
         try:
             self._apply(update, timings)
         except ApplyError:
@@ -262,7 +272,10 @@ class Agent:
                 logger.warning(
                     "agent %s: sync failed (%s); retrying in %.1f s", self.config.agent_id, self.last_error, delay
                 )
-                self._report_failure(exc)
+                try:
+                    self._report_failure(exc)
+                except Exception as report_exc:  # noqa: BLE001 - reporting is best effort; the loop must go on
+                    logger.warning("agent %s: could not report the failure: %s", self.config.agent_id, report_exc)
                 stop.wait(delay)
 
     def _report_failure(self, exc: BaseException) -> None:
@@ -299,8 +312,7 @@ class Agent:
                 return None  # nothing published yet
             if exc.status_code == 409:  # the engine is ahead of the ledger: never follow it down
                 raise UpdateRefused(
-                    f"agent {self.config.agent_id}: {exc}; the engine keeps serving v{held} (is the ledger restored "
-                    "from an old backup?)",
+                    f"agent {self.config.agent_id}: {exc}; the engine keeps serving v{held}",
                     reason=RefusalReason.ROLLBACK,
                 ) from None
             raise
@@ -370,7 +382,7 @@ class Agent:
     def _prepare(self, plan: SyncPlan, st: EngineState, timings: dict[str, float]) -> tuple[StagedUpdate, list[Path]]:
         """Fetch, authenticate, admit, decode into the host copy, check checksums, stage. No engine calls."""
         t0 = time.perf_counter()
-        manifests = [self._manifest(step.version, step.kind, step.checksum) for step in plan.steps]
+        manifests = [self.fetcher.manifest(step.version, step.kind, step.checksum) for step in plan.steps]
         holding = apply.Holding(
             version=st.version if st.healthy else None,
             healthy=st.healthy,
@@ -394,7 +406,7 @@ class Agent:
                 allow_rollback=self.config.allow_rollback,
             )
             holding = holding.after(m)
-        shards = self._fetch_all([m for m, _ in manifests])
+        shards = self.fetcher.shards([m for m, _ in manifests])
         t1 = time.perf_counter()
         objects: list[StagedObject] = []
         dirs: list[Path] = []
@@ -410,7 +422,10 @@ class Agent:
                 apply.verify(host, m, names=None if m.kind == "anchor" else {d.ckpt_name for d in deltas})
                 host_version = m.version
                 ts = time.perf_counter()
-                directory = self.staging / (f"v{m.version:08d}" + ("-anchor" if m.kind == "anchor" else ""))
+                # a fresh directory of our own (unpredictable name): nothing planted can redirect these writes
+                name = f"v{m.version:08d}" + ("-anchor-" if m.kind == "anchor" else "-")
+                directory = Path(tempfile.mkdtemp(prefix=name, dir=ensure_dir(self.staging)))
+                directory.chmod(0o755)  # the engine may run as another user
                 objects.append(stage_object(directory, m, data, deltas))
                 dirs.append(directory)
                 stage_s += time.perf_counter() - ts
@@ -420,77 +435,6 @@ class Agent:
         self.host, self.host_version = host, host_version
         timings.update(fetch=t1 - t0, decode=time.perf_counter() - t1 - stage_s, stage=stage_s)
         return StagedUpdate(objects=tuple(objects), allow_rollback=self.config.allow_rollback), dirs
-
-    def _manifest(self, version: int, kind: Kind, checksum: str) -> tuple[DeltaManifest, bytes]:
-        key = manifest_key(version, kind)
-        name = f"{self.store.uri}/{key}"
-
-        def get() -> bytes:
-            data = self.store.get(key, max_bytes=MAX_MANIFEST_BYTES)
-            digest = "sha256:" + hashlib.sha256(data).hexdigest()
-            if digest != checksum:
-                raise IntegrityError(f"{name}: sha256 is {digest}, the coordinator registered {checksum}")
-            return data
-
-        data = self._with_retries(get, name)
-        if self.verify_key is not None:
-            Trust(verify_key=self.verify_key).check(self.store, version, kind, data)
-        return DeltaManifest.from_json(data, name=name), data
-
-    def _fetch_all(self, manifests: list[DeltaManifest]) -> list[list[bytes]]:
-        jobs = [(i, j, m, e) for i, m in enumerate(manifests) for j, e in enumerate(m.shards)]
-        out: list[list[bytes]] = [[b""] * len(m.shards) for m in manifests]
-
-        def fetch(job: tuple[int, int, DeltaManifest, ShardEntry]) -> None:
-            i, j, m, entry = job
-            out[i][j] = self._fetch_shard(object_prefix(m.version, m.kind) + entry.file, entry)
-
-        with ThreadPoolExecutor(max_workers=self.config.fetch_workers) as pool:
-            list(pool.map(fetch, jobs))
-        return out
-
-    def _fetch_shard(self, key: str, entry: ShardEntry) -> bytes:
-        """A shard, size- and sha256-verified; refetched on a mismatch; cached by sha256 so a retry resumes."""
-        cached = self.staging / "cache" / entry.sha256
-        name = f"{self.store.uri}/{key}"
-        if cached.exists():
-            data = cached.read_bytes()
-            try:
-                check_shard(data, entry, name=str(cached))
-                return data
-            except IntegrityError:
-                cached.unlink()
-
-        def get_checked() -> bytes:
-            data = self.store.get(key, max_bytes=entry.bytes)
-            check_shard(data, entry, name=name)
-            return data
-
-        data = self._with_retries(get_checked, name)
-        tmp = cached.with_suffix(".tmp")
-        tmp.write_bytes(data)
-        os.replace(tmp, cached)
-        return data
-
-    def _with_retries(self, fn: Callable[[], bytes], what: str) -> bytes:
-        for attempt in range(self.config.retries + 1):
-            try:
-                return fn()
-            except (StoreError, IntegrityError) as exc:
-                if attempt == self.config.retries:
-                    raise
-                delay = min(self.config.backoff_s * 2**attempt, 30.0)
-                logger.warning(
-                    "agent %s: %s: %s; retry %d/%d in %.1f s",
-                    self.config.agent_id,
-                    what,
-                    exc,
-                    attempt + 1,
-                    self.config.retries,
-                    delay,
-                )
-                time.sleep(delay)
-        raise AssertionError("unreachable")
 
     def _apply(self, update: StagedUpdate, timings: dict[str, float]) -> None:
         """Pause, apply, resume. On a refusal the engine resumes with its old weights and label; on a failure
@@ -549,8 +493,7 @@ class Agent:
     def _cleanup(self, objects: list[Path]) -> None:
         for directory in objects:
             shutil.rmtree(directory, ignore_errors=True)
-        for cached in (self.staging / "cache").iterdir():
-            cached.unlink(missing_ok=True)
+        self.fetcher.clear()
 
     def _heartbeat(
         self,
@@ -564,5 +507,5 @@ class Agent:
             self.coordinator.heartbeat(
                 self.config.agent_id, applied_version=version, state=state, last_error=last_error, timings=timings
             )
-        except CoordinatorError as exc:  # a heartbeat is best effort: the sync itself goes on
+        except Exception as exc:  # noqa: BLE001 - a heartbeat is best effort: the sync itself goes on
             logger.warning("agent %s: heartbeat failed: %s", self.config.agent_id, exc)

@@ -56,6 +56,12 @@ class Holding:
     """The run whose objects it has applied; ``None``: none yet."""
     high_water: int | None = None
     """The highest version it has served in this run."""
+    fingerprint: str | None = None
+    """:func:`~deltasync.manifest.model_fingerprint` of ``spec`` (computed once, when not given)."""
+
+    def __post_init__(self) -> None:
+        if self.spec is not None and self.fingerprint is None:
+            object.__setattr__(self, "fingerprint", model_fingerprint(self.spec))
 
     def after(self, manifest: DeltaManifest) -> Holding:
         """What the receiver holds once ``manifest``'s object is applied."""
@@ -65,6 +71,7 @@ class Holding:
             version=manifest.version,
             healthy=True,
             spec=manifest.spec,
+            fingerprint=manifest.model_fingerprint,
             model_id=manifest.model_id or self.model_id,
             run_id=manifest.run_id or self.run_id,
             high_water=top if manifest.run_id in (None, self.run_id) else manifest.version,
@@ -95,10 +102,10 @@ def admit(
         VersionGapError: a delta whose base is not the version held (``reason`` BASE).
     """
     what = f"{where}: {manifest.kind} v{manifest.version}"
-    if holding.spec is not None and model_fingerprint(holding.spec) != manifest.model_fingerprint:
+    if holding.spec is not None and holding.fingerprint != manifest.model_fingerprint:
         raise UpdateRefused(
             f"{what} is for another model (fingerprint {manifest.model_fingerprint[:19]}..., this engine serves "
-            f"{model_fingerprint(holding.spec)[:19]}...): {describe_spec_difference(holding.spec, manifest.spec)}; "
+            f"{str(holding.fingerprint)[:19]}...): {describe_spec_difference(holding.spec, manifest.spec)}; "
             "point the agent at the run of the model it serves",
             reason=RefusalReason.MODEL,
         )

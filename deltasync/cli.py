@@ -126,7 +126,9 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
         kind: Kind = "anchor" if args.anchor else "delta"
         manifest = read_manifest(store, args.version, kind)
         prefix = object_prefix(args.version, kind)
-        shards.extend((store.get(prefix + s.file), f"{store.uri}/{prefix}{s.file}") for s in manifest.shards)
+        shards.extend(
+            (store.get(prefix + s.file, max_bytes=s.bytes), f"{store.uri}/{prefix}{s.file}") for s in manifest.shards
+        )
     reports = [(*_shard_rows(data, name),) for data, name in shards]
     if args.json:
         print(json.dumps([{**summary, "tensors": rows} for summary, rows in reports]))

@@ -242,6 +242,14 @@ class CoordinatorClient:
     def _check_run(self, response: httpx.Response) -> None:
         run = response.headers.get(RUN_HEADER)
         if run is None:
+            if self.run_id is not None and response.is_success:  # every deltasync answer names its run
+                raise RunMismatch(
+                    f"{response.request.method} {response.request.url.path}: the answer from {self.base_url} names no "
+                    f"run ({RUN_HEADER} is missing), this client follows run {self.run_id}: not a deltasync "
+                    "coordinator, or a proxy that strips headers; refusing to follow it",
+                    method=response.request.method,
+                    url=str(response.request.url),
+                )
             return
         if self.run_id is None:
             self.run_id = run

@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+from .vocab import MAX_VERSION
+
 __all__ = ["AgentConfig", "PublisherConfig"]
 
 
@@ -50,8 +52,8 @@ class AgentConfig:
             raise ValueError(f"fetch_workers must be >= 1, got {self.fetch_workers}")
         if self.retries < 0 or self.backoff_s < 0:
             raise ValueError(f"retries and backoff_s must be >= 0, got {self.retries} and {self.backoff_s}")
-        if self.assume_version is not None and self.assume_version < 0:
-            raise ValueError(f"assume_version must be >= 0 or None, got {self.assume_version}")
+        if self.assume_version is not None and not 0 <= self.assume_version <= MAX_VERSION:
+            raise ValueError(f"assume_version must be in [0, {MAX_VERSION}] or None, got {self.assume_version}")
         if self.pause_mode not in ("keep", "wait", "abort"):
             raise ValueError(f"pause_mode must be keep, wait or abort, got {self.pause_mode!r}")
         if self.tp_size < 1:
@@ -104,8 +106,8 @@ class PublisherConfig:
             raise ValueError(f"queue_size must be >= 1, got {self.queue_size}")
         if self.max_shard_bytes < 1:
             raise ValueError(f"max_shard_bytes must be >= 1, got {self.max_shard_bytes}")
-        if self.start_version is not None and self.start_version < 0:
-            raise ValueError(f"start_version must be >= 0 or None, got {self.start_version}")
+        if self.start_version is not None and not 0 <= self.start_version <= MAX_VERSION:
+            raise ValueError(f"start_version must be in [0, {MAX_VERSION}] or None, got {self.start_version}")
         if not 1 <= self.lease_ttl_s <= 3600:
             raise ValueError(f"lease_ttl_s must be in [1, 3600], got {self.lease_ttl_s}")
         if self.lease_wait_s < 0:

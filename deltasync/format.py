@@ -29,6 +29,7 @@ from ._safetensors import SafetensorsEntry, SafetensorsFile, encode_safetensors
 from ._shard_header import ShardHeader, TensorInfo, info_to_json, parse_shard, read_shard_header
 from .errors import FormatError
 from .vocab import (
+    CHECKPOINT_NAME,
     DTYPE_NAMES,
     DTYPES,
     ENCODINGS,
@@ -140,8 +141,10 @@ def _bits_of(t: torch.Tensor, dtype_name: str) -> np.ndarray:
 
 def _validate_for_encoding(d: TensorDelta, kind: Kind) -> str:
     name = d.ckpt_name
-    if not name or ":" in name:
-        raise ValueError(f"tensor {name!r}: checkpoint names must be non-empty and contain no ':'")
+    if not CHECKPOINT_NAME.fullmatch(name):
+        raise ValueError(
+            f"tensor {name!r}: checkpoint names must have 1 to 1024 characters, no ':' and no control characters"
+        )
     if d.dtype not in DTYPE_NAMES:
         raise ValueError(f"tensor {name!r}: dtype {d.dtype} is not supported; expected bfloat16, float16 or float32")
     if d.checksum is None:
@@ -345,6 +348,9 @@ def decode_shard(
             not unique or out of range, NaN values, a corrupt zstd frame, or a ``base`` tensor
             whose shape or dtype differs from the shard's (a delta for another model).
         ValueError: ``base`` is needed but was not given.
+        MemoryError: the values the header claims do not fit in memory. Decoding allocates what the header
+            claims (bounded by the container: a zstd frame stands for at most ``MAX_ZSTD_RATIO`` times its
+            bytes); callers that know the model check the header against it first (:mod:`deltasync.reader` does).
     """
     header, st = parse_shard(buf, name)
     needs_base = [t for t, i in header.tensors.items() if i.value_coding == "ordinal-delta"]
@@ -362,6 +368,13 @@ def decode_shard(
             raise
         except ValueError as exc:  # codec errors carry no file or tensor name: add them
             raise _bad(name, f"tensor {t!r}: {exc}") from None
+        except MemoryError:  # the header's claims are all the bound an unauthenticated reader has
+            info = header.tensors[t]
+            raise MemoryError(
+                f"{name}: tensor {t!r} claims {info.nnz} {info.dtype} values ({info.layout}) and this process "
+                "cannot hold them; check the shard against the served model (an agent refuses a foreign model "
+                "before fetching) or read it on a host with more memory"
+            ) from None
 
     decoded = _parallel_map(decode_one, list(header.tensors), sum(i.nnz for i in header.tensors.values()))
     return header, {d.ckpt_name: d for d in decoded}

@@ -8,6 +8,7 @@ reading a shard.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import math
@@ -17,7 +18,18 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .errors import FormatError, UnsupportedFormatVersion
-from .vocab import DTYPES, ENCODINGS, FORMAT_VERSION, KINDS, MAX_INT, MAX_TENSOR_NUMEL, MAX_VERSION, Encoding, Kind
+from .vocab import (
+    CHECKPOINT_NAME,
+    DTYPES,
+    ENCODINGS,
+    FORMAT_VERSION,
+    KINDS,
+    MAX_INT,
+    MAX_TENSOR_NUMEL,
+    MAX_VERSION,
+    Encoding,
+    Kind,
+)
 
 __all__ = [
     "MAX_MANIFEST_BYTES",
@@ -46,11 +58,12 @@ _KEYS_1_1 = _KEYS_1_0 | {"model_fingerprint", "model_id", "run_id"}
 
 
 def model_fingerprint(spec: ModelSpec) -> str:
-    """``sha256:`` over the sorted names, dtypes and shapes: equal for every version of one model."""
+    """``sha256:`` over the sorted names, dtypes and shapes, one JSON line ``[name, dtype, shape]`` each (an
+    unambiguous encoding, whatever the characters of a name): equal for every version of one model."""
     h = hashlib.sha256()
     for name in sorted(spec):
         dtype, shape = spec[name]
-        h.update(f"{name}\0{dtype}\0{list(shape)}\n".encode())
+        h.update(json.dumps([name, dtype, list(shape)], separators=(",", ":")).encode() + b"\n")
     return "sha256:" + h.hexdigest()
 
 
@@ -116,7 +129,7 @@ class TensorEntry:
         return math.prod(self.shape)
 
 
-@dataclass(frozen=True, kw_only=True, slots=True)
+@dataclass(frozen=True, kw_only=True)  # no slots: spec and model_fingerprint are cached per manifest
 class DeltaManifest:
     """Index of one published object: a delta ``base_version -> version`` or an anchor."""
 
@@ -154,12 +167,12 @@ class DeltaManifest:
         """Elements of the whole model."""
         return sum(t.numel for t in self.tensors.values())
 
-    @property
+    @functools.cached_property
     def spec(self) -> dict[str, tuple[str, tuple[int, ...]]]:
         """The model this object belongs to: name -> (dtype, shape)."""
         return {n: (t.dtype, t.shape) for n, t in self.tensors.items()}
 
-    @property
+    @functools.cached_property
     def model_fingerprint(self) -> str:
         """:func:`model_fingerprint` of :attr:`spec`: equal for two versions of one model."""
         return model_fingerprint(self.spec)
@@ -293,6 +306,9 @@ def _parse_manifest(obj: object, name: str) -> DeltaManifest:
         raise c.fail("shards", "must name each file once")
     if not isinstance(top["tensors"], dict):
         raise c.fail("tensors", f"must be an object, found {type(top['tensors']).__name__}")
+    for t in top["tensors"]:
+        if not CHECKPOINT_NAME.fullmatch(t):
+            raise c.fail("tensors", f"name {t[:80]!r} must have 1 to 1024 characters, no ':' and no control characters")
     tensors = {t: _parse_tensor(c, t, raw, kind, len(shards)) for t, raw in top["tensors"].items()}
     model_id = run_id = None
     if minor >= 1:
@@ -337,7 +353,7 @@ def _parse_tensor(c: _Check, t: str, raw: object, kind: str, n_shards: int) -> T
     numel = math.prod(shape)
     if numel > MAX_TENSOR_NUMEL:
         raise c.fail(f"{where}.shape", f"has {numel} elements, more than the cap of {MAX_TENSOR_NUMEL}")
-    if e["dtype"] not in DTYPES:
+    if not isinstance(e["dtype"], str) or e["dtype"] not in DTYPES:
         raise c.fail(f"{where}.dtype", f"must be one of {sorted(DTYPES)}, found {e['dtype']!r}")
     nnz = c.int_in(f"{where}.nnz", e["nnz"], numel if kind == "anchor" else 0, numel)
     idx = e["shards"]

@@ -13,6 +13,7 @@ digest the publisher registered) and the publisher's public key (each manifest m
 from __future__ import annotations
 
 import hashlib
+import logging
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 
@@ -20,7 +21,7 @@ import torch
 
 from . import apply
 from ._shard_header import parse_shard as _parse_shard
-from .errors import FormatError, IntegrityError, ObjectNotFound
+from .errors import FormatError, IntegrityError, ObjectNotFound, StoreError
 from .format import TensorDelta, decode_shard
 from .layout import manifest_key, object_prefix, parse_manifest_key, signature_key
 from .manifest import MAX_MANIFEST_BYTES, DeltaManifest, ShardEntry
@@ -38,10 +39,13 @@ __all__ = [
     "iter_weights",
     "list_versions",
     "load_object",
+    "prove_object",
     "read_chain",
     "read_manifest",
     "read_weights",
 ]
+
+logger = logging.getLogger(__name__)
 
 LedgerLookup = Callable[[int, Kind], str]
 """``(version, kind) -> "sha256:..."``: the digest the coordinator registered; raises if it has none."""
@@ -159,6 +163,28 @@ def fetch_object(store: Store, manifest: DeltaManifest) -> list[bytes]:
     return out
 
 
+def prove_object(store: Store, manifest: DeltaManifest) -> None:
+    """Every shard of an object is in the store with the size and sha256 its manifest promises, hashed as a
+    stream (memory stays flat, whatever the object's size).
+
+    Raises:
+        ObjectNotFound: a shard is missing.
+        IntegrityError: a shard's size or sha256 differs.
+    """
+    prefix = object_prefix(manifest.version, manifest.kind)
+    for entry in manifest.shards:
+        key = prefix + entry.file
+        size = store.size(key)
+        if size != entry.bytes:
+            raise IntegrityError(f"{store.uri}/{key}: size is {size} bytes, the manifest says {entry.bytes}")
+        h = hashlib.sha256()
+        with store.open(key) as f:
+            while chunk := f.read(8 << 20):
+                h.update(chunk)
+        if h.hexdigest() != entry.sha256:
+            raise IntegrityError(f"{store.uri}/{key}: sha256 is {h.hexdigest()}, the manifest says {entry.sha256}")
+
+
 def _check_header_against_manifest(manifest: DeltaManifest, index: int, data: bytes, name: str) -> None:
     """A shard's header (read without its payload) must describe what the manifest says this shard holds."""
     header, _ = _parse_shard(data, name)
@@ -220,30 +246,56 @@ def load_object(
 def read_chain(store: Store, version: int, *, trust: Trust | None = None) -> list[DeltaManifest]:
     """Manifests to rebuild ``version``: the newest anchor on its delta chain, then the deltas.
 
+    An anchor that cannot be read or authenticated is passed over for the delta at the same version (a planted
+    or damaged anchor must not hide an intact chain). The chain must be of one model and one run, and each
+    delta must claim, for every tensor it leaves unchanged, exactly the checksums of the object before it.
+
     Raises:
         ObjectNotFound: a version on the chain has neither a delta nor an anchor.
+        FormatError: the chain mixes models or runs, or a delta contradicts its base.
     """
     chain: list[DeltaManifest] = []
     v = version
     while True:
+        has_delta = store.exists(manifest_key(v, "delta"))
         if store.exists(manifest_key(v, "anchor")):
-            chain.append(read_manifest(store, v, "anchor", trust=trust))
-            chain.reverse()
-            for m in chain[1:]:
-                if m.model_fingerprint != chain[0].model_fingerprint:
-                    raise FormatError(
-                        f"{store.uri}: {m.kind} v{m.version} is for another model than anchor v{chain[0].version} "
-                        f"(fingerprints {m.model_fingerprint[:19]}... and {chain[0].model_fingerprint[:19]}...); "
-                        "the chain mixes objects of two models"
-                    )
-            return chain
-        if not store.exists(manifest_key(v, "delta")):
+            try:
+                chain.append(read_manifest(store, v, "anchor", trust=trust))
+                break
+            except (FormatError, StoreError) as exc:
+                if not has_delta:
+                    raise
+                logger.warning("%s: anchor v%d is unusable (%s); rebuilding through the delta chain", store.uri, v, exc)
+        if not has_delta:
             needed = f" (needed to rebuild v{version})" if v != version else ""
             raise ObjectNotFound(f"{store.uri}: version {v} is not committed{needed}")
         m = read_manifest(store, v, "delta", trust=trust)
         chain.append(m)
         assert m.base_version is not None
         v = m.base_version
+    chain.reverse()
+    _check_chain(store, chain)
+    return chain
+
+
+def _check_chain(store: Store, chain: list[DeltaManifest]) -> None:
+    first = chain[0]
+    runs = {m.run_id for m in chain if m.run_id is not None}
+    if len(runs) > 1:
+        raise FormatError(f"{store.uri}: the chain to v{chain[-1].version} mixes objects of runs {sorted(runs)}")
+    for prev, m in zip(chain, chain[1:], strict=False):
+        if m.model_fingerprint != first.model_fingerprint:
+            raise FormatError(
+                f"{store.uri}: {m.kind} v{m.version} is for another model than anchor v{first.version} "
+                f"(fingerprints {m.model_fingerprint[:19]}... and {first.model_fingerprint[:19]}...); "
+                "the chain mixes objects of two models"
+            )
+        changed = [n for n, e in m.tensors.items() if e.nnz == 0 and e.checksums != prev.tensors[n].checksums]
+        if changed:
+            raise FormatError(
+                f"{store.uri}: delta v{m.version} leaves {changed[0]!r} unchanged but claims other checksums than "
+                f"v{prev.version} for it ({len(changed)} tensors); the delta does not belong on this base"
+            )
 
 
 def iter_weights(

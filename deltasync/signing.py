@@ -92,8 +92,8 @@ class VerifyKey:
         try:
             obj = json.loads(signature_file)
             alg, key_id, sig = obj["alg"], obj["key_id"], base64.b64decode(obj["signature"], validate=True)
-        except (ValueError, KeyError, TypeError) as exc:
-            raise SignatureError(f"{name}: the signature file is malformed ({exc})") from None
+        except (ValueError, KeyError, TypeError, RecursionError) as exc:
+            raise SignatureError(f"{name}: the signature file is malformed ({type(exc).__name__})") from None
         if alg != "ed25519":
             raise SignatureError(f"{name}: signature algorithm {alg!r} is not supported (expected ed25519)")
         if key_id != self.key_id:

@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import stat
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ._localfs import ensure_dir, inside, read_regular, write_new
 from ._shard_header import parse_shard
 from .apply import check_decoded
 from .errors import FormatError
@@ -161,10 +161,10 @@ def stage_object(
 ) -> StagedObject:
     """Write a verified object into ``directory`` for an engine: its manifest and one ``raw`` shard.
 
-    Files are written to temporary names and renamed, so a reader never sees a partial file.
+    Files are written to new temporary names (never through a link) and renamed, so a reader never sees a
+    partial file. ``directory`` must be one the caller created (a fresh, unpredictable one: see the agent).
     """
-    root = Path(directory)
-    root.mkdir(parents=True, exist_ok=True)
+    root = ensure_dir(Path(directory))
     plain = [dataclasses.replace(d, base_values=None) for d in deltas]
     paths: list[str] = []
     if plain:
@@ -175,51 +175,50 @@ def stage_object(
             target_version=manifest.version,
             base_version=manifest.base_version,
         )
-        paths.append(_write(root / shard_file(0), data))
+        paths.append(write_new(root / shard_file(0), data))
     return StagedObject(
         kind=manifest.kind,
         version=manifest.version,
         base_version=manifest.base_version,
-        manifest_path=_write(root / MANIFEST_FILE, manifest_bytes),
+        manifest_path=write_new(root / MANIFEST_FILE, manifest_bytes),
         shard_paths=tuple(paths),
         manifest=manifest,
         deltas=tuple(deltas),
     )
 
 
-def _write(path: Path, data: bytes) -> str:
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_bytes(data)
-    os.replace(tmp, path)
-    return str(path)
-
-
-def _read_regular(path: str, max_bytes: int, what: str) -> bytes:
-    """A local regular file (not through a final symlink), at most ``max_bytes``, checked before reading."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
-    except OSError as exc:
-        raise FormatError(f"{path}: cannot read the staged {what} ({exc})") from None
-    with os.fdopen(fd, "rb") as f:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise FormatError(f"{path}: the staged {what} is not a regular file")
-        if st.st_size > max_bytes:
-            raise FormatError(f"{path}: the staged {what} is {st.st_size} bytes, more than the {max_bytes} allowed")
-        return f.read(max_bytes + 1)
-
-
-def read_staged(obj: StagedObject) -> tuple[DeltaManifest, list[TensorDelta]]:
+def read_staged(
+    obj: StagedObject, *, root: str | os.PathLike[str] | None = None
+) -> tuple[DeltaManifest, list[TensorDelta]]:
     """Read and check a staged object: its manifest, then each ``raw`` shard against it; nothing is applied.
 
     Objects built in this process (:attr:`StagedObject.deltas`) are returned as they are.
 
+    Args:
+        obj: the staged object.
+        root: the staging directory the receiver accepts files from (named by its agent at ``init``): every
+            path must lie under it with no symbolic link on the way (an update message cannot point anywhere
+            else). Required for objects given as files.
+
     Raises:
-        FormatError: a file is unreadable, malformed, or disagrees with the manifest or with the message.
+        FormatError: no ``root`` was named, a file is outside it, unreadable, malformed, or disagrees with the
+            manifest or with the message.
     """
     if obj.manifest is not None and obj.deltas is not None:
         return obj.manifest, list(obj.deltas)
-    data = _read_regular(obj.manifest_path, MAX_MANIFEST_BYTES, "manifest")
+    if root is None:
+        raise FormatError(
+            f"staged {obj.label}: this receiver has no staging directory (its agent names one at init, "
+            "staging_root=...); refusing files an update message names"
+        )
+    else:
+        stray = [p for p in (obj.manifest_path, *obj.shard_paths) if not inside(Path(root), p)]
+        if stray:
+            raise FormatError(
+                f"staged {obj.label}: {stray[0]} is not inside the staging directory {root} (or goes through a "
+                "symlink); refusing to read it"
+            )
+    data = bytes(read_regular(obj.manifest_path, MAX_MANIFEST_BYTES, "manifest"))
     manifest = DeltaManifest.from_json(data, name=obj.manifest_path)
     if (manifest.kind, manifest.version, manifest.base_version) != (obj.kind, obj.version, obj.base_version):
         raise FormatError(
@@ -231,7 +230,7 @@ def read_staged(obj: StagedObject) -> tuple[DeltaManifest, list[TensorDelta]]:
         cap += entry.nnz * (DTYPES[entry.dtype].itemsize + 8)
     deltas: list[TensorDelta] = []
     for path in obj.shard_paths:
-        shard = bytearray(_read_regular(path, cap, "shard"))
+        shard = read_regular(path, cap, "shard")
         header, _ = parse_shard(shard, path)
         got = (header.kind, header.encoding, header.base_version, header.target_version)
         want = (manifest.kind, "raw", manifest.base_version, manifest.version)

@@ -7,6 +7,7 @@ One spelling each: a published object is of :data:`Kind` ``"delta"`` or ``"ancho
 
 from __future__ import annotations
 
+import re
 from typing import Any, Literal
 
 import numpy as np
@@ -23,6 +24,7 @@ __all__ = [
     "MAX_TENSOR_NUMEL",
     "MAX_VERSION",
     "META_PREFIX",
+    "CHECKPOINT_NAME",
     "AgentState",
     "Encoding",
     "Kind",
@@ -63,6 +65,10 @@ AgentState = Literal["idle", "fetching", "applying", "paused", "error", "refused
 model) and keeps serving; ``unhealthy`` = its engine failed past the first write and does not serve until an
 anchor restores it."""
 AGENT_STATES: tuple[AgentState, ...] = ("idle", "fetching", "applying", "paused", "error", "refused", "unhealthy")
+
+CHECKPOINT_NAME = re.compile(r"[^\x00-\x1f\x7f:]{1,1024}")
+"""A tensor's checkpoint name: 1 to 1024 characters, no ``:`` (the shard entries' separator) and no control
+characters (they would make names ambiguous in messages and fingerprints)."""
 
 DTYPES: dict[str, torch.dtype] = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}
 """The dtypes deltasync publishes, by safetensors name."""

@@ -16,7 +16,8 @@ from pathlib import Path
 from safetensors.torch import load_file
 
 from deltasync import LocalStore, compute_delta, write_anchor, write_delta
-from deltasync.testing import UpdateStream, build_tiny_model
+from tests.support.models import build_tiny_model
+from tests.support.stream import UpdateStream
 
 
 def _run(*args: str) -> None:

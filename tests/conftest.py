@@ -9,7 +9,14 @@ import pytest
 import torch
 
 from deltasync.store import LocalStore
-from deltasync.tokens import make_agent_token
+from tests.support.credentials import (  # noqa: F401 - re-exported for the tests
+    AGENT_SECRET,
+    AGENT_TOKEN,
+    PUBLISHER_TOKEN,
+    TOKENS_ENV,
+    agent_env,
+    agent_token,
+)
 from tests.support.models import TINY_QWEN3_CONFIG, build_tiny_model, qwen3_shapes
 from tests.support.stream import UpdateStream
 
@@ -17,24 +24,6 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
 SMALL_QWEN3 = {**TINY_QWEN3_CONFIG, "vocab_size": 300, "hidden_size": 64, "intermediate_size": 96}
 """Even smaller shapes for unit tests of the update stream (12 layers' worth of names in 2)."""
-
-PUBLISHER_TOKEN = "pub-secret-token"
-AGENT_SECRET = "agent-secret-0123456789abcdef"
-"""The coordinator's HMAC key for agent tokens."""
-AGENT_TOKEN = make_agent_token(AGENT_SECRET, "agent-0")
-"""The token of agent id ``agent-0`` (the AgentConfig default)."""
-TOKENS_ENV = {"DELTASYNC_PUBLISHER_TOKEN": PUBLISHER_TOKEN, "DELTASYNC_AGENT_SECRET": AGENT_SECRET}
-"""What a coordinator process is started with."""
-
-
-def agent_token(agent_id: str) -> str:
-    """The token bound to ``agent_id`` under the test coordinators' secret."""
-    return make_agent_token(AGENT_SECRET, agent_id)
-
-
-def agent_env(agent_id: str) -> dict[str, str]:
-    """The environment of an agent process with id ``agent_id``."""
-    return {"DELTASYNC_AGENT_TOKEN": agent_token(agent_id)}
 
 
 def bits(t: torch.Tensor) -> torch.Tensor:
@@ -141,6 +130,10 @@ class ServerThread:
         self.port = sock.getsockname()[1]
         sock.close()
         scheme = "https" if "ssl_certfile" in config else "http"
+        if hasattr(getattr(app, "state", None), "registry"):  # a coordinator app: serve it as the CLI does
+            from deltasync_coordinator.http import serve_options
+
+            config = {**serve_options(app), **config}
         self.url = f"{scheme}://127.0.0.1:{self.port}"
         self.server = uvicorn.Server(
             uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning", **config)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import builtins
 import errno
+import logging
 import os
 import stat
 import uuid
@@ -20,11 +21,16 @@ from typing import BinaryIO
 from ..errors import ObjectExists, ObjectNotFound, ObjectTooLarge, StoreError, UnsafeObject
 from .base import check_key
 
-__all__ = ["LocalStore"]
+__all__ = ["MAX_DEPTH", "LocalStore"]
 
 _TMP_PREFIX = ".tmp-"
+MAX_DEPTH = 16
+"""Directories deeper than this below the root are not listed (deltasync's own keys are 3 deep)."""
+
+logger = logging.getLogger(__name__)
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 _READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC  # NONBLOCK: a fifo cannot hang us
+_MAX_READ = 0x7FFFF000  # the most one read(2) returns on Linux
 _CHUNK = 8 << 20
 
 
@@ -225,8 +231,10 @@ class LocalStore:
             limit = st.st_size if max_bytes is None else max_bytes
             chunks, total = [], 0
             try:
-                while total <= limit:  # read at most limit + 1 bytes: a file that grows cannot exhaust memory
-                    chunk = os.read(fd, min(_CHUNK, limit + 1 - total))
+                # read at most limit + 1 bytes (a file that grows cannot exhaust memory), in as few calls as the
+                # kernel allows: one allocation, no join, for any object under _MAX_READ
+                while total <= limit:
+                    chunk = os.read(fd, min(_MAX_READ, limit + 1 - total))
                     if not chunk:
                         break
                     chunks.append(chunk)
@@ -235,7 +243,7 @@ class LocalStore:
                 raise self._wrap(key, "read", exc) from exc
             if max_bytes is not None and total > max_bytes:
                 raise ObjectTooLarge(f"{self.uri}: {key!r} grew past the {max_bytes} bytes allowed while read")
-            return b"".join(chunks)
+            return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
     def open(self, key: str) -> BinaryIO:
         """Open an object (a regular file, never through a link) for streaming reads."""
@@ -247,22 +255,23 @@ class LocalStore:
         with self._open_regular(key) as (_, st):
             return st.st_size
 
-    def _is_link(self, key: str) -> bool:
+    def _lstat_mode(self, key: str) -> int | None:
+        """The mode of what ``key`` names, without following a final link (``None``: nothing there)."""
         dirs, name = self._split(key)
         try:
             with self._dir(dirs, create=False) as dfd:
-                return stat.S_ISLNK(os.stat(name, dir_fd=dfd, follow_symlinks=False).st_mode)
+                return os.stat(name, dir_fd=dfd, follow_symlinks=False).st_mode
         except (StoreError, OSError):
-            return False
+            return None
+
+    def _is_link(self, key: str) -> bool:
+        mode = self._lstat_mode(key)
+        return mode is not None and stat.S_ISLNK(mode)
 
     def exists(self, key: str) -> bool:
         """Whether a regular file is stored under ``key`` (a symlink there does not count)."""
-        dirs, name = self._split(key)
-        try:
-            with self._dir(dirs, create=False) as dfd:
-                return stat.S_ISREG(os.stat(name, dir_fd=dfd, follow_symlinks=False).st_mode)
-        except (StoreError, OSError):
-            return False
+        mode = self._lstat_mode(key)
+        return mode is not None and stat.S_ISREG(mode)
 
     def list(self, prefix: str = "") -> list[str]:
         """Keys of the regular files under a directory-like ``prefix`` (``""`` or ending in ``/``), sorted.
@@ -287,20 +296,31 @@ class LocalStore:
         return sorted(keys)
 
     def _walk(self, dfd: int, parts: builtins.list[str], out: builtins.list[str]) -> None:
-        for entry in os.scandir(dfd):
-            if entry.name.startswith("."):
-                continue
-            if entry.is_dir(follow_symlinks=False):
-                try:
-                    sub = os.open(entry.name, _DIR_FLAGS, dir_fd=dfd)
-                except OSError:
-                    continue  # replaced by a link or removed meanwhile: not ours to list
-                try:
-                    self._walk(sub, [*parts, entry.name], out)
-                finally:
-                    os.close(sub)
-            elif entry.is_file(follow_symlinks=False):
-                out.append("/".join([*parts, entry.name]))
+        """Regular files below ``dfd``, iteratively (no recursion to exhaust), at most :data:`MAX_DEPTH` deep."""
+        stack: builtins.list[tuple[int, builtins.list[str], bool]] = [(dfd, parts, False)]
+        while stack:
+            fd, where, owned = stack.pop()
+            try:
+                with os.scandir(fd) as entries:
+                    for entry in entries:
+                        if entry.name.startswith("."):
+                            continue
+                        if entry.is_dir(follow_symlinks=False):
+                            if len(where) + 1 >= MAX_DEPTH:
+                                logger.warning(
+                                    "%s: %s is deeper than %d levels; not listed", self.uri, "/".join(where), MAX_DEPTH
+                                )
+                                continue
+                            try:
+                                sub = os.open(entry.name, _DIR_FLAGS, dir_fd=fd)
+                            except OSError:
+                                continue  # replaced by a link or removed meanwhile: not ours to list
+                            stack.append((sub, [*where, entry.name], True))
+                        elif entry.is_file(follow_symlinks=False):
+                            out.append("/".join([*where, entry.name]))
+            finally:
+                if owned:
+                    os.close(fd)
 
     # ------------------------------------------------------------------ deletes
 

@@ -70,8 +70,11 @@ class EngineTarget(Protocol):
         label say what the engine really holds (:data:`UNHEALTHY_LABEL` when unhealthy)."""
         ...
 
-    def init(self, *, base_version: int | None = None, raise_errors: bool | None = None) -> None:
-        """Tell the engine which version its weights are (``assume_version``), and how to report failures."""
+    def init(
+        self, *, base_version: int | None = None, raise_errors: bool | None = None, staging_root: str | None = None
+    ) -> None:
+        """Tell the engine which version its weights are (``assume_version``, ignored once it knows one), how to
+        report failures, and the only directory it may read staged files from."""
         ...
 
     def pause(self) -> None:
@@ -125,7 +128,7 @@ def raise_outcome(ranks: Sequence[Mapping[str, Any]], what: str, cause: BaseExce
     if outcomes and all(o.get("ok") for o in outcomes) and cause is None:
         return
     refused = [o for o in outcomes if o.get("refused")]
-    if refused and len(refused) == len(outcomes) and all(r.get("healthy") for r in ranks):
+    if refused and len(refused) == len(outcomes):  # every rank refused before writing (healthy or not)
         reason = RefusalReason(refused[0]["refused"])
         message = f"{what}: {refused[0].get('message', '')}"
         if reason is RefusalReason.BASE:

@@ -8,14 +8,15 @@ model, a light replica in a load test, or an agent's unit tests.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 
 import torch
 
 from .. import apply
-from ..errors import ApplyError, UpdateRefused
-from ..manifest import ModelSpec, model_fingerprint
+from ..errors import ApplyError, RefusalReason, UpdateRefused
+from ..manifest import ModelSpec
 from ..staging import StagedUpdate, read_staged
 from .base import UNHEALTHY_LABEL, EngineState
 
@@ -46,6 +47,7 @@ class InMemoryTarget:
         self.detail = ""
         self.lock = threading.Lock()
         self._raise_errors = True
+        self.staging_root: str | None = None
 
     @property
     def version(self) -> int | None:
@@ -60,7 +62,7 @@ class InMemoryTarget:
             healthy=h.healthy,
             run_id=h.run_id,
             high_water=h.high_water,
-            fingerprint=None if h.spec is None else model_fingerprint(h.spec),
+            fingerprint=h.fingerprint,
             model_id=h.model_id,
             detail=self.detail,
         )
@@ -72,13 +74,17 @@ class InMemoryTarget:
         elif self.holding.version is not None:
             self.label = str(self.holding.version)
 
-    def init(self, *, base_version: int | None = None, raise_errors: bool | None = None) -> None:
+    def init(
+        self, *, base_version: int | None = None, raise_errors: bool | None = None, staging_root: str | None = None
+    ) -> None:
+        """As the vLLM engine: ``base_version`` only names weights of an unknown version (it never relabels a
+        version the engine knows); ``staging_root`` limits where staged files may come from."""
         if raise_errors is not None:
             self._raise_errors = raise_errors
-        if base_version is not None:
-            self.holding = apply.Holding(
-                version=base_version, spec=self.holding.spec, model_id=self.holding.model_id, high_water=base_version
-            )
+        if staging_root is not None:
+            self.staging_root = staging_root
+        if base_version is not None and self.holding.version is None and self.holding.healthy:
+            self.holding = dataclasses.replace(self.holding, version=base_version, high_water=base_version)
             self.label = str(base_version)
 
     def pause(self) -> None:
@@ -94,7 +100,7 @@ class InMemoryTarget:
             holding, checked = self.holding, []
             try:
                 for obj in update.objects:
-                    manifest, deltas = read_staged(obj)
+                    manifest, deltas = read_staged(obj, root=self.staging_root)
                     apply.admit(
                         manifest,
                         holding,
@@ -107,7 +113,10 @@ class InMemoryTarget:
             except UpdateRefused:
                 raise
             except (ValueError, OSError) as exc:  # a malformed staged file: refused, nothing written
-                raise ApplyError(f"{update.objects[0].label}: the staged update is unreadable ({exc})") from exc
+                raise UpdateRefused(
+                    f"{update.objects[0].label}: the staged update is unreadable ({exc})",
+                    reason=RefusalReason.MALFORMED,
+                ) from exc
             try:
                 weights = self.weights
                 for manifest, deltas in checked:

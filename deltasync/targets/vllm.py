@@ -77,14 +77,19 @@ class _VllmTarget:
             logger.warning("weight_version said %s, the engine holds v%d: relabelled", st.label, st.version)
             self._set_label(str(st.version))
 
-    def init(self, *, base_version: int | None = None, raise_errors: bool | None = None) -> None:
+    def init(
+        self, *, base_version: int | None = None, raise_errors: bool | None = None, staging_root: str | None = None
+    ) -> None:
         info: dict[str, Any] = {}
         if base_version is not None:
             info["base_version"] = base_version
         if raise_errors is not None:
             info["raise_errors"] = raise_errors
+        if staging_root is not None:
+            info["staging_root"] = staging_root
         self._call("init_weight_transfer_engine", {"init_info": info})
-        if base_version is not None:
+        st = self.state()
+        if base_version is not None and st.version == base_version:
             self._set_label(str(base_version))
 
     def apply(self, update: StagedUpdate) -> None:
@@ -141,6 +146,12 @@ class OfflineLLMTarget(_VllmTarget):
 
     def __init__(self, llm: Any) -> None:
         self.llm = llm
+
+    def effective_weights(self, *, checksums: bool = True) -> list[dict[str, Any]]:
+        """What each rank's kernels really use, by vLLM module or parameter name (``xxh3_128`` digests, or
+        tensors): the only exact readback on vLLM's CPU build, where linear weights are repacked."""
+        ranks: list[dict[str, Any]] = self.llm.collective_rpc("deltasync_effective", kwargs={"checksums": checksums})
+        return ranks
 
     def _ranks(self) -> list[dict[str, Any]]:
         try:

@@ -73,6 +73,8 @@ class DeltaSyncInitInfo(WeightTransferInitInfo):
     """Raise refusals and failures from the RPCs (the default), or only record them (TP > 1)."""
     model_id: str | None = None
     """The model id this engine serves; objects naming another are refused."""
+    staging_root: str | None = None
+    """Accept staged files only from under this directory, with no symlink on the way (the agent's staging)."""
 
     def __post_init__(self) -> None:
         if self.mode is not None and self.mode not in MODES:
@@ -106,6 +108,7 @@ class DeltaSyncWeightTransferEngine(WeightTransferEngine[DeltaSyncInitInfo, Delt
         super().__init__(config, vllm_config, device, model)
         self._mode = "auto"
         self.base_path: str | None = None
+        self.staging_root: str | None = None
         self.raise_errors = True
         self.version: int | None = None
         self.healthy = True
@@ -116,6 +119,8 @@ class DeltaSyncWeightTransferEngine(WeightTransferEngine[DeltaSyncInitInfo, Delt
         self.outcome: dict[str, Any] = {"ok": True, "refused": None, "message": ""}
         self._shadow: Shadow | None = None
         self._spec: dict[str, tuple[str, tuple[int, ...]]] | None = None
+        self._fingerprint_of: object = None
+        self._fingerprint_value = ""
         self._reloader = LayerwiseReloader(model, self.model_config, self._get_shadow)
         self._pending: set[str] = set()
         self._staged: apply.Holding | None = None
@@ -135,6 +140,8 @@ class DeltaSyncWeightTransferEngine(WeightTransferEngine[DeltaSyncInitInfo, Delt
             self.raise_errors = init_info.raise_errors
         if init_info.model_id is not None:
             self.model_id = init_info.model_id
+        if init_info.staging_root is not None:
+            self.staging_root = init_info.staging_root
         if init_info.base_version is not None and self.version is None and self.healthy:
             self.version = self.high_water = init_info.base_version
         logger.info("deltasync: mode=%s version=%s raise_errors=%s", self.mode, self.version, self.raise_errors)
@@ -171,12 +178,19 @@ class DeltaSyncWeightTransferEngine(WeightTransferEngine[DeltaSyncInitInfo, Delt
                 )
         return self._spec
 
+    def _fingerprint(self, spec: dict[str, tuple[str, tuple[int, ...]]]) -> str:
+        if self._fingerprint_of is not spec:  # computed once per spec object (status is polled every sync)
+            self._fingerprint_of, self._fingerprint_value = spec, model_fingerprint(spec)
+        return self._fingerprint_value
+
     def holding(self) -> apply.Holding:
         """What this engine holds, for admission."""
+        spec = self.served_spec()
         return apply.Holding(
             version=self.version,
             healthy=self.healthy,
-            spec=self.served_spec(),
+            spec=spec,
+            fingerprint=None if spec is None else self._fingerprint(spec),
             model_id=self.model_id,
             run_id=self.run_id,
             high_water=self.high_water,
@@ -192,7 +206,7 @@ class DeltaSyncWeightTransferEngine(WeightTransferEngine[DeltaSyncInitInfo, Delt
             "healthy": self.healthy,
             "run_id": self.run_id,
             "high_water": self.high_water,
-            "fingerprint": None if spec is None else model_fingerprint(spec),
+            "fingerprint": None if spec is None else self._fingerprint(spec),
             "model_id": self.model_id,
             "outcome": dict(self.outcome),
             "detail": self.detail,
@@ -276,7 +290,7 @@ class DeltaSyncWeightTransferEngine(WeightTransferEngine[DeltaSyncInitInfo, Delt
         holding = self._staged or self.holding()
         checked = []
         for obj in update.objects:
-            manifest, deltas = read_staged(obj)
+            manifest, deltas = read_staged(obj, root=self.staging_root)
             apply.admit(
                 manifest,
                 holding,

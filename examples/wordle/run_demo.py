@@ -22,13 +22,9 @@ from typing import Any
 
 import httpx
 
-from deltasync.testing import (
-    VllmServerProcess,
-    build_tiny_model,
-    free_port,
-    stop_process_group,
-    wait_until_serving,
-)
+from deltasync.tokens import make_agent_token
+from tests.support.launchers import VllmServerProcess, free_port, stop_process_group, wait_until_serving
+from tests.support.models import build_tiny_model
 
 from .game import SYSTEM, allowed_words
 
@@ -159,7 +155,10 @@ def main() -> int:
     out.mkdir(parents=True)
     procs = Processes(out)
     signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
-    tokens = {"DELTASYNC_PUBLISHER_TOKEN": secrets.token_hex(16), "DELTASYNC_AGENT_TOKEN": secrets.token_hex(16)}
+    secret = secrets.token_hex(16)
+    publisher_env = {"DELTASYNC_PUBLISHER_TOKEN": secrets.token_hex(16)}
+    tokens = {**publisher_env, "DELTASYNC_AGENT_SECRET": secret}  # the coordinator's credentials
+    agent_env = {"DELTASYNC_AGENT_TOKEN": make_agent_token(secret, "vllm-0")}  # bound to the agent's id
     py = sys.executable
     try:
         print(f"[demo] building the tiny Qwen3 and its Wordle tokenizer in {out / 'model'}", flush=True)
@@ -219,7 +218,7 @@ def main() -> int:
                 "--backoff-s",
                 "0.2",
             ],
-            tokens,
+            agent_env,
         )
         trainer = procs.start(
             "trainer",
@@ -244,9 +243,9 @@ def main() -> int:
                 "--warmup-steps",
                 str(args.warmup_steps),
             ],
-            tokens,
+            publisher_env,
         )
-        rows, pauses, seen = follow(trainer, out, coord_url, procs)
+        rows, pauses, seen = follow(trainer, out, coord_url, procs, publisher_env["DELTASYNC_PUBLISHER_TOKEN"])
         if trainer.returncode != 0:
             print((out / "logs" / "trainer.log").read_text()[-3000:], file=sys.stderr)
             raise RuntimeError(f"the trainer exited with {trainer.returncode}; logs in {out / 'logs'}")
@@ -264,7 +263,7 @@ def main() -> int:
 
 
 def follow(
-    trainer: subprocess.Popen[bytes], out: Path, coord_url: str, procs: Processes
+    trainer: subprocess.Popen[bytes], out: Path, coord_url: str, procs: Processes, token: str
 ) -> tuple[list[dict[str, Any]], dict[int, float], list[int]]:
     """Print progress while the trainer runs; collect metrics, the agent's pause per version, applied order."""
     metrics = out / "run" / "metrics.jsonl"
@@ -272,7 +271,7 @@ def follow(
     pauses: dict[int, float] = {}
     seen: list[int] = []
     offset = 0
-    with httpx.Client(base_url=coord_url, timeout=10) as http:
+    with httpx.Client(base_url=coord_url, timeout=10, headers={"Authorization": f"Bearer {token}"}) as http:
         while True:
             done = trainer.poll() is not None
             for name, proc in procs.children.items():

@@ -26,7 +26,7 @@ from deltasync.client import CoordinatorClient
 from deltasync.config import PublisherConfig
 from deltasync.integrations.trl import DeltaSyncCallback
 from deltasync.publisher import Publisher
-from deltasync.testing import qwen3_effective_checksums
+from tests.support.models import qwen3_effective_checksums
 
 from .game import allowed_words, parse_guess, render_messages
 from .solver import TreeSolver

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import sqlite3
 import time
 from collections.abc import AsyncIterator, Iterator, MutableMapping
 from typing import Any
@@ -91,11 +92,13 @@ async def _no_receive() -> MutableMapping[str, Any]:
 
 
 class _Observe:
-    """Pure ASGI (no per-request task, unlike ``@app.middleware``): names the run in every response's
-    ``Deltasync-Run-Id`` header and records request latency by route."""
+    """Pure ASGI (no per-request task, unlike ``@app.middleware``), outermost: names the run in every response's
+    ``Deltasync-Run-Id`` header (refusals of the size limits included), records request latency by route, and
+    turns an exception that escaped a route into a JSON answer on a connection that stays open: 503 for a
+    failing ledger database (recorded for ``/healthz``), else 500 naming the error (the log has the traceback)."""
 
-    def __init__(self, app: ASGIApp, run_id: str, latency: Histogram) -> None:
-        self.app, self.latency = app, latency
+    def __init__(self, app: ASGIApp, run_id: str, latency: Histogram, health: _Health) -> None:
+        self.app, self.latency, self.health = app, latency, health
         self.header = (RUN_HEADER.lower().encode(), run_id.encode())
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -103,7 +106,7 @@ class _Observe:
             await self.app(scope, receive, send)
             return
         t0 = time.perf_counter()
-        status = [500]
+        status = [0]
 
         async def send_with_header(message: Message) -> None:
             if message["type"] == "http.response.start":
@@ -113,9 +116,19 @@ class _Observe:
 
         try:
             await self.app(scope, receive, send_with_header)
+        except Exception as exc:  # noqa: BLE001 - answered here; the traceback goes to the log
+            if isinstance(exc, sqlite3.DatabaseError):
+                code, detail = 503, f"the ledger database fails ({exc}); restore it from a backup (docs/RELIABILITY.md)"
+                self.health.db_problem = detail
+            else:
+                code, detail = 500, f"internal error ({type(exc).__name__}: {exc}); the coordinator's log has more"
+            logger.exception("%s %s failed", scope["method"], scope["path"])
+            if status[0]:  # the answer had started: nothing more can be said on this connection
+                raise
+            await JSONResponse({"detail": detail}, status_code=code)(scope, _no_receive, send_with_header)
         finally:
             route = getattr(scope.get("route"), "path", "unmatched")
-            self.latency.labels(scope["method"], route, str(status[0])).observe(time.perf_counter() - t0)
+            self.latency.labels(scope["method"], route, str(status[0] or 500)).observe(time.perf_counter() - t0)
 
 
 class _Health:
@@ -182,6 +195,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        db.open()  # reopened if an earlier lifespan of this app closed it
         tasks = [asyncio.create_task(_probe(db, health)), asyncio.create_task(_expire(fleet, settings))]
         if settings.store is not None:
             tasks.append(asyncio.create_task(_check_store(settings.store, registry, fleet)))
@@ -191,7 +205,12 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             for task in tasks:
                 task.cancel()
             db.close()  # checkpoint the WAL into the main file and release the lock
-            logger.info("coordinator stopped: ledger %s checkpointed and closed", settings.db)
+            if db.checkpointed:
+                logger.info("coordinator stopped: ledger %s checkpointed and closed", settings.db)
+            else:
+                logger.error(
+                    "coordinator stopped: ledger %s closed WITHOUT a complete checkpoint (see above)", settings.db
+                )
 
     app = FastAPI(
         title="deltasync coordinator",
@@ -241,8 +260,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         health.db_problem = str(exc)
         return JSONResponse({"detail": f"{exc}; retry"}, status_code=503, headers={"Retry-After": "1"})
 
-    app.add_middleware(_Observe, run_id=registry.run_id, latency=latency)
     app.add_middleware(_SizeLimits, max_bytes=settings.max_body_bytes, max_header_bytes=settings.max_header_bytes)
+    app.add_middleware(_Observe, run_id=registry.run_id, latency=latency, health=health)  # the outermost
     if settings.insecure:
         logger.warning(
             "INSECURE: the coordinator runs without credentials (--insecure): anyone who reaches %s:%d can "
@@ -266,7 +285,7 @@ async def _probe(db: Database, health: _Health) -> None:
     while True:
         t0 = time.monotonic()
         try:
-            problem = await asyncio.wait_for(run_in_threadpool(db.probe), timeout=5)
+            problem = db.file_replaced() or await asyncio.wait_for(run_in_threadpool(db.probe), timeout=5)
         except TimeoutError:
             problem = "the ledger database did not answer a probe within 5 s"
         health.db_problem = problem
@@ -281,7 +300,7 @@ async def _expire(fleet: Fleet, settings: Settings) -> None:
                 logger.info("forgot %d agents silent for %.0f s", n, settings.agent_expire_after_s)
         except Busy as exc:  # the next round retries; the probe reports the database
             logger.warning("agent expiry skipped: %s", exc)
-        await asyncio.sleep(_EXPIRE_EVERY_S)
+        await asyncio.sleep(min(_EXPIRE_EVERY_S, max(0.5, settings.agent_expire_after_s / 4)))
 
 
 async def _check_store(uri: str, registry: Registry, fleet: Fleet) -> None:

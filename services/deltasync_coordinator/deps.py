@@ -1,5 +1,8 @@
 """Request dependencies: the ledger objects, settings, and who is calling (bearer tokens).
 
+Every dependency is ``async``: they never block, and FastAPI would run a plain ``def`` in the thread pool (a
+thread hop per dependency per request).
+
 Roles: the **publisher** token writes (register, lease, GC) and reads; an **agent** token (``dsa1.<id>.<mac>``,
 bound to one agent id by the coordinator's secret) reads and writes only its own heartbeat; the **read**
 token reads; the **metrics** token (if set) scrapes ``/metrics``. Every route but ``/healthz`` needs one.
@@ -51,19 +54,19 @@ BODY_ERRORS: dict[int | str, dict[str, Any]] = {
 """OpenAPI documentation of the failures of routes that take a body."""
 
 
-def get_registry(request: Request) -> Registry:
+async def get_registry(request: Request) -> Registry:
     return request.app.state.registry  # type: ignore[no-any-return]
 
 
-def get_fleet(request: Request) -> Fleet:
+async def get_fleet(request: Request) -> Fleet:
     return request.app.state.fleet  # type: ignore[no-any-return]
 
 
-def get_retention(request: Request) -> Retention:
+async def get_retention(request: Request) -> Retention:
     return request.app.state.retention  # type: ignore[no-any-return]
 
 
-def get_settings(request: Request) -> Settings:
+async def get_settings(request: Request) -> Settings:
     return request.app.state.settings  # type: ignore[no-any-return]
 
 
@@ -115,29 +118,35 @@ def _identify(settings: Settings, presented: str) -> Caller | None:
     return None
 
 
-def require_publisher(request: Request, settings: SettingsDep) -> Caller:
+def _authorize(request: Request, action: str, allowed: set[str], refusal: str) -> Caller:
+    """Who sent the request, if their role is ``allowed``; 401 without a token, 403 otherwise."""
+    settings: Settings = request.app.state.settings
     if settings.insecure:
         return Caller("anyone")
-    caller = _identify(settings, _presented(request, "publishing"))
-    if caller is None or caller.role != "publisher":
-        raise HTTPException(403, "the bearer token is not allowed to publish, lease or collect garbage")
+    caller = _identify(settings, _presented(request, action))
+    if caller is None or caller.role not in allowed:
+        raise HTTPException(403, refusal)
     return caller
 
 
-def require_reader(request: Request, settings: SettingsDep) -> Caller:
-    if settings.insecure:
-        return Caller("anyone")
-    caller = _identify(settings, _presented(request, "reading"))
-    if caller is None or caller.role == "metrics":
-        raise HTTPException(403, "the bearer token is not allowed to read the ledger")
-    return caller
+async def require_publisher(request: Request) -> Caller:
+    return _authorize(
+        request, "publishing", {"publisher"}, "the bearer token is not allowed to publish, lease or collect garbage"
+    )
+
+
+async def require_reader(request: Request) -> Caller:
+    return _authorize(
+        request, "reading", {"publisher", "agent", "reader"}, "the bearer token is not allowed to read the ledger"
+    )
 
 
 ReaderDep = Annotated[Caller, Depends(require_reader)]
 
 
-def require_agent(request: Request, settings: SettingsDep, agent_id: str) -> Caller:
+async def require_agent(request: Request, agent_id: str) -> Caller:
     """An agent's own token, for its own ``agent_id`` only."""
+    settings: Settings = request.app.state.settings
     if settings.insecure:
         return Caller("anyone", agent_id)
     caller = _identify(settings, _presented(request, "a heartbeat"))
@@ -148,10 +157,11 @@ def require_agent(request: Request, settings: SettingsDep, agent_id: str) -> Cal
     return caller
 
 
-def require_metrics(request: Request, settings: SettingsDep) -> Caller:
-    if settings.insecure:
-        return Caller("anyone")
-    caller = _identify(settings, _presented(request, "scraping metrics"))
-    if caller is None:  # the scrape token, or any other valid token
-        raise HTTPException(403, "the bearer token is not allowed to scrape metrics")
-    return caller
+async def require_metrics(request: Request) -> Caller:
+    """The scrape token, or any other valid token."""
+    return _authorize(
+        request,
+        "scraping metrics",
+        {"publisher", "agent", "reader", "metrics"},
+        "the bearer token is not allowed to scrape metrics",
+    )

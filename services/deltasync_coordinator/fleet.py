@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import sqlite3
 from datetime import UTC, datetime
 
@@ -13,6 +14,8 @@ from .db import Database
 from .registry import Invalid, Registry
 
 __all__ = ["LAG_BUCKETS", "Fleet"]
+
+logger = logging.getLogger("deltasync.coordinator.fleet")
 
 LAG_BUCKETS = (0, 1, 2, 5, 10, 100)
 """Upper bounds (versions behind) of the aggregate lag histogram in ``/metrics``."""
@@ -50,6 +53,7 @@ class Fleet:
             )
             self.raise_alert(f"behind:{agent_id}", detail, hb.applied_version)
             raise Invalid(f"applied_version {hb.applied_version} is above the latest version {latest}; {detail}")
+        honest = f"behind:{agent_id}" in self._alerts  # it reports a version the ledger has now: its alert goes
         with self.db.tx(durable=False) as c:
             c.execute(
                 "INSERT INTO agents VALUES (?, ?, ?, ?, ?, ?) ON CONFLICT(agent_id) DO UPDATE SET "
@@ -58,6 +62,10 @@ class Fleet:
                 (agent_id, hb.applied_version, hb.state, hb.last_error, json.dumps(hb.timings), now),
             )
             row = c.execute("SELECT * FROM agents WHERE agent_id=?", (agent_id,)).fetchone()
+            if honest:
+                c.execute("DELETE FROM alerts WHERE key=?", (f"behind:{agent_id}",))
+        if honest:
+            self._alerts.pop(f"behind:{agent_id}", None)
         return self._agent(row, latest, now, stale_after_s)
 
     @staticmethod
@@ -118,19 +126,33 @@ class Fleet:
         return states, lags
 
     def expire(self, silent_s: float) -> int:
-        """Forget agents not seen for ``silent_s``; returns how many."""
+        """Forget agents not seen for ``silent_s`` (and their alerts), and alerts a registration has cleared;
+        returns how many agents."""
+        cutoff = self._clock() - silent_s
         with self.db.tx(durable=False) as c:
-            n: int = c.execute("DELETE FROM agents WHERE last_seen < ?", (self._clock() - silent_s,)).rowcount
-        return n
+            gone = [r[0] for r in c.execute("SELECT agent_id FROM agents WHERE last_seen < ?", (cutoff,))]
+            c.execute("DELETE FROM agents WHERE last_seen < ?", (cutoff,))
+            keys = [f"behind:{a}" for a in gone if f"behind:{a}" in self._alerts] + self._cleared()
+            c.executemany("DELETE FROM alerts WHERE key=?", [(k,) for k in keys])
+        for key in keys:
+            self._alerts.pop(key, None)
+        return len(gone)
+
+    def _cleared(self) -> list[str]:
+        latest = self.registry.latest_version()
+        return [
+            key
+            for key, (version, _) in self._alerts.items()
+            if key.startswith("behind:") and version is not None and latest is not None and latest >= version
+        ]
 
     def alerts(self) -> list[str]:
-        """Why the ledger is degraded (empty when healthy), from memory. A ``behind:`` alert clears once a
-        version at or above the one the agent reported is registered."""
-        latest = self.registry.latest_version()
-        for key, (version, _) in list(self._alerts.items()):
-            if key.startswith("behind:") and version is not None and latest is not None and latest >= version:
-                self._alerts.pop(key, None)
-        return [detail for _, detail in self._alerts.values()]
+        """Why the ledger is degraded (empty when healthy), from memory only (never the database: ``/healthz``
+        must answer while it is locked). A ``behind:`` alert stops counting once a version at or above the one
+        reported is registered, once its agent reports a version the ledger has, or once its agent expires
+        (the ledger forgets it at the next expiry round)."""
+        cleared = set(self._cleared())
+        return [detail for key, (_, detail) in self._alerts.items() if key not in cleared]
 
     def raise_alert(self, key: str, detail: str, version: int | None = None) -> None:
         """Record (or refresh) an alert, in memory and in the ledger (it survives a restart)."""

@@ -12,7 +12,7 @@ from datetime import UTC, datetime
 from typing import Literal
 
 from deltasync.schemas import LeasePublic, PlanPublic, VersionCreate, VersionPublic
-from deltasync.vocab import Kind
+from deltasync.vocab import MAX_INT, Kind
 
 from .db import Database
 
@@ -175,7 +175,6 @@ class Registry:
                 f"INSERT INTO versions ({', '.join(_FIELDS)}, created_at, epoch) VALUES ({', '.join('?' * 10)})",
                 (*(getattr(v, k) for k in _FIELDS), now, lease["epoch"]),
             )
-            c.execute("DELETE FROM alerts WHERE key LIKE 'behind:%' AND version <= ?", (v.version,))
             self._latest = max(v.version, self._latest if self._latest is not None else -1)
             return VersionPublic(**v.model_dump(), created_at=_dt(now)), True
 
@@ -223,7 +222,8 @@ class Registry:
         The cheaper (in bytes) of the delta chain from ``from_version`` and the newest anchor on the target's
         chain plus the deltas after it. The walk goes back from the target along base pointers, one indexed
         lookup per step, and stops as soon as the delta route can no longer be the cheaper: its cost grows
-        with the plan, not with the ledger. The plan is recorded (GC keeps its objects for a while).
+        with the plan, not with the ledger. An agent's latest plan is recorded (GC keeps its objects for the
+        plan lease); a reader's is not.
 
         Raises:
             Conflict: ``from_version`` is above the latest version (an agent ahead of this ledger).
@@ -237,6 +237,11 @@ class Registry:
                 "an old backup, or another run's coordinator?)"
             )
         target = to_version if to_version is not None else latest
+        if from_version is not None and target is not None and target < from_version:
+            raise Conflict(
+                f"a plan from v{from_version} down to v{target} refused: a plan never goes down (an engine goes "
+                "back only when an operator allows it: the agent's --allow-rollback, from an anchor)"
+            )
         with self.db.tx() as c:
 
             def rows_at(v: int) -> dict[str, sqlite3.Row]:
@@ -277,16 +282,17 @@ class Registry:
             if not routes:
                 raise NotFound(f"no route from v{from_version} to v{target}: the deltas and anchors it needs are gone")
             best, name = min(routes, key=lambda rn: sum(r["bytes"] for r in rn[0]))
-            objects = [[r["version"], r["kind"]] for r in best]
-            c.execute(
-                "INSERT INTO plans (agent_id, issued_at, objects) VALUES (?, ?, ?)",
-                (agent_id, self._clock(), json.dumps(objects)),
-            )
+            if agent_id is not None:  # an agent's latest plan only: one row per agent, whatever it asks
+                c.execute("DELETE FROM plans WHERE agent_id=?", (agent_id,))
+                c.execute(
+                    "INSERT INTO plans (agent_id, issued_at, objects) VALUES (?, ?, ?)",
+                    (agent_id, self._clock(), json.dumps([[r["version"], r["kind"]] for r in best])),
+                )
         return PlanPublic(
             from_version=from_version,
             to_version=target,
             steps=[public(r) for r in best],
-            bytes=sum(r["bytes"] for r in best),
+            bytes=min(sum(r["bytes"] for r in best), MAX_INT),  # saturates: each object is capped, not the sum
             route=name,
         )
 

@@ -14,10 +14,10 @@ import json
 import logging
 import sqlite3
 
-from deltasync.errors import DeltaSyncError, ObjectNotFound
+from deltasync.errors import ObjectNotFound
 from deltasync.layout import object_prefix
 from deltasync.manifest import MAX_MANIFEST_BYTES, DeltaManifest
-from deltasync.reader import fetch_object
+from deltasync.reader import prove_object
 from deltasync.schemas import GcPublic, VersionPublic
 from deltasync.store import Store
 
@@ -73,8 +73,8 @@ class Retention:
             digest = "sha256:" + hashlib.sha256(data).hexdigest()
             if digest != row["checksum"]:
                 return f"{name}: its manifest's sha256 is {digest}, the ledger registered {row['checksum']}"
-            fetch_object(store, DeltaManifest.from_json(data, name=f"{store.uri}/{row['manifest_key']}"))
-        except (DeltaSyncError, OSError, ValueError) as exc:
+            prove_object(store, DeltaManifest.from_json(data, name=f"{store.uri}/{row['manifest_key']}"))
+        except Exception as exc:  # noqa: BLE001 - any failure means "not proven": reported, nothing deleted
             return f"{name} cannot be proven intact ({type(exc).__name__}: {exc})"
         return None
 
@@ -115,8 +115,8 @@ class Retention:
         prefix = object_prefix(obj.version, obj.kind)
         try:
             keys = [k for k in store.list(prefix) if obj.kind == "anchor" or not k.startswith(prefix + "anchor/")]
-        except DeltaSyncError as exc:
-            return f"{obj.kind} v{obj.version} not deleted: {exc}"
+        except Exception as exc:  # noqa: BLE001 - a store we cannot list deletes nothing; reported, never a 500
+            return f"{obj.kind} v{obj.version} not deleted: {type(exc).__name__}: {exc}"
         ordered = sorted(keys, key=lambda k: k != obj.manifest_key)  # the manifest first: uncommit, then delete
         done = []
         for key in ordered:
@@ -125,7 +125,7 @@ class Retention:
                 done.append(key)
             except ObjectNotFound:  # already gone (an earlier GC was interrupted): nothing to do
                 logger.warning("gc: %s was already deleted", key)
-            except DeltaSyncError as exc:  # a symlink or another stranger: left where it is, reported
+            except Exception as exc:  # noqa: BLE001 - a symlink or another stranger: left where it is, reported
                 logger.warning("gc: %s", exc)
                 self._mark_deleted(obj, done, reason="gc (partial)")
                 return f"{obj.kind} v{obj.version}: {exc}"

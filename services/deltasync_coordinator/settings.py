@@ -10,6 +10,9 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 __all__ = ["InsecureConfiguration", "Settings", "check_credentials"]
 
 
+_MIN_SECRET_CHARS = 16
+
+
 class InsecureConfiguration(ValueError):
     """The coordinator would start without credentials and ``insecure`` was not given."""
 
@@ -58,16 +61,28 @@ def check_credentials(settings: Settings) -> None:
     Raises:
         InsecureConfiguration: naming the variables to set.
     """
-    missing = [
-        f"DELTASYNC_{name.upper()}"
-        for name in ("publisher_token", "agent_secret")
-        if getattr(settings, name) is None or not getattr(settings, name).get_secret_value()
-    ]
-    if missing and not settings.insecure:
+    values = {
+        name: getattr(settings, name).get_secret_value() if getattr(settings, name) is not None else ""
+        for name in ("publisher_token", "agent_secret", "read_token", "metrics_token")
+    }
+    missing = [f"DELTASYNC_{name.upper()}" for name in ("publisher_token", "agent_secret") if not values[name]]
+    if settings.insecure:
+        given = [f"DELTASYNC_{n.upper()}" for n, v in values.items() if v]
+        if given:
+            raise InsecureConfiguration(
+                f"--insecure (DELTASYNC_INSECURE) would ignore the credentials set ({', '.join(given)}): drop "
+                "one or the other"
+            )
+        return
+    if missing:
         raise InsecureConfiguration(
             f"the coordinator refuses to start without credentials: set {' and '.join(missing)} (the agent "
             "secret signs per-agent tokens: `deltasync token --agent-id ID`), or pass --insecure for a "
             "throwaway development ledger"
         )
-    if settings.agent_secret is not None and 0 < len(settings.agent_secret.get_secret_value()) < 16:
-        raise InsecureConfiguration("DELTASYNC_AGENT_SECRET must have at least 16 characters")
+    for name, value in values.items():
+        if value and (len(value.strip()) < _MIN_SECRET_CHARS or value != value.strip()):
+            raise InsecureConfiguration(
+                f"DELTASYNC_{name.upper()} must have at least {_MIN_SECRET_CHARS} characters and no surrounding "
+                'whitespace (make one with: python -c "import secrets; print(secrets.token_urlsafe(32))")'
+            )

@@ -8,7 +8,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from deltasync.testing import offline_llm
+
+from tests.support.launchers import offline_llm
 
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 

@@ -10,7 +10,7 @@ import argparse
 import os
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any  # noqa: F401
 
 import torch
 
@@ -21,12 +21,12 @@ def _pause(marker: str) -> None:
 
 
 def publish(args: argparse.Namespace) -> None:
-    from deltasync.testing import TINY_QWEN3_CONFIG, UpdateStream, qwen3_shapes
-
     from deltasync.client import CoordinatorClient
     from deltasync.config import PublisherConfig
     from deltasync.publisher import Publisher
     from deltasync.store import LocalStore
+    from tests.support.models import TINY_QWEN3_CONFIG, qwen3_shapes
+    from tests.support.stream import UpdateStream
 
     class PausingStore(LocalStore):
         def put(self, key: str, data: Any) -> None:
@@ -39,7 +39,10 @@ def publish(args: argparse.Namespace) -> None:
     client = CoordinatorClient(
         args.coordinator, token=os.environ["DELTASYNC_PUBLISHER_TOKEN"], retries=40, backoff_s=0.05
     )
-    config = PublisherConfig(max_shard_bytes=8 << 10, anchor_every=None, anchor_bytes_fraction=None)
+    # a short lease: a restarted publisher takes the run over 3 s after this one is killed
+    config = PublisherConfig(
+        max_shard_bytes=8 << 10, anchor_every=None, anchor_bytes_fraction=None, lease_ttl_s=3, lease_wait_s=30
+    )
     with Publisher(PausingStore(args.store), client, config) as pub:
         for step in range(args.n):
             weights = stream.step()
@@ -52,22 +55,23 @@ def agent(args: argparse.Namespace) -> None:
     from deltasync.agent import Agent
     from deltasync.client import CoordinatorClient
     from deltasync.config import AgentConfig
+    from deltasync.staging import StagedUpdate
     from deltasync.store import LocalStore
     from deltasync.targets import HttpVllmTarget
 
     class PausingStore(LocalStore):
-        def get(self, key: str) -> bytes:
+        def get(self, key: str, *, max_bytes: int | None = None) -> bytes:
             if args.pause == "fetch" and "shard-" in key:
                 _pause(args.marker)
-            return super().get(key)
+            return super().get(key, max_bytes=max_bytes)
 
     class PausingTarget(HttpVllmTarget):
-        def apply(self, updates: list[dict[str, Any]], *, weight_version: int) -> None:
+        def apply(self, update: StagedUpdate) -> None:
             if args.pause == "apply":  # inside the session: started and updated, never finished
                 self._post("/start_weight_update")
-                self._post("/update_weights", json={"update_info": updates[0]})
+                self._post("/update_weights", json={"update_info": update.to_update_info()})
                 _pause(args.marker)
-            super().apply(updates, weight_version=weight_version)
+            super().apply(update)
 
     client = CoordinatorClient(args.coordinator, token=os.environ["DELTASYNC_AGENT_TOKEN"])
     config = AgentConfig(agent_id="sidecar-0", staging_dir=args.staging, poll_wait_s=1)

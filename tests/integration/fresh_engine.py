@@ -27,7 +27,7 @@ def generate(llm, prompts: list[str], max_tokens: int = 16) -> list[dict]:
 
 
 if __name__ == "__main__":
-    from deltasync.testing import offline_llm
+    from tests.support.launchers import offline_llm
 
     model_dir, prompts = sys.argv[1], json.loads(sys.argv[2])
     tp = int(sys.argv[3]) if len(sys.argv) > 3 else 1

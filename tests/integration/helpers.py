@@ -13,54 +13,16 @@ from pathlib import Path
 
 import httpx
 import torch
-from deltasync.protocol import VersionCreate
-from deltasync.testing import CoordinatorProcess, UpdateStream, VllmServerProcess, qwen3_effective_checksums
 from safetensors.torch import load_file
 
-from deltasync import LocalStore, compute_delta, write_anchor, write_delta
+from deltasync import LocalStore
 from deltasync.client import CoordinatorClient
-from deltasync.manifest import DeltaManifest
-from tests.conftest import AGENT_TOKEN, PUBLISHER_TOKEN
+from tests.conftest import PUBLISHER_TOKEN, TOKENS_ENV, agent_env
+from tests.support.launchers import CoordinatorProcess, VllmServerProcess
+from tests.support.models import qwen3_effective_checksums
+from tests.support.world import StreamPublisher
 
-TOKENS_ENV = {"DELTASYNC_PUBLISHER_TOKEN": PUBLISHER_TOKEN, "DELTASYNC_AGENT_TOKEN": AGENT_TOKEN}
-
-
-class StreamPublisher:
-    """Publishes a realistic update stream to a store and registers it (the test stand-in for a trainer)."""
-
-    def __init__(
-        self,
-        store: LocalStore,
-        client: CoordinatorClient,
-        weights: dict[str, torch.Tensor],
-        *,
-        lr: float = 1e-6,
-        encoding: str = "packed",
-        seed: int = 0,
-    ) -> None:
-        self.store, self.client, self.encoding = store, client, encoding
-        self.stream = UpdateStream(weights, lr=lr, seed=seed)
-        self.snapshot = {k: v.clone() for k, v in weights.items()}
-        self.truth: dict[int, dict[str, torch.Tensor]] = {0: {k: v.clone() for k, v in weights.items()}}
-        self.base: DeltaManifest = write_anchor(store, weights, version=0, encoding=encoding)
-        self._register(self.base)
-        self.version = 0
-
-    def _register(self, manifest: DeltaManifest) -> None:
-        self.client.register_version(VersionCreate.for_manifest(manifest))
-
-    def step(self, *, anchor: bool = False) -> int:
-        curr = self.stream.step()
-        self.version += 1
-        changes = compute_delta(self.snapshot, curr, update_prev=True)
-        self.base = write_delta(
-            self.store, changes, state=curr, version=self.version, base=self.base, encoding=self.encoding
-        )  # type: ignore[arg-type]
-        self._register(self.base)
-        if anchor:
-            self._register(write_anchor(self.store, curr, version=self.version, encoding=self.encoding))  # type: ignore[arg-type]
-        self.truth[self.version] = curr
-        return self.version
+__all__ = ["TOKENS_ENV", "ServerStack", "StreamPublisher", "assert_served", "server_stack", "sidecar_command"]
 
 
 def sidecar_command(vllm_url: str, coordinator_url: str, store_root: Path, staging: Path) -> list[str]:
@@ -114,11 +76,11 @@ class ServerStack:
         self.procs: list[subprocess.Popen[bytes]] = []
         self.sidecar: subprocess.Popen[bytes] | None = None
 
-    def spawn(self, *args: str) -> subprocess.Popen[bytes]:
-        """``python *args`` with the tokens in its environment."""
+    def spawn(self, *args: str, agent_id: str = "sidecar-0") -> subprocess.Popen[bytes]:
+        """``python *args`` with agent ``agent_id``'s token in its environment."""
         with open(self.log, "ab") as log:  # the child holds its own descriptor
             proc = subprocess.Popen(
-                [sys.executable, *args], env={**os.environ, **TOKENS_ENV}, stdout=log, stderr=subprocess.STDOUT
+                [sys.executable, *args], env={**os.environ, **agent_env(agent_id)}, stdout=log, stderr=subprocess.STDOUT
             )
         self.procs.append(proc)
         return proc

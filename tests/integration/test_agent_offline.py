@@ -1,4 +1,5 @@
-"""The in-process agent keeps an offline vLLM (CPU, reload mode) bit-exact over a realistic stream."""
+"""The in-process agent keeps an offline vLLM (CPU, reload mode) bit-exact over a realistic stream, and the
+real engine refuses what it must refuse (issue 11 row 2: another model; a failure past the first write)."""
 
 from __future__ import annotations
 
@@ -13,19 +14,30 @@ from typing import Any
 
 import pytest
 import torch
-from deltasync.testing import qwen3_effective_checksums
 from deltasync_coordinator.app import create_app
-from deltasync_coordinator.settings import Settings
 from safetensors.torch import load_file, save_file
 
-from deltasync import ApplyError, IntegrityError, LocalStore, TensorDelta, VersionGapError, encode_shard
+from deltasync import (
+    ApplyError,
+    IntegrityError,
+    LocalStore,
+    ObjectWriter,
+    RefusalReason,
+    UpdateRefused,
+    VersionGapError,
+    write_anchor,
+)
 from deltasync.agent import Agent
 from deltasync.client import CoordinatorClient
 from deltasync.config import AgentConfig
-from deltasync.targets import OfflineLLMTarget
-from tests.conftest import AGENT_TOKEN, PUBLISHER_TOKEN, ServerThread
+from deltasync.layout import manifest_key
+from deltasync.reader import load_object, read_manifest
+from deltasync.staging import StagedUpdate, stage_object
+from deltasync.targets import UNHEALTHY_LABEL, OfflineLLMTarget
+from tests.conftest import PUBLISHER_TOKEN, ServerThread, agent_token, coordinator_settings, overwrite
 from tests.integration.fresh_engine import generate
-from tests.integration.helpers import StreamPublisher
+from tests.support.models import build_tiny_model, qwen3_effective_checksums
+from tests.support.world import StreamPublisher
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 LAYERS = 2
@@ -44,13 +56,10 @@ class World:
 @pytest.fixture(scope="module")
 def world(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) -> Iterator[World]:
     tmp = tmp_path_factory.mktemp("offline")
-    settings = Settings(
-        db=tmp / "c.db", store=str(tmp / "store"), publisher_token=PUBLISHER_TOKEN, agent_token=AGENT_TOKEN
-    )
-    with ServerThread(create_app(settings)) as server:
+    with ServerThread(create_app(coordinator_settings(tmp))) as server:
         with (
             CoordinatorClient(server.url, token=PUBLISHER_TOKEN) as pub,
-            CoordinatorClient(server.url, token=AGENT_TOKEN) as agt,
+            CoordinatorClient(server.url, token=agent_token("offline-0")) as agt,
         ):
             store = LocalStore(tmp / "store")
             publisher = StreamPublisher(store, pub, load_file(tiny_model_dir / "model.safetensors"), lr=1e-6)
@@ -75,6 +84,10 @@ def assert_engine_at(llm: Any, world: World, version: int) -> None:
     assert not differ, f"v{version}: effective weights differ from the trainer's: {differ}"
 
 
+def status(llm: Any) -> dict[str, Any]:
+    return llm.collective_rpc("deltasync_status")[0]
+
+
 def test_twenty_versions_bit_exact_with_catch_up_and_anchors(
     vllm_engine: Any, world: World, agent: Agent, tiny_model_dir: Path
 ) -> None:
@@ -82,6 +95,7 @@ def test_twenty_versions_bit_exact_with_catch_up_and_anchors(
     first = agent.sync()  # the engine's version is unknown ('default'): it starts from the newest anchor
     assert (first.from_version, first.to_version, first.route) == (None, 0, "anchor")
     assert_engine_at(vllm_engine, world, 0)
+    assert status(vllm_engine)["run_id"] == pub.lease.run_id  # the engine follows this run now
     routes = []
     for _ in range(6):  # one delta at a time
         pub.step(anchor=pub.version + 1 == 5)
@@ -123,28 +137,33 @@ def test_twenty_versions_bit_exact_with_catch_up_and_anchors(
     assert fresh["effective"][0] == effective(vllm_engine)
 
 
+def _staged(world: World, version: int, kind: str, directory: str):
+    m = read_manifest(world.store, version, kind)  # type: ignore[arg-type]
+    data = world.store.get(manifest_key(version, kind))  # type: ignore[arg-type]
+    obj = stage_object(  # under the agent's staging directory: the engine reads files from nowhere else
+        world.tmp / "staging" / directory,
+        m,
+        data,
+        load_object(world.store, m, base=None if kind == "anchor" else _host(world, m)),
+    )
+    return dataclasses.replace(obj, manifest=None, deltas=None)  # the engine reads the files, as over RPC
+
+
+def _host(world: World, m):
+    from deltasync import read_weights
+
+    return read_weights(world.store, m.base_version)
+
+
 def test_a_delta_on_the_wrong_base_is_refused_and_the_old_weights_keep_serving(
     vllm_engine: Any, world: World, agent: Agent
 ) -> None:
     at = world.publisher.version
-    stale = world.tmp / "stale.safetensors"
-    w = world.publisher.truth[at]
-    d = TensorDelta(
-        ckpt_name="model.norm.weight",
-        shape=tuple(w["model.norm.weight"].shape),
-        dtype=torch.bfloat16,
-        indices=torch.tensor([0]),
-        values=torch.tensor([2.0], dtype=torch.bfloat16),
-        checksum="xxh3_128:" + "0" * 32,
-    )
-    stale.write_bytes(encode_shard([d], kind="delta", encoding="raw", base_version=at - 3, target_version=at + 1))
+    stale = _staged(world, at - 3, "delta", "stale")
     with pytest.raises(VersionGapError, match=f"this engine holds v{at}"):
-        OfflineLLMTarget(vllm_engine).apply(
-            [{"files": [str(stale)], "kind": "delta", "base_version": at - 3, "target_version": at + 1}],
-            weight_version=at + 1,
-        )
+        OfflineLLMTarget(vllm_engine).apply(StagedUpdate(objects=(stale,)))
     assert_engine_at(vllm_engine, world, at)
-    assert vllm_engine.collective_rpc("deltasync_status")[0]["healthy"]
+    assert status(vllm_engine)["healthy"] and status(vllm_engine)["outcome"]["refused"] == "base"
 
 
 def test_a_corrupt_delta_is_never_applied_and_the_agent_recovers(vllm_engine: Any, world: World, agent: Agent) -> None:
@@ -154,35 +173,141 @@ def test_a_corrupt_delta_is_never_applied_and_the_agent_recovers(vllm_engine: An
     good = world.store.get(key)
     bad = bytearray(good)
     bad[len(bad) // 2] ^= 0x40
-    world.store.put(key, bytes(bad))
+    overwrite(world.store, key, bytes(bad))
     with pytest.raises(IntegrityError, match="sha256 is"):
         agent.sync()
     assert_engine_at(vllm_engine, world, at)  # nothing was applied; v{at} keeps serving
-    world.store.put(key, good)
+    overwrite(world.store, key, good)
     assert agent.sync().to_version == new
     assert_engine_at(vllm_engine, world, new)
 
 
-def test_a_delta_for_another_model_fails_clearly(vllm_engine: Any, world: World) -> None:
-    at = world.publisher.version
-    other = world.tmp / "other-model.safetensors"
-    d = TensorDelta(
-        ckpt_name="model.norm.weight",
-        shape=(64,),
-        dtype=torch.bfloat16,
-        indices=torch.tensor([3]),
-        values=torch.tensor([1.5], dtype=torch.bfloat16),
-        checksum="xxh3_128:" + "0" * 32,
+@pytest.fixture(scope="module")
+def foreign(tmp_path_factory: pytest.TempPathFactory) -> LocalStore:
+    """Another model's run (a wider Qwen3: other shapes, the same names) in its own store: anchor v0, delta v1."""
+    tmp = tmp_path_factory.mktemp("foreign")
+    other = build_tiny_model(
+        tmp / "model",
+        seed=1,
+        config={
+            "vocab_size": 512,
+            "hidden_size": 192,
+            "intermediate_size": 256,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 3,
+            "num_key_value_heads": 1,
+            "head_dim": 64,
+            "max_position_embeddings": 512,
+            "tie_word_embeddings": True,
+        },
     )
-    other.write_bytes(encode_shard([d], kind="delta", encoding="raw", base_version=at, target_version=at + 1))
-    with pytest.raises(
-        ApplyError,
-        match=r"'model.norm.weight' is torch.bfloat16 \[128\] here, the delta has "
-        r"torch.bfloat16 \[64\] \(a delta for another model\?\)",
-    ):
-        OfflineLLMTarget(vllm_engine).apply(
-            [{"files": [str(other)], "kind": "delta", "base_version": at, "target_version": at + 1}],
-            weight_version=at + 1,
-        )
+    store = LocalStore(tmp / "store")
+    publisher = StreamPublisher(store, None, load_file(other / "model.safetensors"), lr=1e-5)
+    for _ in range(40):  # more versions than the engine's run will have: a plan from its version exists
+        publisher.step()
+    return store
+
+
+def test_another_models_anchor_and_delta_are_refused_before_any_write(
+    vllm_engine: Any, world: World, foreign: LocalStore
+) -> None:
+    """Issue 11 row 2, with the real engine (observed on 30759d7): the foreign anchor went unchecked into the
+    engine (embed_tokens, lm_head, norms), which then reported unhealthy while still serving its old label, and
+    a later good anchor never restored health."""
+    at = world.publisher.version
+    target = OfflineLLMTarget(vllm_engine)
+    before = effective(vllm_engine)
+    fake_world = World(store=foreign, publisher=world.publisher, agent_client=world.agent_client, tmp=world.tmp)
+    for obj in (_staged(fake_world, 0, "anchor", "foreign-anchor"), _staged(fake_world, 1, "delta", "foreign-delta")):
+        with pytest.raises(UpdateRefused) as exc:
+            target.apply(StagedUpdate(objects=(obj,)))
+        assert exc.value.reason in (RefusalReason.MODEL, RefusalReason.BASE)
+        assert not isinstance(exc.value, ApplyError)
+        assert status(vllm_engine)["healthy"] and vllm_engine.get_weight_version() == str(at)
+        assert not status(vllm_engine)["session_active"]
+    assert status(vllm_engine)["outcome"]["refused"] in ("model", "base")
+    anchor_refusal = None
+    with pytest.raises(UpdateRefused) as exc:
+        target.apply(StagedUpdate(objects=(_staged(fake_world, 0, "anchor", "foreign-anchor-2"),)))
+    anchor_refusal = exc.value
+    assert anchor_refusal.reason is RefusalReason.MODEL and "is for another model" in str(anchor_refusal)
+    assert "tensors differ, e.g. 'model." in str(anchor_refusal)
+    assert effective(vllm_engine) == before  # nothing written
     assert_engine_at(vllm_engine, world, at)
-    assert vllm_engine.collective_rpc("deltasync_status")[0]["healthy"]
+
+
+def test_a_failure_past_the_first_write_unlabels_the_engine_until_an_anchor_restores_it(
+    vllm_engine: Any, world: World, agent: Agent
+) -> None:
+    """Issue 11 row 2: after any failure past the first write, the engine never serves under the old label; a
+    successful anchor restores health."""
+    at = world.publisher.version
+    new = world.publisher.step(anchor=True)
+    target = OfflineLLMTarget(vllm_engine)
+    good = _staged(world, new, "delta", "tampered")
+    # the staged manifest promises other checksums than the staged values give: found only after writing
+    manifest = json.loads(Path(good.manifest_path).read_text())
+    name = next(n for n, t in manifest["tensors"].items() if t["nnz"])
+    manifest["tensors"][name]["checksums"][0][2] = "xxh3_128:" + "0" * 32
+    Path(good.manifest_path).write_text(json.dumps(manifest))
+    with pytest.raises(ApplyError, match="differ from the published checksums"):
+        target.apply(StagedUpdate(objects=(good,)))
+    st = status(vllm_engine)
+    assert not st["healthy"] and st["version"] is None and "only an anchor restores this engine" in st["detail"]
+    assert vllm_engine.get_weight_version() == UNHEALTHY_LABEL  # never the old label
+    assert not st["session_active"]  # vLLM's session flag was cleared: no dangling session
+    with pytest.raises(UpdateRefused) as exc:  # a delta is refused now
+        target.apply(StagedUpdate(objects=(_staged(world, new, "delta", "again"),)))
+    assert exc.value.reason is RefusalReason.UNHEALTHY
+    result = agent.sync()  # the agent sees an unhealthy engine and takes the anchor route
+    assert result.route == "anchor" and result.to_version == new
+    assert status(vllm_engine)["healthy"]
+    assert_engine_at(vllm_engine, world, new)
+    assert at < new
+
+
+def test_the_offline_target_closes_its_own_dangling_session(vllm_engine: Any, world: World, agent: Agent) -> None:
+    """Issue 11 row 2 (observed): the offline engine could not close its own session (vLLM leaves its update
+    flag set when finish raises); the agent now closes a dangling session without a restart."""
+    at = world.publisher.version
+    vllm_engine.start_weight_update()  # a caller that died inside a session
+    assert status(vllm_engine)["session_active"]
+    new = world.publisher.step()
+    assert agent.sync().to_version == new  # recovered: closed, then synced
+    assert not status(vllm_engine)["session_active"]
+    assert_engine_at(vllm_engine, world, new)
+    assert at < new
+
+
+def test_an_agent_pointed_at_another_models_run_reports_refused_and_keeps_serving(
+    vllm_engine: Any, world: World, foreign: LocalStore, tmp_path: Path
+) -> None:
+    """Issue 11 row 2, end to end: the agent refuses before fetching a shard and never takes the anchor route."""
+    at = world.publisher.version
+    with ServerThread(create_app(coordinator_settings(tmp_path))) as server:
+        with CoordinatorClient(server.url, token=PUBLISHER_TOKEN) as pub:
+            lease = pub.acquire_lease("other-run", ttl_s=60)
+            from deltasync import list_versions
+            from deltasync.schemas import VersionCreate
+
+            for listing in list_versions(foreign):
+                for kind in ("delta", "anchor"):
+                    if getattr(listing, kind):
+                        m = read_manifest(foreign, listing.version, kind)  # type: ignore[arg-type]
+                        data = foreign.get(manifest_key(listing.version, kind))  # type: ignore[arg-type]
+                        pub.register_version(VersionCreate.for_manifest(m, data), lease=lease)
+        with CoordinatorClient(server.url, token=agent_token("stray")) as client:
+            config = AgentConfig(agent_id="stray", staging_dir=str(tmp_path / "s"), retries=0, allow_rollback=True)
+            stray = Agent.for_llm(vllm_engine, store=foreign, coordinator=client, config=config)
+            with pytest.raises(UpdateRefused) as exc:  # even an operator's allow_rollback never takes another model
+                stray.sync()
+            assert exc.value.reason is RefusalReason.MODEL and not stray.needs_anchor
+    assert_engine_at(vllm_engine, world, at)
+    assert status(vllm_engine)["healthy"]
+
+
+def test_a_writer_for_another_model_cannot_forge_the_fingerprint(world: World, tmp_path: Path) -> None:
+    """The fingerprint is computed from the tensors a manifest lists, so a foreign object cannot claim ours."""
+    other = ObjectWriter(store=LocalStore(tmp_path / "x"))
+    m = write_anchor(other, {"model.norm.weight": torch.ones(7, dtype=torch.bfloat16)}, version=0)
+    assert m.model_fingerprint != world.publisher.base.model_fingerprint

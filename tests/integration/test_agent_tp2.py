@@ -9,18 +9,21 @@ import sys
 from pathlib import Path
 
 import pytest
-from deltasync.testing import offline_llm
 from deltasync_coordinator.app import create_app
-from deltasync_coordinator.settings import Settings
 from safetensors.torch import load_file, save_file
 
-from deltasync import LocalStore
+from deltasync import LocalStore, RefusalReason, UpdateRefused
 from deltasync.agent import Agent
 from deltasync.client import CoordinatorClient
 from deltasync.config import AgentConfig
-from tests.conftest import AGENT_TOKEN, PUBLISHER_TOKEN, ServerThread
+from deltasync.layout import manifest_key
+from deltasync.reader import load_object, read_manifest
+from deltasync.staging import StagedUpdate, stage_object
+from deltasync.targets import OfflineLLMTarget
+from tests.conftest import PUBLISHER_TOKEN, ServerThread, agent_token, coordinator_settings
 from tests.integration.fresh_engine import generate
-from tests.integration.helpers import StreamPublisher
+from tests.support.launchers import offline_llm
+from tests.support.world import StreamPublisher
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 PROMPTS = ["Guess the five letter word:", "crane slate audio raise"]
@@ -31,7 +34,7 @@ def test_tp2_bit_exact_against_a_fresh_tp2_load(
     tmp_path: Path, tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     pytest.importorskip("vllm")
-    settings = Settings(db=tmp_path / "c.db", publisher_token=PUBLISHER_TOKEN, agent_token=AGENT_TOKEN)
+    settings = coordinator_settings(tmp_path)
     for k, v in TP_ENV.items():
         monkeypatch.setenv(k, v)
     llm = offline_llm(tiny_model_dir, tensor_parallel_size=2)
@@ -39,7 +42,7 @@ def test_tp2_bit_exact_against_a_fresh_tp2_load(
         with (
             ServerThread(create_app(settings)) as server,
             CoordinatorClient(server.url, token=PUBLISHER_TOKEN) as pub,
-            CoordinatorClient(server.url, token=AGENT_TOKEN) as agt,
+            CoordinatorClient(server.url, token=agent_token("tp2")) as agt,
         ):
             store = LocalStore(tmp_path / "store")
             publisher = StreamPublisher(store, pub, load_file(tiny_model_dir / "model.safetensors"), lr=1e-5)
@@ -49,15 +52,30 @@ def test_tp2_bit_exact_against_a_fresh_tp2_load(
             for _ in range(3):
                 publisher.step()
                 assert agent.sync().route == "deltas"
+            # with TP > 1 a refusal is recorded, never raised by the workers (a raising worker desyncs vLLM's
+            # executor, vLLM #49972): the target reads each rank's structured outcome, and the engine stays usable
+            m = read_manifest(store, 1)
+            stale = stage_object(
+                tmp_path / "staging" / "stale",  # the engine reads files only from the agent's staging root
+                m,
+                store.get(manifest_key(1, "delta")),
+                load_object(store, m, base=publisher.truth[0]),
+            )
+            with pytest.raises(UpdateRefused) as exc:
+                OfflineLLMTarget(llm).apply(StagedUpdate(objects=(stale,)))
+            assert exc.value.reason is RefusalReason.BASE
+            assert [r["healthy"] for r in llm.collective_rpc("deltasync_status")] == [True, True]
+            publisher.step()
+            assert agent.sync().to_version == 4  # the executor is still in step
             ranks = llm.collective_rpc("deltasync_effective")
             assert len(ranks) == 2 and ranks[0] != ranks[1]  # each rank holds its own slice
-            assert [r["version"] for r in llm.collective_rpc("deltasync_status")] == [3, 3]
+            assert [r["version"] for r in llm.collective_rpc("deltasync_status")] == [4, 4]
             ours = generate(llm, PROMPTS)
     finally:
         llm.llm_engine.engine_core.shutdown()
-    ckpt = tmp_path / "v3"
+    ckpt = tmp_path / "v4"
     shutil.copytree(tiny_model_dir, ckpt)
-    save_file(publisher.truth[3], str(ckpt / "model.safetensors"), metadata={"format": "pt"})
+    save_file(publisher.truth[4], str(ckpt / "model.safetensors"), metadata={"format": "pt"})
     proc = subprocess.run(
         [sys.executable, "-m", "tests.integration.fresh_engine", str(ckpt), json.dumps(PROMPTS), "2"],
         capture_output=True,

@@ -1,9 +1,15 @@
-"""The coordinator as a real process (uvicorn, SQLite file): restarts, races, and 100 long-pollers."""
+"""The coordinator as a real process (uvicorn, SQLite file): restarts, races, long-pollers, and the operator's
+failure modes of issue 12 (no credentials, SIGTERM and copies, two coordinators, a damaged or locked file,
+file-descriptor limits, TLS)."""
 
 from __future__ import annotations
 
 import asyncio
+import shutil
+import sqlite3
 import statistics
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -11,26 +17,38 @@ from pathlib import Path
 
 import httpx
 import pytest
-from deltasync.protocol import VersionCreate
-from deltasync.testing import CoordinatorProcess
 
 from deltasync import CoordinatorError
 from deltasync.client import CoordinatorClient
-from tests.conftest import AGENT_TOKEN, PUBLISHER_TOKEN, version_body
+from deltasync.schemas import VersionCreate
+from tests.conftest import PUBLISHER_TOKEN, TOKENS_ENV, agent_token, version_body
+from tests.support.launchers import CoordinatorProcess, free_port
+from tests.support.tls import make_certificates
 
 pytestmark = pytest.mark.slow
-ENV = {"DELTASYNC_PUBLISHER_TOKEN": PUBLISHER_TOKEN, "DELTASYNC_AGENT_TOKEN": AGENT_TOKEN}
+PUB = {"Authorization": f"Bearer {PUBLISHER_TOKEN}"}
 
 
 @pytest.fixture
 def server(tmp_path: Path) -> Iterator[CoordinatorProcess]:
-    with CoordinatorProcess(tmp_path / "ledger.db", env=ENV, args=["--max-wait-s", "20"]) as proc:
+    with CoordinatorProcess(tmp_path / "ledger.db", env=TOKENS_ENV, args=["--max-wait-s", "20"]) as proc:
         yield proc
 
 
+class Publishing(CoordinatorClient):
+    def register(self, body: dict):
+        return self.register_version(VersionCreate(**body), lease=self.lease)
+
+
+def publishing(url: str, **kw) -> Publishing:
+    client = Publishing(url, token=PUBLISHER_TOKEN, **kw)
+    client.lease = client.acquire_lease("test", ttl_s=120)
+    return client
+
+
 def test_kill_9_and_restart_mid_stream_loses_nothing(server: CoordinatorProcess) -> None:
-    publisher = CoordinatorClient(server.url, token=PUBLISHER_TOKEN, retries=30, backoff_s=0.05, timeout_s=5)
-    agent = CoordinatorClient(server.url, token=AGENT_TOKEN, retries=30, backoff_s=0.05, timeout_s=5)
+    publisher = publishing(server.url, retries=30, backoff_s=0.05, timeout_s=5)
+    agent = CoordinatorClient(server.url, token=agent_token("follower"), retries=30, backoff_s=0.05, timeout_s=5)
     last = 60
     published: list[int] = []
     seen: list[int] = []
@@ -38,9 +56,9 @@ def test_kill_9_and_restart_mid_stream_loses_nothing(server: CoordinatorProcess)
 
     def publish() -> None:
         try:
-            publisher.register_version(VersionCreate(**version_body(0, "anchor")))
+            publisher.register(version_body(0, "anchor"))
             for v in range(1, last + 1):
-                publisher.register_version(VersionCreate(**version_body(v)))
+                publisher.register(version_body(v))
                 published.append(v)
                 time.sleep(0.01)
         except BaseException as exc:
@@ -77,18 +95,21 @@ def test_kill_9_and_restart_mid_stream_loses_nothing(server: CoordinatorProcess)
     assert [a.applied_version for a in fleet] == [last]
 
 
-def test_racing_publishers_exactly_one_wins(server: CoordinatorProcess) -> None:
-    clients = [CoordinatorClient(server.url, token=PUBLISHER_TOKEN) for _ in range(2)]
-    clients[0].register_version(VersionCreate(**version_body(0, "anchor")))
+def test_racing_registrations_exactly_one_wins(server: CoordinatorProcess) -> None:
+    first = publishing(server.url)
+    second = Publishing(server.url, token=PUBLISHER_TOKEN)
+    second.lease = first.lease  # two threads of one publisher, racing with conflicting bodies
+    clients = [first, second]
+    first.register(version_body(0, "anchor"))
     for v in range(1, 16):
         barrier = threading.Barrier(2)
         outcomes: list[str] = []
 
         def race(i: int, v: int = v, barrier: threading.Barrier = barrier, outcomes: list[str] = outcomes) -> None:
-            body = VersionCreate(**version_body(v, nbytes=100 + i))  # different checksums: a real conflict
+            body = version_body(v, nbytes=100 + i)  # different checksums: a real conflict
             barrier.wait()
             try:
-                outcomes.append("created" if clients[i].register_version(body)[1] else "known")
+                outcomes.append("created" if clients[i].register(body)[1] else "known")
             except CoordinatorError as exc:
                 outcomes.append(str(exc.status_code))
 
@@ -98,31 +119,262 @@ def test_racing_publishers_exactly_one_wins(server: CoordinatorProcess) -> None:
         for t in threads:
             t.join(30)
         assert sorted(outcomes) == ["409", "created"], (v, outcomes)
-    assert clients[0].latest_version().version == 15
+    assert first.latest_version().version == 15
     for c in clients:
         c.close()
 
 
 @pytest.mark.anyio
 async def test_100_long_pollers_are_all_woken_by_one_publish(server: CoordinatorProcess) -> None:
-    pub = {"Authorization": f"Bearer {PUBLISHER_TOKEN}"}
-    limits = httpx.Limits(max_connections=200, max_keepalive_connections=200)
-    async with httpx.AsyncClient(base_url=server.url, limits=limits, timeout=30) as http:
-        assert (await http.post("/v1/versions", json=version_body(0, "anchor"), headers=pub)).status_code == 201
-        done: list[float] = []
+    with publishing(server.url) as pub:
+        pub.register(version_body(0, "anchor"))
+        limits = httpx.Limits(max_connections=200, max_keepalive_connections=200)
+        headers = {"Authorization": f"Bearer {agent_token('poller')}"}
+        async with httpx.AsyncClient(base_url=server.url, limits=limits, timeout=30, headers=headers) as http:
+            done: list[float] = []
 
-        async def poll() -> list[int]:
-            r = await http.get("/v1/versions", params={"after": 0, "wait_s": 20})
-            done.append(time.perf_counter())
-            return [v["version"] for v in r.json()["versions"]]
+            async def poll() -> list[int]:
+                r = await http.get("/v1/versions", params={"after": 0, "wait_s": 20})
+                done.append(time.perf_counter())
+                return [v["version"] for v in r.json()["versions"]]
 
-        pollers = [asyncio.create_task(poll()) for _ in range(100)]
-        await asyncio.sleep(1.5)  # let all of them reach the server and wait
-        assert not done, "a long-poll answered before anything was published"
-        t0 = time.perf_counter()
-        assert (await http.post("/v1/versions", json=version_body(1), headers=pub)).status_code == 201
-        results = await asyncio.gather(*pollers)
+            pollers = [asyncio.create_task(poll()) for _ in range(100)]
+            await asyncio.sleep(1.5)  # let all of them reach the server and wait
+            assert not done, "a long-poll answered before anything was published"
+            t0 = time.perf_counter()
+            await asyncio.to_thread(pub.register, version_body(1))
+            results = await asyncio.gather(*pollers)
     assert all(r == [1] for r in results), "a poller was not woken with the new version"
     latency_ms = sorted((t - t0) * 1e3 for t in done)
     print(f"\n100 long-pollers woken: median {statistics.median(latency_ms):.1f} ms, max {latency_ms[-1]:.1f} ms")
     assert latency_ms[-1] < 15_000  # far below the 20 s wait: they were woken, not timed out
+
+
+def _coordinator(db: Path, *args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    cmd = [sys.executable, "-m", "deltasync.cli", "coordinator", "--db", str(db), "--port", str(free_port()), *args]
+    base = {k: v for k, v in __import__("os").environ.items() if not k.startswith("DELTASYNC_")}
+    return subprocess.run(cmd, env={**base, **(env or {})}, capture_output=True, text=True, timeout=60)
+
+
+def test_without_credentials_the_process_refuses_to_start(tmp_path: Path) -> None:
+    """Issue 12 row 1 (observed): no tokens (also with --host 0.0.0.0) started with a warning, and an
+    unauthenticated POST /v1/gc deleted the real anchor."""
+    for args in ((), ("--host", "0.0.0.0")):
+        proc = _coordinator(tmp_path / "l.db", *args)
+        assert proc.returncode == 1
+        assert (
+            "refuses to start without credentials: set DELTASYNC_PUBLISHER_TOKEN and DELTASYNC_AGENT_SECRET"
+            in proc.stderr
+        )
+    assert not (tmp_path / "l.db").exists()
+
+
+def test_sigterm_checkpoints_so_the_db_file_alone_is_complete(tmp_path: Path) -> None:
+    """Issue 12 row 5 (observed): after SIGTERM the connection was never closed (a 323 KB ledger.db beside a
+    4.1 MB -wal); copying only ledger.db lost 145 of 2000 versions silently."""
+    with CoordinatorProcess(tmp_path / "ledger.db", env=TOKENS_ENV) as proc, publishing(proc.url) as pub:
+        pub.register(version_body(0, "anchor"))
+        for v in range(1, 400):
+            pub.register(version_body(v))
+        assert (tmp_path / "ledger.db-wal").stat().st_size > 0  # while it runs, the commits sit in the WAL
+    assert proc.proc is not None and proc.proc.returncode in (0, -15)  # uvicorn re-raises SIGTERM after shutdown
+    assert not (tmp_path / "ledger.db-wal").exists() or (tmp_path / "ledger.db-wal").stat().st_size == 0
+    shutil.copy(tmp_path / "ledger.db", tmp_path / "copy.db")  # the operator copies only the .db file
+    latest = sqlite3.connect(tmp_path / "copy.db").execute("SELECT MAX(version) FROM versions").fetchone()[0]
+    assert latest == 399
+    assert "checkpointed and closed" in proc.log_path.read_text()
+
+
+def test_a_second_coordinator_on_one_database_exits_naming_the_holder(server: CoordinatorProcess) -> None:
+    proc = _coordinator(server.db, env=TOKENS_ENV)
+    assert proc.returncode == 1
+    assert 'is in use by another coordinator ({"pid": ' in proc.stderr
+    assert f'"pid": {server.proc.pid}' in proc.stderr  # type: ignore[union-attr]
+    assert httpx.get(server.url + "/healthz").json()["status"] == "ok"  # the first one serves on
+
+
+def test_a_damaged_database_is_refused_at_start(tmp_path: Path) -> None:
+    with CoordinatorProcess(tmp_path / "ledger.db", env=TOKENS_ENV) as proc, publishing(proc.url) as pub:
+        pub.register(version_body(0, "anchor"))
+        for v in range(1, 300):
+            pub.register(version_body(v))
+    raw = bytearray((tmp_path / "ledger.db").read_bytes())
+    raw[3 * 4096 : 4 * 4096] = bytes(4096)  # a zeroed page
+    (tmp_path / "ledger.db").write_bytes(raw)
+    proc = _coordinator(tmp_path / "ledger.db", env=TOKENS_ENV)
+    assert proc.returncode == 1 and "restore it from a backup" in proc.stderr, proc.stderr[-2000:]
+
+
+def test_backup_of_a_running_coordinator_restores(tmp_path: Path, server: CoordinatorProcess) -> None:
+    with publishing(server.url) as pub:
+        pub.register(version_body(0, "anchor"))
+        for v in range(1, 50):
+            pub.register(version_body(v))
+        out = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "deltasync.cli",
+                "coordinator",
+                "backup",
+                "--db",
+                str(server.db),
+                "--out",
+                str(tmp_path / "backup.db"),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert out.returncode == 0 and "consistent as of now" in out.stdout, out.stderr
+        run = pub.health()["run_id"]
+    server.stop()
+    with CoordinatorProcess(tmp_path / "backup.db", env=TOKENS_ENV) as restored:
+        health = httpx.get(restored.url + "/healthz").json()
+        assert health["latest"] == 49 and health["run_id"] == run  # a backup keeps the run's identity
+
+
+def test_health_answers_fast_and_requests_get_503_while_the_database_is_locked(tmp_path: Path) -> None:
+    """Issue 12 row 6 (observed): a database held locked for 40 s stalled every request, and /healthz returned
+    a bare 500 after 31 s."""
+    args = ["--db-timeout-s", "1"]
+    with CoordinatorProcess(tmp_path / "ledger.db", env=TOKENS_ENV, args=args) as proc, publishing(proc.url) as pub:
+        pub.register(version_body(0, "anchor"))
+        other = sqlite3.connect(tmp_path / "ledger.db", isolation_level=None, timeout=10)
+        other.execute("BEGIN EXCLUSIVE")  # another process holds the database
+        try:
+            time.sleep(2.5)  # the probe notices
+            t0 = time.perf_counter()
+            health = httpx.get(proc.url + "/healthz", timeout=5)
+            health_ms = (time.perf_counter() - t0) * 1e3
+            assert health.status_code == 200 and health.json()["status"] == "degraded", health.text
+            assert "locked" in " ".join(health.json()["reasons"])
+            assert health_ms < 100, health_ms
+            t0 = time.perf_counter()
+            r = httpx.post(
+                proc.url + "/v1/versions",
+                json=version_body(1),
+                headers=PUB | {"Deltasync-Lease": pub.lease.lease_id},
+                timeout=30,
+            )
+            assert r.status_code == 503 and r.headers["retry-after"] == "1" and time.perf_counter() - t0 < 5, r.text
+        finally:
+            other.execute("ROLLBACK")
+            other.close()
+        pub.register(version_body(1))  # the client retries 503s: fine once the lock is gone
+        time.sleep(1.5)
+        assert httpx.get(proc.url + "/healthz").json()["status"] == "ok"
+
+
+@pytest.mark.anyio
+async def test_long_polls_beyond_the_cap_at_a_low_file_limit_are_503_not_resets(tmp_path: Path) -> None:
+    """Issue 12 row 6 (observed): 1,100 long-polls at nofile 1024 reset 94 connections."""
+    prefix = ["prlimit", "--nofile=256:256"]
+    args = ["--max-long-polls", "150", "--max-wait-s", "3"]
+    with CoordinatorProcess(tmp_path / "ledger.db", env=TOKENS_ENV, args=args, prefix=prefix) as proc:
+        headers = {"Authorization": f"Bearer {agent_token('p')}"}
+        limits = httpx.Limits(max_connections=400, max_keepalive_connections=0)
+        async with httpx.AsyncClient(base_url=proc.url, limits=limits, timeout=30, headers=headers) as http:
+
+            async def poll() -> int | str:
+                try:
+                    return (await http.get("/v1/versions", params={"after": 5, "wait_s": 3})).status_code
+                except httpx.TransportError as exc:
+                    return type(exc).__name__
+
+            outcomes = await asyncio.gather(*[poll() for _ in range(220)])
+    assert set(outcomes) <= {200, 503}, sorted(set(map(str, outcomes)))
+    assert outcomes.count(200) >= 150 - 5 and outcomes.count(503) >= 1
+
+
+def test_tls_with_a_certificate_made_in_the_test(tmp_path: Path) -> None:
+    """Issue 12 row 7: bearer tokens crossed hosts in clear text; the coordinator speaks TLS and clients verify
+    it against a CA bundle."""
+    ca, cert, key = make_certificates(tmp_path / "tls")
+    args = ["--ssl-certfile", str(cert), "--ssl-keyfile", str(key)]
+    with CoordinatorProcess(tmp_path / "ledger.db", env=TOKENS_ENV, args=args, ca_bundle=ca) as proc:
+        assert proc.url.startswith("https://")
+        with Publishing(proc.url, token=PUBLISHER_TOKEN, ca_bundle=str(ca)) as pub:
+            pub.lease = pub.acquire_lease("tls", ttl_s=60)
+            assert pub.register(version_body(0, "anchor"))[1]
+        untrusting = CoordinatorClient(proc.url, token=PUBLISHER_TOKEN, retries=0)
+        with pytest.raises(CoordinatorError, match="CERTIFICATE_VERIFY_FAILED|certificate verify failed"):
+            untrusting.health()
+        untrusting.close()
+        with pytest.raises(httpx.HTTPError):
+            httpx.get(proc.url.replace("https://", "http://") + "/healthz", timeout=5)  # no plain HTTP beside it
+
+
+def _rss_mib(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    raise AssertionError("no VmRSS")
+
+
+def test_an_endless_request_head_is_431_before_it_costs_memory(server: CoordinatorProcess) -> None:
+    """Found by the adversarial review of 0374e40: uvicorn serves with httptools, which buffers an unfinished
+    header line without limit (``h11_max_incomplete_event_size`` applies to h11 only): 128 MiB of one header
+    grew the server from 250 to 460 MiB before any check ran."""
+    import socket
+
+    assert server.proc is not None
+    before = _rss_mib(server.proc.pid)
+    host, port = server.url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=10) as sock:
+        sock.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\nX-Endless: ")
+        sent, answer = 0, b""
+        try:
+            while sent < 64 << 20:
+                sock.sendall(b"a" * (256 << 10))
+                sent += 256 << 10
+        except (BrokenPipeError, ConnectionResetError):
+            pass
+        try:
+            answer = sock.recv(4096)
+        except ConnectionResetError:
+            pass
+    assert sent < 4 << 20, f"the server read {sent} bytes of one head"
+    assert answer.startswith(b"HTTP/1.1 431") and b"request head over 65536 bytes" in answer, answer[:200]
+    assert b"deltasync-run-id: run-" in answer.lower()
+    assert _rss_mib(server.proc.pid) - before < 30
+    assert httpx.get(server.url + "/healthz").status_code == 200
+
+
+@pytest.mark.anyio
+async def test_abandoned_long_polls_give_their_slots_back(tmp_path: Path) -> None:
+    """Found by the adversarial review of 0374e40: 50 clients that opened a long-poll and hung up kept all 50
+    slots (of 50) for the whole wait; a real agent got 503 on every poll."""
+    import socket
+
+    args = ["--max-long-polls", "10", "--max-wait-s", "30"]
+    with CoordinatorProcess(tmp_path / "ledger.db", env=TOKENS_ENV, args=args) as proc:
+        host, port = proc.url.removeprefix("http://").split(":")
+        request = (
+            f"GET /v1/versions?after=5&wait_s=30 HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {agent_token('p')}\r\n\r\n"
+        ).encode()
+        for _ in range(10):
+            with socket.create_connection((host, int(port))) as sock:
+                sock.sendall(request)
+                time.sleep(0.05)  # the poll is waiting; then the client goes away
+        time.sleep(0.5)
+        headers = {"Authorization": f"Bearer {agent_token('real')}"}
+        r = httpx.get(proc.url + "/v1/versions", params={"after": 5, "wait_s": 1}, headers=headers, timeout=10)
+        assert r.status_code == 200, r.text
+
+
+def test_a_second_coordinator_through_a_hard_link_exits_naming_the_holder(server: CoordinatorProcess) -> None:
+    """Found by the adversarial review of 0374e40: a coordinator on a hard link of the ledger started beside
+    the first (the lock file was named after the path; SQLite's WAL is too): both granted lease epoch 1, both
+    acknowledged different v0..v2, and the first one's registrations were gone after both stopped."""
+    link = server.db.with_name("hard.db")
+    link.hardlink_to(server.db)
+    out = subprocess.run(
+        [sys.executable, "-m", "deltasync.cli", "coordinator", "--db", str(link), "--port", str(free_port())],
+        env={**__import__("os").environ, **TOKENS_ENV},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.returncode == 1
+    assert "is in use by another coordinator" in out.stderr and '"pid": ' in out.stderr, out.stderr

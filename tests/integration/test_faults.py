@@ -18,15 +18,14 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
-from deltasync.testing import CoordinatorProcess, HostTarget, UpdateStream, qwen3_shapes
-from deltasync.versions import manifest_key
 
 from deltasync import (
-    FormatError,
     IntegrityError,
     LocalStore,
     ObjectNotFound,
+    RefusalReason,
     StoreError,
+    UpdateRefused,
     VersionGapError,
     list_versions,
     read_manifest,
@@ -35,11 +34,27 @@ from deltasync import (
 from deltasync.agent import Agent
 from deltasync.client import CoordinatorClient
 from deltasync.config import AgentConfig, PublisherConfig
+from deltasync.layout import manifest_key
 from deltasync.publisher import Publisher
-from tests.conftest import AGENT_TOKEN, PUBLISHER_TOKEN, SMALL_QWEN3, assert_bit_equal
+from deltasync.reader import load_object
+from deltasync.staging import StagedUpdate, stage_object
+from deltasync.targets import InMemoryTarget
+from tests.conftest import (
+    AGENT_TOKEN,
+    PUBLISHER_TOKEN,
+    SMALL_QWEN3,
+    TOKENS_ENV,
+    agent_token,
+    assert_bit_equal,
+    overwrite,
+    remove,
+)
+from tests.support.launchers import CoordinatorProcess
+from tests.support.models import qwen3_shapes
+from tests.support.stream import UpdateStream
 
 pytestmark = pytest.mark.slow
-ENV = {"DELTASYNC_PUBLISHER_TOKEN": PUBLISHER_TOKEN, "DELTASYNC_AGENT_TOKEN": AGENT_TOKEN}
+ENV = TOKENS_ENV
 
 
 @pytest.fixture
@@ -52,15 +67,16 @@ def coordinator(tmp_path: Path) -> Iterator[CoordinatorProcess]:
 
 @pytest.fixture
 def light_agent() -> Iterator:
-    """Makes agents with a HostTarget (the real agent, client and store; no vLLM); closes their clients."""
+    """Makes agents on in-memory engines (the real agent, client and store; no vLLM); closes their clients."""
     clients: list[CoordinatorClient] = []
 
     def make(store, url: str, agent_id: str, tmp: Path) -> Agent:
-        clients.append(CoordinatorClient(url, token=AGENT_TOKEN, retries=40, backoff_s=0.05, timeout_s=10))
+        token = agent_token(agent_id)
+        clients.append(CoordinatorClient(url, token=token, retries=40, backoff_s=0.05, timeout_s=10))
         config = AgentConfig(
             agent_id=agent_id, staging_dir=str(tmp / agent_id), retries=1, backoff_s=0.01, poll_wait_s=1
         )
-        return Agent(store=store, coordinator=clients[-1], target=HostTarget(), config=config)
+        return Agent(store=store, coordinator=clients[-1], target=InMemoryTarget(), config=config)
 
     yield make
     for client in clients:
@@ -114,20 +130,23 @@ def test_publisher_killed_mid_version(tmp_path: Path, coordinator: CoordinatorPr
     assert agent.sync().to_version == 2
     with pytest.raises(ObjectNotFound):
         read_weights(store, 3)
-    # a restarted publisher (new weights: its snapshot is gone) continues at v3, as an anchor
+    left_behind = {k: store.get(k) for k in partial}
+    # a restarted publisher (new weights: its snapshot is gone) waits for the dead one's lease to lapse, then
+    # continues above every key in the store: v3's leftovers are never written over, v4 is an anchor
     t0 = time.monotonic()
     again = run_publisher(tmp_path, coordinator.url, 2, seed=1)
     assert again.wait(120) == 0
     recovery_s = time.monotonic() - t0
     listing = {x.version: x for x in list_versions(store)}
-    assert sorted(listing) == [0, 1, 2, 3, 4] and listing[3].anchor and not listing[3].delta
-    for v in (3, 4):
+    assert sorted(listing) == [0, 1, 2, 4, 5] and listing[4].anchor and not listing[4].delta
+    assert {k: store.get(k) for k in partial} == left_behind  # create-only: the crash's files untouched
+    for v in (4, 5):
         assert_bit_equal(read_weights(store, v), torch.load(tmp_path / "truth" / f"v{v}.pt"))
-    assert agent.sync().to_version == 4
-    assert_bit_equal(agent.target.weights, torch.load(tmp_path / "truth" / "v4.pt"))
+    assert agent.sync().to_version == 5
+    assert_bit_equal(agent.target.weights, torch.load(tmp_path / "truth" / "v5.pt"))
     print(
         f"\nRELIABILITY publisher kill -9 {point}: versions lost 0, partial version visible: no, "
-        f"restart to v4 registered {recovery_s:.1f} s (incl. interpreter start)"
+        f"restart to v5 registered {recovery_s:.1f} s (incl. interpreter start and the lease's 3 s TTL)"
     )
 
 
@@ -209,11 +228,11 @@ def test_corrupt_shards_are_never_applied(published, fault: str) -> None:
     v = step()
     key = f"v{v:08d}/shard-00000.safetensors"
     good = store.get(key)
-    store.put(key, FAULTS[fault](good))
+    overwrite(store, key, FAULTS[fault](good))
     with pytest.raises(IntegrityError, match=r"(size is|sha256 is) "):
         agent.sync()
     assert agent.target.version == v - 1  # nothing applied
-    store.put(key, good)
+    overwrite(store, key, good)
     assert agent.sync().to_version == v
     assert_bit_equal(agent.target.weights, truth[v])
 
@@ -223,11 +242,11 @@ def test_a_missing_shard_then_found(published) -> None:
     v = step()
     key = f"v{v:08d}/shard-00000.safetensors"
     good = store.get(key)
-    store.delete(key)
+    remove(store, key)
     with pytest.raises(ObjectNotFound, match="no object"):
         agent.sync()
     assert agent.target.version == v - 1
-    store.put(key, good)
+    overwrite(store, key, good)
     assert agent.sync().to_version == v
 
 
@@ -238,18 +257,17 @@ def test_a_manifest_with_a_wrong_size(published) -> None:
     good = store.get(key)
     m = read_manifest(store, v)
     lying = dataclasses.replace(m, shards=(dataclasses.replace(m.shards[0], bytes=m.shards[0].bytes + 1),))
-    store.put(key, lying.to_json())
+    overwrite(store, key, lying.to_json())
     with pytest.raises(IntegrityError, match="the coordinator registered"):  # the manifest itself is checked
         agent.sync()
     assert agent.target.version == v - 1
-    store.put(key, good)
+    overwrite(store, key, good)
     assert agent.sync().to_version == v
 
 
 def test_duplicate_out_of_order_and_replayed_versions(published, tmp_path: Path) -> None:
-    from deltasync.protocol import VersionCreate
-
     from deltasync.errors import CoordinatorError
+    from deltasync.schemas import VersionCreate
 
     store, agent, step, truth, client = published
     v1, v2 = step(), step()
@@ -263,10 +281,10 @@ def test_duplicate_out_of_order_and_replayed_versions(published, tmp_path: Path)
     agent.sync()
     assert agent.target.version == v2
     # a replayed delta straight at the engine is refused before anything is written
-    info = {"files": [], "kind": "delta", "base_version": v1 - 1, "target_version": v1}
+    replay = _staged(store, v1, tmp_path / "replay")
     with pytest.raises(VersionGapError, match=f"this engine holds v{v2}"):
-        agent.target.apply([info], weight_version=v1)
-    assert agent.target.version == v2 and agent.target.healthy
+        agent.target.apply(StagedUpdate(objects=(replay,)))
+    assert agent.target.version == v2 and agent.target.state().healthy
     assert_bit_equal(agent.target.weights, truth[v2])
 
 
@@ -278,36 +296,17 @@ def test_a_delta_for_another_model(published, tmp_path: Path) -> None:
         pub.publish(stream.bf16(), 0)
         pub.publish(stream.step(), 1)
     before = agent.target.version
-    foreign = {
-        "files": [str(_stage_raw(other, 1, tmp_path))],
-        "kind": "delta",
-        "base_version": before,
-        "target_version": before + 1,
-    }
-    with pytest.raises(FormatError, match="a delta for another model"):
-        agent.target.apply([foreign], weight_version=before + 1)
-    assert agent.target.version == before and agent.target.healthy  # refused before anything was written
+    with pytest.raises(UpdateRefused, match="is for another model") as exc:
+        agent.target.apply(StagedUpdate(objects=(_staged(other, 1, tmp_path / "foreign"),)))
+    assert exc.value.reason is RefusalReason.MODEL
+    assert agent.target.version == before and agent.target.state().healthy  # refused before any write
     assert_bit_equal(agent.target.weights, truth[before])
 
 
-def _stage_raw(store: LocalStore, version: int, tmp: Path) -> Path:
-    from deltasync.versions import load_object
-
-    from deltasync import encode_shard
-
-    base = read_weights(store, version - 1)
-    deltas = load_object(store, read_manifest(store, version), base=base)
-    path = tmp / "foreign.safetensors"
-    path.write_bytes(
-        encode_shard(
-            [dataclasses.replace(d, base_values=None) for d in deltas],
-            kind="delta",
-            encoding="raw",
-            base_version=version - 1,
-            target_version=version,
-        )
-    )
-    return path
+def _staged(store: LocalStore, version: int, directory: Path):
+    m = read_manifest(store, version)
+    deltas = load_object(store, m, base=read_weights(store, version - 1))
+    return stage_object(directory, m, store.get(manifest_key(version, "delta")), deltas)
 
 
 def test_a_full_disk(tmp_path: Path, coordinator: CoordinatorProcess, light_agent) -> None:
@@ -336,11 +335,11 @@ def test_a_full_disk(tmp_path: Path, coordinator: CoordinatorProcess, light_agen
     assert agent.target.version == committed[-1]  # the agent serves the last whole version, nothing more
     with pytest.raises(StoreError):
         pub.close()
-    store.limit = 10**9  # space freed: a new publisher continues with an anchor
+    store.limit = 10**9  # space freed: a new publisher continues with an anchor, above every key written
     weights = stream.step()
     with Publisher(store, client) as again:
         v = again.publish(weights, 999)
-    assert v == committed[-1] + 1 and list_versions(store)[-1].anchor
+    assert v > committed[-1] and list_versions(store)[-1].anchor
     assert agent.sync().to_version == v
     client.close()
     assert_bit_equal(agent.target.weights, weights)
@@ -381,6 +380,7 @@ def test_oversized_headers_bodies_traversal_and_tokens(tmp_path: Path, coordinat
             == 403
         )
         assert http.post("/v1/gc", headers={"Authorization": f"Bearer {AGENT_TOKEN}"}).status_code == 403
+        assert http.get("/v1/agents").status_code == 401  # issue 12 row 2: reads need a token too
     log = coordinator.log_path.read_text()
     assert PUBLISHER_TOKEN not in log and AGENT_TOKEN not in log and "Bearer" not in log
 

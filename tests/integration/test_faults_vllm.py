@@ -11,12 +11,12 @@ from pathlib import Path
 
 import httpx
 import pytest
-from deltasync.testing import HostTarget
 
 from deltasync.agent import Agent
 from deltasync.client import CoordinatorClient
 from deltasync.config import AgentConfig
-from tests.conftest import AGENT_TOKEN, assert_bit_equal
+from deltasync.targets import InMemoryTarget
+from tests.conftest import agent_token, assert_bit_equal
 from tests.integration.helpers import ServerStack, server_stack
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
@@ -78,14 +78,16 @@ def test_load_100_light_agents_and_the_real_one(world: ServerStack) -> None:
     world.start_sidecar()
     stop = threading.Event()
     clients = [
-        CoordinatorClient(world.coordinator.url, token=AGENT_TOKEN, retries=40, backoff_s=0.05, timeout_s=30)
-        for _ in range(100)
+        CoordinatorClient(
+            world.coordinator.url, token=agent_token(f"light-{i:03d}"), retries=40, backoff_s=0.05, timeout_s=30
+        )
+        for i in range(100)
     ]
     agents = [
         Agent(
             store=world.store,
             coordinator=c,
-            target=HostTarget(),
+            target=InMemoryTarget(),
             config=AgentConfig(
                 agent_id=f"light-{i:03d}",
                 staging_dir=str(world.tmp / "light" / str(i)),

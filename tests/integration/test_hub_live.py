@@ -7,12 +7,12 @@ import uuid
 from pathlib import Path
 
 import pytest
-from deltasync.testing import UpdateStream
 
 from deltasync import list_versions, read_weights
 from deltasync.publisher import Publisher
 from deltasync.store.hub import HubBucketStore
 from tests.conftest import assert_bit_equal
+from tests.support.stream import UpdateStream
 
 pytestmark = pytest.mark.hub
 

@@ -9,13 +9,13 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from deltasync.testing import free_port
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from deltasync import LocalStore, list_versions, read_manifest, read_weights
 from deltasync.config import PublisherConfig
 from deltasync.publisher import Publisher
 from tests.conftest import assert_bit_equal
+from tests.support.launchers import free_port
 
 pytestmark = pytest.mark.slow
 STEPS = 6

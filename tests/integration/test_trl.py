@@ -7,13 +7,12 @@ from pathlib import Path
 import pytest
 import torch
 from deltasync_coordinator.app import create_app
-from deltasync_coordinator.settings import Settings
 
 from deltasync import LocalStore, list_versions, read_weights
 from deltasync.client import CoordinatorClient
 from deltasync.integrations.trl import DeltaSyncCallback, DeltaSyncWeightTransfer
 from deltasync.publisher import Publisher
-from tests.conftest import PUBLISHER_TOKEN, ServerThread, assert_bit_equal
+from tests.conftest import PUBLISHER_TOKEN, ServerThread, assert_bit_equal, coordinator_settings
 
 pytestmark = pytest.mark.slow
 
@@ -46,7 +45,7 @@ def test_grpo_trainer_with_the_callback(tmp_path: Path, tiny_model_dir: Path) ->
     )
     store = LocalStore(tmp_path / "store")
     with (
-        ServerThread(create_app(Settings(db=tmp_path / "c.db", publisher_token=PUBLISHER_TOKEN))) as server,
+        ServerThread(create_app(coordinator_settings(tmp_path))) as server,
         CoordinatorClient(server.url, token=PUBLISHER_TOKEN) as client,
     ):
         callback = DeltaSyncCallback(Publisher(store, client))

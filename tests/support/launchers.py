@@ -34,19 +34,29 @@ def free_port() -> int:
 
 
 def wait_until_serving(
-    url: str, proc: subprocess.Popen[bytes], what: str, *, timeout_s: float, interval_s: float, log: Path | None = None
+    url: str,
+    proc: subprocess.Popen[bytes],
+    what: str,
+    *,
+    timeout_s: float,
+    interval_s: float,
+    log: Path | None = None,
+    verify: bool | str = True,
 ) -> None:
     """Poll ``url`` until it answers 200. Raises ``RuntimeError`` (naming ``what`` and its ``log``) if ``proc``
     exits first or ``timeout_s`` passes; stopping ``proc`` is the caller's choice."""
     import httpx
 
     see = f"; see {log}" if log is not None else ""
+    import ssl
+
+    context = ssl.create_default_context(cafile=verify) if isinstance(verify, str) else verify
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             raise RuntimeError(f"{what} exited with {proc.returncode}{see}")
         try:
-            if httpx.get(url, timeout=2).status_code == 200:
+            if httpx.get(url, timeout=2, verify=context).status_code == 200:
                 return
         except httpx.TransportError:
             pass
@@ -102,8 +112,10 @@ class CoordinatorProcess:
         db: SQLite file.
         store: store URI (for garbage collection).
         env: extra environment, e.g. ``{"DELTASYNC_PUBLISHER_TOKEN": "..."}``.
-        args: extra command-line flags.
+        args: extra command-line flags (``--ssl-certfile`` makes the URL ``https``).
         log: where the server's output goes (default: a ``coordinator.log`` next to ``db``).
+        prefix: a command to run it under, e.g. ``["prlimit", "--nofile=256:256"]``.
+        ca_bundle: the CA that signed its certificate (to wait for an https server).
     """
 
     def __init__(
@@ -114,11 +126,15 @@ class CoordinatorProcess:
         env: Mapping[str, str] | None = None,
         args: list[str] | None = None,
         log: str | Path | None = None,
+        prefix: list[str] | None = None,
+        ca_bundle: str | Path | None = None,
     ) -> None:
         self.db = Path(db)
         self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
         self.store, self.env, self.args = store, dict(env or {}), list(args or [])
+        self.prefix, self.ca_bundle = list(prefix or []), ca_bundle
+        scheme = "https" if "--ssl-certfile" in self.args else "http"
+        self.url = f"{scheme}://127.0.0.1:{self.port}"
         self.log_path = Path(log) if log is not None else self.db.with_name("coordinator.log")
         self.proc: subprocess.Popen[bytes] | None = None
         self._log: IO[bytes] | None = None
@@ -131,7 +147,7 @@ class CoordinatorProcess:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         self._log = open(self.log_path, "ab")
         self.proc = subprocess.Popen(
-            cmd + self.args, env={**os.environ, **self.env}, stdout=self._log, stderr=subprocess.STDOUT
+            self.prefix + cmd + self.args, env={**os.environ, **self.env}, stdout=self._log, stderr=subprocess.STDOUT
         )
         try:
             wait_until_serving(
@@ -141,6 +157,7 @@ class CoordinatorProcess:
                 timeout_s=timeout_s,
                 interval_s=0.05,
                 log=self.log_path,
+                verify=str(self.ca_bundle) if self.ca_bundle else True,
             )
         except RuntimeError:
             self.stop()

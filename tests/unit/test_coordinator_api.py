@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator
 from pathlib import Path
 
 import httpx
@@ -16,14 +15,6 @@ from tests.conftest import AGENT_TOKEN, PUBLISHER_TOKEN, agent_token, version_bo
 from tests.support.asgi import AGT, PUB, Coordinator, auth, make_settings, open_coordinator, weights_store
 
 pytestmark = pytest.mark.anyio
-
-
-@pytest.fixture
-async def coord(tmp_path: Path) -> AsyncIterator[Coordinator]:
-    app, http = await open_coordinator(make_settings(tmp_path))
-    async with http:
-        yield Coordinator(app, http)
-    app.state.db.close()
 
 
 @pytest.fixture
@@ -156,7 +147,8 @@ async def test_an_agent_token_writes_only_its_own_heartbeat(coord: Coordinator) 
     high = await coord.http.post(
         "/v1/agents/vllm-0/heartbeat", json={"applied_version": 99999999, "state": "idle"}, headers=auth("vllm-0")
     )
-    assert high.status_code == 422 and "applied_version 99999999 is above the latest version 1" in high.json()["detail"]
+    assert high.status_code == 422 and high.json()["detail"][0]["loc"] == ["body", "applied_version"]
+    assert "applied_version 99999999 is above the latest version 1" in high.json()["detail"][0]["msg"]
     fleet = (await coord.http.get("/v1/agents", headers=PUB)).json()
     assert [(a["agent_id"], a["applied_version"], a["lag"]) for a in fleet["agents"]] == [("vllm-0", 1, 0)]
     gc = (await coord.http.get("/v1/gc/candidates", headers=PUB)).json()
@@ -333,9 +325,9 @@ async def test_metrics_are_aggregates_without_a_series_per_agent(coord: Coordina
 
 
 async def test_a_metrics_token_scrapes_but_reads_nothing_else(tmp_path: Path) -> None:
-    app, http = await open_coordinator(make_settings(tmp_path, metrics_token="scrape-me"))
+    app, http = await open_coordinator(make_settings(tmp_path, metrics_token="scrape-me-0123456789"))
     async with http:
-        scrape = {"Authorization": "Bearer scrape-me"}
+        scrape = {"Authorization": "Bearer scrape-me-0123456789"}
         assert (await http.get("/metrics", headers=scrape)).status_code == 200
         assert (await http.get("/v1/agents", headers=scrape)).status_code == 403
     app.state.db.close()

@@ -5,7 +5,6 @@ anchor is proven intact, and nothing an agent was just told to fetch disappears.
 from __future__ import annotations
 
 import os
-from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
@@ -13,17 +12,9 @@ import pytest
 from deltasync import LocalStore, ObjectNotFound, list_versions, read_weights
 from deltasync.layout import manifest_key
 from tests.conftest import remove
-from tests.support.asgi import AGT, PUB, Coordinator, auth, make_settings, open_coordinator, weights_store
+from tests.support.asgi import AGT, PUB, Coordinator, auth, weights_store
 
 pytestmark = pytest.mark.anyio
-
-
-@pytest.fixture
-async def coord(tmp_path: Path) -> AsyncIterator[Coordinator]:
-    app, http = await open_coordinator(make_settings(tmp_path))
-    async with http:
-        yield Coordinator(app, http)
-    app.state.db.close()
 
 
 async def test_gc_never_follows_a_symlinked_version_directory(coord: Coordinator, tmp_path: Path) -> None:

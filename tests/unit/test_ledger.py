@@ -259,7 +259,7 @@ def test_a_damaged_file_is_refused_at_start(tmp_path: Path, clock: Clock) -> Non
     ):
         Database(tmp_path / "l.db", MIGRATIONS, clock=clock)
     (tmp_path / "junk.db").write_bytes(b"not a database at all" * 100)
-    with pytest.raises(DamagedLedger, match="not a usable SQLite database"):
+    with pytest.raises(DamagedLedger, match=r"junk.db: not a SQLite database \(it starts with b'not a da'\)"):
         Database(tmp_path / "junk.db", MIGRATIONS, clock=clock)
 
 

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from fastapi import APIRouter, Depends, HTTPException, Path, Query
+from fastapi import APIRouter, Depends, HTTPException, Path, Query, Request
 from starlette.concurrency import run_in_threadpool
 
-from deltasync.schemas import AGENT_ID_PATTERN, AgentHeartbeat, AgentPublic, AgentsPublic, ErrorPublic
+from deltasync.schemas import AGENT_ID_PATTERN, AgentHeartbeat, AgentPublic, AgentsPublic
 
 from ..deps import AUTH_ERRORS, BODY_ERRORS, FleetDep, SettingsDep, require_agent, require_reader
+from ..fleet import Fleet
 from ..registry import Invalid
 
 __all__ = ["router"]
@@ -22,22 +23,21 @@ router = APIRouter(prefix="/v1", tags=["agents"])
     response_model=AgentPublic,
     dependencies=[Depends(require_agent)],
     responses={
-        422: {"model": ErrorPublic, "description": "invalid, or applied_version above the latest"},
         **AUTH_ERRORS,
         **BODY_ERRORS,
     },
 )
 async def heartbeat(
-    body: AgentHeartbeat,
-    fleet: FleetDep,
-    settings: SettingsDep,
-    agent_id: Annotated[str, Path(pattern=AGENT_ID_PATTERN)],
+    body: AgentHeartbeat, request: Request, agent_id: Annotated[str, Path(pattern=AGENT_ID_PATTERN)]
 ) -> AgentPublic:
-    """Record an agent's applied version, state, last error and timings (its own token only)."""
+    """Record an agent's applied version, state, last error and timings (its own token only). An
+    ``applied_version`` above the latest is 422 (and degrades the coordinator: its ledger is behind)."""
+    fleet: Fleet = request.app.state.fleet
     try:
-        return await run_in_threadpool(fleet.heartbeat, agent_id, body, settings.agent_stale_after_s)
-    except Invalid as exc:
-        raise HTTPException(422, str(exc)) from None
+        return await run_in_threadpool(fleet.heartbeat, agent_id, body, request.app.state.settings.agent_stale_after_s)
+    except Invalid as exc:  # a validation error of the field, in FastAPI's own 422 shape
+        detail = [{"loc": ["body", "applied_version"], "msg": str(exc), "type": "value_error"}]
+        raise HTTPException(422, detail) from None
 
 
 @router.get("/agents", response_model=AgentsPublic, dependencies=[Depends(require_reader)], responses=AUTH_ERRORS)

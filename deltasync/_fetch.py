@@ -1,0 +1,133 @@
+"""The agent's reads from the store: manifests checked against the registered digest (and the publisher's
+signature), shards fetched in parallel, checked (size, sha256), cached by sha256 so that a retried or restarted
+fetch resumes, with retries and backoff on store faults and integrity failures."""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from ._localfs import ensure_dir, read_regular, write_new
+from .errors import FormatError, IntegrityError, StoreError
+from .layout import manifest_key, object_prefix
+from .manifest import MAX_MANIFEST_BYTES, DeltaManifest, ShardEntry
+from .reader import Trust, check_shard
+from .signing import VerifyKey
+from .store.base import Store
+from .vocab import Kind
+
+__all__ = ["ObjectFetcher"]
+
+logger = logging.getLogger("deltasync.agent")
+
+
+class ObjectFetcher:
+    """Fetches and checks published objects for one agent.
+
+    Args:
+        store: where the objects are.
+        cache: a directory for verified shards (by sha256).
+        verify_key: require every manifest to be signed by this key.
+        retries, backoff_s: attempts after the first, and the first backoff (doubling, capped at 30 s).
+        workers: shards fetched in parallel.
+        name: the agent's id, for messages.
+    """
+
+    def __init__(
+        self,
+        store: Store,
+        cache: Path,
+        *,
+        verify_key: VerifyKey | None,
+        retries: int,
+        backoff_s: float,
+        workers: int,
+        name: str,
+    ) -> None:
+        self.store, self.cache, self.verify_key = store, cache, verify_key
+        self.retries, self.backoff_s, self.workers, self.name = retries, backoff_s, workers, name
+
+    def manifest(self, version: int, kind: Kind, checksum: str) -> tuple[DeltaManifest, bytes]:
+        """An object's manifest (and its bytes), whose sha256 must be ``checksum`` (the registered digest).
+
+        Raises:
+            IntegrityError: another digest; SignatureError: not signed by the trusted key.
+        """
+        key = manifest_key(version, kind)
+        name = f"{self.store.uri}/{key}"
+
+        def get() -> bytes:
+            data = self.store.get(key, max_bytes=MAX_MANIFEST_BYTES)
+            digest = "sha256:" + hashlib.sha256(data).hexdigest()
+            if digest != checksum:
+                raise IntegrityError(f"{name}: sha256 is {digest}, the coordinator registered {checksum}")
+            return data
+
+        data = self._with_retries(get, name)
+        if self.verify_key is not None:
+            Trust(verify_key=self.verify_key).check(self.store, version, kind, data)
+        return DeltaManifest.from_json(data, name=name), data
+
+    def shards(self, manifests: list[DeltaManifest]) -> list[list[bytes]]:
+        """Every shard of every object, in parallel, each checked against its manifest entry."""
+        jobs = [(i, j, m, e) for i, m in enumerate(manifests) for j, e in enumerate(m.shards)]
+        out: list[list[bytes]] = [[b""] * len(m.shards) for m in manifests]
+
+        def fetch(job: tuple[int, int, DeltaManifest, ShardEntry]) -> None:
+            i, j, m, entry = job
+            out[i][j] = self._shard(object_prefix(m.version, m.kind) + entry.file, entry)
+
+        with ThreadPoolExecutor(max_workers=self.workers) as pool:
+            list(pool.map(fetch, jobs))
+        return out
+
+    def _shard(self, key: str, entry: ShardEntry) -> bytes:
+        """A shard, size- and sha256-verified; refetched on a mismatch; cached by sha256 so a retry resumes."""
+        cached = ensure_dir(self.cache) / entry.sha256
+        name = f"{self.store.uri}/{key}"
+        if os.path.lexists(cached):
+            try:
+                data = bytes(read_regular(cached, entry.bytes, "cached shard"))
+                check_shard(data, entry, name=str(cached))
+                return data
+            except FormatError:  # IntegrityError included: refetch it
+                cached.unlink()
+
+        def get_checked() -> bytes:
+            data = self.store.get(key, max_bytes=entry.bytes)
+            check_shard(data, entry, name=name)
+            return data
+
+        data = self._with_retries(get_checked, name)
+        write_new(cached, data)
+        return data
+
+    def _with_retries(self, fn: Callable[[], bytes], what: str) -> bytes:
+        for attempt in range(self.retries + 1):
+            try:
+                return fn()
+            except (StoreError, IntegrityError) as exc:
+                if attempt == self.retries:
+                    raise
+                delay = min(self.backoff_s * 2**attempt, 30.0)
+                logger.warning(
+                    "agent %s: %s: %s; retry %d/%d in %.1f s",
+                    self.name,
+                    what,
+                    exc,
+                    attempt + 1,
+                    self.retries,
+                    delay,
+                )
+                time.sleep(delay)
+        raise AssertionError("unreachable")
+
+    def clear(self) -> None:
+        """Forget the cached shards (once applied)."""
+        for cached in ensure_dir(self.cache).iterdir():
+            cached.unlink(missing_ok=True)

@@ -1,0 +1,18 @@
+"""Unit-test fixtures: a coordinator app over httpx.ASGITransport."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+
+from tests.support.asgi import Coordinator, make_settings, open_coordinator
+
+
+@pytest.fixture
+async def coord(tmp_path: Path) -> AsyncIterator[Coordinator]:
+    app, http = await open_coordinator(make_settings(tmp_path))
+    async with http:
+        yield Coordinator(app, http)
+    app.state.db.close()
