@@ -1,11 +1,18 @@
-"""Apply benchmark (run by hand; asserts nothing): vLLM on CPU (reload mode) at Qwen3-0.6B shapes,
-``load_format="dummy"``, kept current by the in-process agent from the DESIGN section 7 update stream.
+"""Apply benchmark (run by hand; asserts nothing): the serving pause per update, side by side, on vLLM's CPU build
+at Qwen3-0.6B shapes (``load_format="dummy"``), kept current by the in-process agent from the DESIGN section 7
+update stream.
 
-Per version: fetch + decode + verify + stage time (outside the pause), the pause window (the serving gap),
-and, as the reference, the same engine's full reload of the weights measured in the same run (an anchor
-applied through the engine: every module reloaded and repacked). Ends with one JSON line.
+Two engines, one after the other:
 
-    python benchmarks/bench_apply.py [--steps 6] [--lr 1e-6]
+* **packed** (vLLM's default: linear weights repacked for oneDNN): ``reload`` mode; tokens/s.
+* **plain** (``DELTASYNC_VLLM_PLAIN_WEIGHTS=1``): ``patches`` (vLLM's ``load_checkpoint_weight_patches``),
+  ``inplace`` through the patch map at two learning rates (its cost should follow the changed elements, not
+  the model), the same engine's full reload (an anchor through ``reload`` mode); tokens/s.
+
+Per update: the pause (the agent's serving gap: the whole update session), the engine's own write time, and
+the work done before the pause (fetch, decode, stage, prepare). Ends with one JSON line.
+
+    python benchmarks/bench_apply.py [--steps 4] [--lr 1e-6 1e-5] [--tokens 64]
 """
 
 from __future__ import annotations
@@ -15,22 +22,113 @@ import json
 import os
 import statistics
 import tempfile
+import time
 from pathlib import Path
+from typing import Any
 
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+
+PROMPTS = ["The quick brown fox", "Guess the five letter word:", "crane slate audio raise", "In a hole in the ground"]
+
+
+def tokens_per_s(llm: Any, tokens: int) -> float:
+    from vllm import SamplingParams
+
+    params = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
+    llm.generate(PROMPTS[:1], SamplingParams(max_tokens=4, temperature=0.0), use_tqdm=False)  # warm-up
+    t0 = time.perf_counter()
+    outs = llm.generate(PROMPTS, params, use_tqdm=False)
+    return sum(len(o.outputs[0].token_ids) for o in outs) / (time.perf_counter() - t0)
+
+
+class Bench:
+    """One engine, its agent, and the stream publishing into one store and coordinator."""
+
+    def __init__(self, tmp: Path, llm: Any, label: str, client: Any, agent_client: Any, lease: Any, stream: Any):
+        from deltasync import LocalStore, write_anchor
+        from deltasync.agent import Agent
+        from deltasync.config import AgentConfig
+
+        self.llm, self.label, self.client, self.lease, self.stream = llm, label, client, lease, stream
+        self.store = LocalStore(tmp / f"store-{label}")
+        self.curr = stream.bf16()
+        self.snapshot = {k: v.clone() for k, v in self.curr.items()}
+        self.version = 0
+        self.base = write_anchor(self.store, self.curr, version=0, encoding="packed")
+        self._register(self.base)
+        self.agent = Agent.for_llm(
+            llm,
+            store=self.store,
+            coordinator=agent_client,
+            config=AgentConfig(agent_id=f"bench-{label}", staging_dir=str(tmp / f"staging-{label}")),
+        )
+        self.first = self.agent.sync()
+
+    def _register(self, manifest: Any) -> None:
+        from deltasync.schemas import VersionCreate
+
+        self.client.register_version(VersionCreate.for_manifest(manifest), lease=self.lease)
+
+    def mode(self, mode: str) -> None:
+        self.llm.init_weight_transfer_engine({"init_info": {"mode": mode}})
+
+    def updates(self, mode: str, lr: float, steps: int) -> list[dict[str, Any]]:
+        from deltasync import compute_delta, write_delta
+
+        self.mode(mode)
+        self.stream.lr = lr
+        rows = []
+        for _ in range(steps):
+            self.version += 1
+            self.curr = self.stream.step()
+            changes = compute_delta(self.snapshot, self.curr, update_prev=True)
+            self.base = write_delta(self.store, changes, state=self.curr, version=self.version, base=self.base)
+            self._register(self.base)
+            r = self.agent.sync()
+            last = self.llm.collective_rpc("deltasync_status")[0]["history"][-1]
+            t = r.timings
+            rows.append(
+                {
+                    "engine": self.label,
+                    "mode": mode,
+                    "lr": lr,
+                    "version": self.version,
+                    "changed_fraction": self.base.nnz / self.base.numel,
+                    "pause_ms": t["pause"] * 1e3,
+                    "engine_apply_ms": last.get("apply_s", 0) * 1e3 + last.get("finish_s", 0) * 1e3,
+                    "before_pause_ms": (t["fetch"] + t["decode"] + t["stage"] + t.get("prepare", 0)) * 1e3,
+                    "audit_ms": t.get("audit", 0) * 1e3,
+                    "prepared": bool(last.get("prepared")),
+                }
+            )
+            row = rows[-1]
+            print(
+                f"{self.label:>6} {mode:>8} lr={lr:<7g} v{self.version:<3d} {row['changed_fraction']:7.3%} "
+                f"pause {row['pause_ms']:8.1f} ms  engine {row['engine_apply_ms']:8.1f} ms  "
+                f"before {row['before_pause_ms']:7.0f} ms  audit {row['audit_ms']:6.0f} ms",
+                flush=True,
+            )
+        return rows
+
+    def full_reload(self) -> float:
+        from deltasync import write_anchor
+
+        self.mode("reload")
+        anchor = write_anchor(self.store, self.curr, version=self.version, encoding="packed")
+        self._register(anchor)
+        self.agent.needs_anchor = True
+        return float(self.agent.sync().timings["pause"] * 1e3)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=int, default=6)
-    parser.add_argument("--lr", type=float, default=1e-6)
+    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--lr", type=float, nargs="+", default=[1e-6, 1e-5])
+    parser.add_argument("--tokens", type=int, default=64)
     args = parser.parse_args()
 
-    from deltasync import LocalStore, compute_delta, write_anchor, write_delta
-    from deltasync.agent import Agent
     from deltasync.client import CoordinatorClient
-    from deltasync.config import AgentConfig
-    from deltasync.schemas import VersionCreate
+    from deltasync.vllm.plain import ENV
     from tests.support.credentials import PUBLISHER_TOKEN, TOKENS_ENV, agent_token
     from tests.support.launchers import CoordinatorProcess, offline_llm
     from tests.support.models import QWEN3_0_6B_CONFIG, qwen3_shapes, write_config_only_model
@@ -38,79 +136,50 @@ def main() -> None:
 
     tmp = Path(tempfile.mkdtemp(prefix="deltasync-bench-apply-"))
     model = write_config_only_model(tmp / "qwen3-0.6b")
-    llm = offline_llm(model, load_format="dummy")
-    store = LocalStore(tmp / "store")
-    stream = UpdateStream.from_shapes(qwen3_shapes(QWEN3_0_6B_CONFIG), lr=args.lr, seed=0)
-    curr = stream.bf16()
-    snapshot = {k: v.clone() for k, v in curr.items()}
-    with (
-        CoordinatorProcess(tmp / "ledger.db", env=TOKENS_ENV, log=tmp / "coordinator.log") as coordinator,
-        CoordinatorClient(coordinator.url, token=PUBLISHER_TOKEN) as client,
-        CoordinatorClient(coordinator.url, token=agent_token("bench")) as agent_client,
-    ):
-        lease = client.acquire_lease("bench_apply", ttl_s=3600)
-        base = write_anchor(store, curr, version=0, encoding="packed")
-        client.register_version(VersionCreate.for_manifest(base), lease=lease)
-        agent = Agent.for_llm(
-            llm,
-            store=store,
-            coordinator=agent_client,
-            config=AgentConfig(agent_id="bench", staging_dir=str(tmp / "staging")),
-        )
-        first = agent.sync()
+    rows: list[dict[str, Any]] = []
+    figures: dict[str, Any] = {"model_elements": None}
+    for label in ("packed", "plain"):  # one engine at a time (2 cores), each with its own run
+        os.environ[ENV] = "1" if label == "plain" else "0"
+        llm = offline_llm(model, load_format="dummy")
+        with (
+            CoordinatorProcess(tmp / f"ledger-{label}.db", env=TOKENS_ENV, log=tmp / f"coordinator-{label}.log") as c,
+            CoordinatorClient(c.url, token=PUBLISHER_TOKEN) as client,
+            CoordinatorClient(c.url, token=agent_token(f"bench-{label}")) as agent_client,
+        ):
+            lease = client.acquire_lease(f"bench-{label}", ttl_s=3600)
+            stream = UpdateStream.from_shapes(qwen3_shapes(QWEN3_0_6B_CONFIG), lr=args.lr[0], seed=0)
+            bench = Bench(tmp, llm, label, client, agent_client, lease, stream)
+            figures["model_elements"] = sum(t.numel() for t in bench.curr.values())
+            figures[f"{label}_tokens_per_s"] = tokens_per_s(llm, args.tokens)
+            print(f"{label}: {figures[f'{label}_tokens_per_s']:.1f} tokens/s (4 prompts x {args.tokens} tokens)")
+            if label == "packed":
+                rows += bench.updates("reload", args.lr[0], args.steps)
+            else:
+                rows += bench.updates("patches", args.lr[0], args.steps)
+                for lr in args.lr:
+                    rows += bench.updates("inplace", lr, args.steps)
+                figures["map"] = llm.collective_rpc("deltasync_status")[0].get("map")
+                figures["full_reload_pause_ms"] = bench.full_reload()
+        llm.llm_engine.engine_core.shutdown()
+    summary: dict[str, Any] = {}
+    for label, mode, lr in sorted({(r["engine"], r["mode"], r["lr"]) for r in rows}):
+        group = [r for r in rows if (r["engine"], r["mode"], r["lr"]) == (label, mode, lr)]
+        sel = group[1:] or group  # the first update of a mode pays one-time costs (the map): report it in rows
+        summary[f"{label}/{mode}/lr={lr:g}"] = {
+            "pause_median_ms": statistics.median(r["pause_ms"] for r in sel),
+            "engine_median_ms": statistics.median(r["engine_apply_ms"] for r in sel),
+            "changed_fraction_median": statistics.median(r["changed_fraction"] for r in sel),
+        }
+    figures.update(summary=summary, rows=rows, lr=args.lr)
+    print()
+    for key, s in summary.items():
         print(
-            f"v0 anchor through the engine (full reload): pause {first.timings['pause'] * 1e3:.0f} ms, "
-            f"fetch+decode {(first.timings['fetch'] + first.timings['decode']) * 1e3:.0f} ms\n"
+            f"{key:<28} pause median {s['pause_median_ms']:8.1f} ms  engine {s['engine_median_ms']:8.1f} ms  "
+            f"changed {s['changed_fraction_median']:.3%}"
         )
-        print(
-            f"{'ver':>4} {'changed':>8} {'MB':>7} {'fetch ms':>9} {'decode ms':>10} {'stage ms':>9} "
-            f"{'pause ms':>9} {'apply ms':>9}"
-        )
-        rows = []
-        for v in range(1, args.steps + 1):
-            curr = stream.step()
-            base = write_delta(store, compute_delta(snapshot, curr, update_prev=True), state=curr, version=v, base=base)
-            client.register_version(VersionCreate.for_manifest(base), lease=lease)
-            r = agent.sync()
-            t = r.timings
-            rows.append(
-                {
-                    "version": v,
-                    "changed_fraction": base.nnz / base.numel,
-                    "bytes": base.total_bytes,
-                    **{f"{k}_ms": s * 1e3 for k, s in t.items()},
-                }
-            )
-            print(
-                f"{v:4d} {base.nnz / base.numel:8.3%} {base.total_bytes / 1e6:7.2f} {t['fetch'] * 1e3:9.0f} "
-                f"{t['decode'] * 1e3:10.0f} {t['stage'] * 1e3:9.0f} {t['pause'] * 1e3:9.0f} {t['apply'] * 1e3:9.0f}",
-                flush=True,
-            )
-        # the reference, in the same run: the same engine reloads every weight (an anchor of the latest version)
-        anchor = write_anchor(store, curr, version=args.steps, encoding="packed")
-        client.register_version(VersionCreate.for_manifest(anchor), lease=lease)
-        agent.needs_anchor = True
-        full = agent.sync()
-        status = llm.collective_rpc("deltasync_status")[0]
-    llm.llm_engine.engine_core.shutdown()
-    report = [r for r in rows if r["version"] >= 2] or rows
-    pause = statistics.median(r["pause_ms"] for r in report)
-    outside = statistics.median(r["fetch_ms"] + r["decode_ms"] + r["stage_ms"] for r in report)
-    figures = {
-        "model_elements": sum(t.numel() for t in curr.values()),
-        "lr": args.lr,
-        "versions": [r["version"] for r in report],
-        "pause_median_ms": pause,
-        "outside_pause_median_ms": outside,
-        "full_reload_pause_ms": full.timings["pause"] * 1e3,
-        "pause_over_full_reload": pause / (full.timings["pause"] * 1e3),
-        "engine_last_update": status["history"][-1],
-        "rows": rows,
-    }
-    print(
-        f"\nmedian pause {pause:.0f} ms vs full reload {full.timings['pause'] * 1e3:.0f} ms in the same engine: "
-        f"{figures['pause_over_full_reload']:.2f}x; fetch+decode+stage outside the pause {outside:.0f} ms"
-    )
+    print(f"full reload (plain engine, every module): {figures.get('full_reload_pause_ms', float('nan')):.0f} ms")
+    if "packed_tokens_per_s" in figures and "plain_tokens_per_s" in figures:
+        print(f"tokens/s plain / packed: {figures['plain_tokens_per_s'] / figures['packed_tokens_per_s']:.2f}")
     print(json.dumps(figures))
 
 

@@ -161,6 +161,11 @@ def add_agent_parser(sub: Any) -> None:
     agent.add_argument("--pause-mode", choices=["keep", "wait", "abort"], help="vLLM /pause mode (default keep)")
     agent.add_argument("--tp-size", type=int, help="the server's tensor-parallel size (default 1)")
     agent.add_argument(
+        "--apply-mode",
+        choices=["auto", "inplace", "patches", "reload"],
+        help="how the engine applies updates (default auto: inplace where parameters are plain, else reload)",
+    )
+    agent.add_argument(
         "--allow-rollback",
         action="store_true",
         default=None,

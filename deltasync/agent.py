@@ -50,7 +50,7 @@ from .errors import (
 from .layout import object_prefix
 from .reader import Trust, decode_object, read_weights
 from .signing import VerifyKey
-from .staging import StagedObject, StagedUpdate, stage_object
+from .staging import StagedObject, StagedUpdate, in_memory, stage_object
 from .store.base import Store
 from .targets.base import EngineState, EngineTarget
 from .targets.vllm import OfflineLLMTarget
@@ -163,7 +163,11 @@ class Agent:
         """
         self.target.recover()
         # TP > 1: the engine records failures instead of raising them (vLLM #49972); staged files only from here
-        self.target.init(raise_errors=False if self.config.tp_size > 1 else None, staging_root=str(self.staging))
+        self.target.init(
+            raise_errors=False if self.config.tp_size > 1 else None,
+            staging_root=str(self.staging),
+            mode=self.config.apply_mode,
+        )
         st = self.target.state()
         if self.config.assume_version is not None and st.version is None and st.healthy:
             self.target.init(base_version=self.config.assume_version)
@@ -422,12 +426,15 @@ class Agent:
                 apply.verify(host, m, names=None if m.kind == "anchor" else {d.ckpt_name for d in deltas})
                 host_version = m.version
                 ts = time.perf_counter()
-                # a fresh directory of our own (unpredictable name): nothing planted can redirect these writes
-                name = f"v{m.version:08d}" + ("-anchor-" if m.kind == "anchor" else "-")
-                directory = Path(tempfile.mkdtemp(prefix=name, dir=ensure_dir(self.staging)))
-                directory.chmod(0o755)  # the engine may run as another user
-                objects.append(stage_object(directory, m, data, deltas))
-                dirs.append(directory)
+                if getattr(self.target, "in_process", False):  # an engine in this process takes the objects
+                    objects.append(in_memory(m, deltas))
+                else:
+                    # a fresh directory of our own (unpredictable name): nothing planted can redirect these writes
+                    name = f"v{m.version:08d}" + ("-anchor-" if m.kind == "anchor" else "-")
+                    directory = Path(tempfile.mkdtemp(prefix=name, dir=ensure_dir(self.staging)))
+                    directory.chmod(0o755)  # the engine may run as another user
+                    objects.append(stage_object(directory, m, data, deltas))
+                    dirs.append(directory)
                 stage_s += time.perf_counter() - ts
         except BaseException:
             self.host, self.host_version = None, None  # partly updated: rebuild on the next sync
@@ -437,8 +444,14 @@ class Agent:
         return StagedUpdate(objects=tuple(objects), allow_rollback=self.config.allow_rollback), dirs
 
     def _apply(self, update: StagedUpdate, timings: dict[str, float]) -> None:
-        """Pause, apply, resume. On a refusal the engine resumes with its old weights and label; on a failure
-        past the first write it stays paused (the target labels it ``unhealthy``)."""
+        """Prepare (engines that read and plan before the pause), pause, apply, resume, audit (engines that read
+        their live parameters back). On a refusal the engine resumes with its old weights and label; on a
+        failure past the first write it stays paused (the target labels it ``unhealthy``)."""
+        prepare = getattr(self.target, "prepare", None)
+        if prepare is not None:
+            tp = time.perf_counter()
+            prepare(update)
+            timings["prepare"] = time.perf_counter() - tp
         t0 = time.perf_counter()
         self.target.pause()
         t1 = time.perf_counter()
@@ -469,6 +482,17 @@ class Agent:
                 f"after applying v{update.target_version} the engine holds v{st.version} and serves {st.label!r} "
                 f"({st.detail})"
             )
+        audit = getattr(self.target, "audit", None)
+        if audit is not None:
+            ta = time.perf_counter()
+            try:
+                audit()
+            except ApplyError:
+                self.needs_anchor = True
+                self.host, self.host_version = None, None
+                self.target.pause()  # never serve weights that fail their checksums
+                raise
+            timings["audit"] = time.perf_counter() - ta
 
     def _restore_from_anchor(self, before: int | None, timings: dict[str, float]) -> SyncResult:
         """After a failure past the first write (TP = 1): the anchor route at once; the engine stays paused

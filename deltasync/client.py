@@ -39,6 +39,10 @@ __all__ = ["AgentStatus", "CoordinatorClient", "GcReport", "Lease", "PublishedVe
 
 logger = logging.getLogger(__name__)
 
+# Retry jitter from a private generator: never perturbs (or depends on) the process-wide `random` state.
+_JITTER = random.Random()
+
+
 _M = TypeVar("_M", bound=BaseModel)
 _RETRY_STATUS = frozenset({500, 502, 503, 504})
 _MAX_RETRY_AFTER_S = 30.0
@@ -285,7 +289,7 @@ class CoordinatorClient:
                         url=f"{self.base_url}{path}",
                     ) from exc
                 reason = type(exc).__name__
-            delay = min(self.backoff_s * 2**attempt, 10.0) * (0.5 + random.random() / 2)
+            delay = min(self.backoff_s * 2**attempt, 10.0) * (0.5 + _JITTER.random() / 2)
             if retry_after is not None:
                 delay = max(delay, retry_after)
             logger.warning(

@@ -42,6 +42,9 @@ class AgentConfig:
     """Ed25519 public key file (PEM): every manifest must be signed by the publisher's key."""
     integrity_fallback_after: int = 3
     """Take the anchor route after this many consecutive integrity failures rebuilding the host copy."""
+    apply_mode: Literal["auto", "inplace", "patches", "reload"] | None = None
+    """How a vLLM engine applies updates (``None``: the engine's own ``auto``: ``inplace`` where parameters
+    are plain, else ``reload``); see :mod:`deltasync.vllm.engine`."""
 
     def __post_init__(self) -> None:
         if self.poll_wait_s < 0:
@@ -56,6 +59,8 @@ class AgentConfig:
             raise ValueError(f"assume_version must be in [0, {MAX_VERSION}] or None, got {self.assume_version}")
         if self.pause_mode not in ("keep", "wait", "abort"):
             raise ValueError(f"pause_mode must be keep, wait or abort, got {self.pause_mode!r}")
+        if self.apply_mode not in (None, "auto", "inplace", "patches", "reload"):
+            raise ValueError(f"apply_mode must be auto, inplace, patches or reload, got {self.apply_mode!r}")
         if self.tp_size < 1:
             raise ValueError(f"tp_size must be >= 1, got {self.tp_size}")
         if self.integrity_fallback_after < 1:

@@ -330,6 +330,7 @@ def decode_shard(
     *,
     name: str,
     base: Mapping[str, torch.Tensor] | None = None,
+    parsed: tuple[ShardHeader, SafetensorsFile] | None = None,
 ) -> tuple[ShardHeader, dict[str, TensorDelta]]:
     """Validate and decode a whole shard; nothing is returned unless everything is valid.
 
@@ -339,6 +340,8 @@ def decode_shard(
         name: the file's name for error messages.
         base: full tensors of the base version, by checkpoint name; needed for ``packed``
             entries coded as ``ordinal-delta`` (only the values at the changed indices are read).
+        parsed: what :func:`~deltasync._shard_header.parse_shard` returned for ``buf`` (callers that checked the
+            header first pass it, so it is parsed once).
 
     Returns:
         The header and one :class:`TensorDelta` per tensor, holding new absolute values.
@@ -352,7 +355,7 @@ def decode_shard(
             claims (bounded by the container: a zstd frame stands for at most ``MAX_ZSTD_RATIO`` times its
             bytes); callers that know the model check the header against it first (:mod:`deltasync.reader` does).
     """
-    header, st = parse_shard(buf, name)
+    header, st = parsed if parsed is not None else parse_shard(buf, name)
     needs_base = [t for t, i in header.tensors.items() if i.value_coding == "ordinal-delta"]
     if needs_base and base is None:
         raise ValueError(

@@ -20,6 +20,8 @@ from dataclasses import dataclass
 import torch
 
 from . import apply
+from ._safetensors import SafetensorsFile
+from ._shard_header import ShardHeader
 from ._shard_header import parse_shard as _parse_shard
 from .errors import FormatError, IntegrityError, ObjectNotFound, StoreError
 from .format import TensorDelta, decode_shard
@@ -185,9 +187,13 @@ def prove_object(store: Store, manifest: DeltaManifest) -> None:
             raise IntegrityError(f"{store.uri}/{key}: sha256 is {h.hexdigest()}, the manifest says {entry.sha256}")
 
 
-def _check_header_against_manifest(manifest: DeltaManifest, index: int, data: bytes, name: str) -> None:
-    """A shard's header (read without its payload) must describe what the manifest says this shard holds."""
-    header, _ = _parse_shard(data, name)
+def _check_header_against_manifest(
+    manifest: DeltaManifest, index: int, data: bytearray, name: str
+) -> tuple[ShardHeader, SafetensorsFile]:
+    """A shard's header (read without its payload) must describe what the manifest says this shard holds;
+    returns the parsed shard for the decoder."""
+    parsed = _parse_shard(data, name)
+    header = parsed[0]
     want = (manifest.kind, manifest.encoding, manifest.base_version, manifest.version)
     got = (header.kind, header.encoding, header.base_version, header.target_version)
     if got != want:
@@ -199,6 +205,7 @@ def _check_header_against_manifest(manifest: DeltaManifest, index: int, data: by
                 f"{name}: tensor {t!r} ({info.dtype} {list(info.shape)}, nnz {info.nnz}) does not "
                 f"match the manifest's entry {e}"
             )
+    return parsed
 
 
 def decode_object(
@@ -228,8 +235,9 @@ def decode_object(
     for i, (entry, data) in enumerate(zip(manifest.shards, shards, strict=True)):
         name = f"{where}{entry.file}"
         check_shard(data, entry, name=name)
-        _check_header_against_manifest(manifest, i, data, name)
-        _, deltas = decode_shard(bytearray(data), name=name, base=base)
+        buf = bytearray(data)
+        parsed = _check_header_against_manifest(manifest, i, buf, name)
+        _, deltas = decode_shard(buf, name=name, base=base, parsed=parsed)
         out.extend(deltas.values())
     apply.check_decoded(manifest, out, where=where)
     return out

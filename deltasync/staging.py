@@ -153,6 +153,20 @@ class StagedUpdate:
         return cls(objects=tuple(StagedObject.from_update_info(o) for o in objects), allow_rollback=allow)
 
 
+def in_memory(manifest: DeltaManifest, deltas: Sequence[TensorDelta]) -> StagedObject:
+    """A verified object handed to an in-process engine as Python objects: no files are written or read (the
+    engine still admits it, and checks its checksums after writing)."""
+    return StagedObject(
+        kind=manifest.kind,
+        version=manifest.version,
+        base_version=manifest.base_version,
+        manifest_path=f"<in memory: v{manifest.version} {manifest.kind}>",
+        shard_paths=(),
+        manifest=manifest,
+        deltas=tuple(deltas),
+    )
+
+
 def stage_object(
     directory: str | os.PathLike[str],
     manifest: DeltaManifest,

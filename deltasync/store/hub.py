@@ -25,6 +25,10 @@ __all__ = ["HubBucketStore", "parse_hub_uri"]
 
 logger = logging.getLogger(__name__)
 
+# Retry jitter from a private generator: never perturbs (or depends on) the process-wide `random` state.
+_JITTER = random.Random()
+
+
 _T = TypeVar("_T")
 _RETRY_STATUS = frozenset({408, 429, 500, 502, 503, 504})
 SCHEME = "hf://buckets/"
@@ -163,7 +167,7 @@ class HubBucketStore:
         retry_after = getattr(response, "headers", {}).get("Retry-After") if response is not None else None
         if retry_after and str(retry_after).isdigit():
             return float(retry_after)
-        delay: float = min(self.backoff_s * 2**attempt, 60.0) * (0.5 + random.random() / 2)
+        delay: float = min(self.backoff_s * 2**attempt, 60.0) * (0.5 + _JITTER.random() / 2)
         return delay
 
     def _ensure_bucket(self) -> None:

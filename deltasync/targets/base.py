@@ -71,10 +71,15 @@ class EngineTarget(Protocol):
         ...
 
     def init(
-        self, *, base_version: int | None = None, raise_errors: bool | None = None, staging_root: str | None = None
+        self,
+        *,
+        base_version: int | None = None,
+        raise_errors: bool | None = None,
+        staging_root: str | None = None,
+        mode: str | None = None,
     ) -> None:
         """Tell the engine which version its weights are (``assume_version``, ignored once it knows one), how to
-        report failures, and the only directory it may read staged files from."""
+        report failures, the only directory it may read staged files from, and (vLLM) its apply ``mode``."""
         ...
 
     def pause(self) -> None:

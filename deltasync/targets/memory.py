@@ -31,12 +31,18 @@ class InMemoryTarget:
     Args:
         spec: the model it serves (name -> dtype, shape); ``None``: the first anchor defines it.
         model_id: the model id it serves, if any.
+        staged_files: take updates as staged files (re-read and re-checked), as a vLLM engine does.
 
     Thread safety: :meth:`apply` holds a lock; readers that must not see a half-applied delta take
     :attr:`lock` too (or copy :attr:`weights` under it).
     """
 
-    def __init__(self, *, spec: ModelSpec | None = None, model_id: str | None = None) -> None:
+    def __init__(
+        self, *, spec: ModelSpec | None = None, model_id: str | None = None, staged_files: bool = False
+    ) -> None:
+        self.in_process = not staged_files
+        """It runs in the agent's process: the agent hands it verified objects as Python objects, unless
+        ``staged_files`` asks for staged files as a vLLM engine gets them (to exercise that path)."""
         self.weights: dict[str, torch.Tensor] | None = None
         self.holding = apply.Holding(spec=spec, model_id=model_id)
         self.label: str | None = None
@@ -75,10 +81,16 @@ class InMemoryTarget:
             self.label = str(self.holding.version)
 
     def init(
-        self, *, base_version: int | None = None, raise_errors: bool | None = None, staging_root: str | None = None
+        self,
+        *,
+        base_version: int | None = None,
+        raise_errors: bool | None = None,
+        staging_root: str | None = None,
+        mode: str | None = None,
     ) -> None:
         """As the vLLM engine: ``base_version`` only names weights of an unknown version (it never relabels a
-        version the engine knows); ``staging_root`` limits where staged files may come from."""
+        version the engine knows); ``staging_root`` limits where staged files may come from; ``mode`` is a vLLM
+        engine's (host memory has one way to apply)."""
         if raise_errors is not None:
             self._raise_errors = raise_errors
         if staging_root is not None:

@@ -9,6 +9,7 @@ failures are read from it as structured outcomes, never from error text.
 
 from __future__ import annotations
 
+import json
 import logging
 from typing import Any, Literal
 
@@ -37,6 +38,31 @@ class _VllmTarget:
 
     def _set_label(self, label: str) -> None:
         raise NotImplementedError
+
+    def _rpc(self, method: str, **kwargs: Any) -> list[dict[str, Any]]:
+        """A worker-extension RPC on every rank; each rank's answer."""
+        raise NotImplementedError
+
+    def prepare(self, update: StagedUpdate) -> None:
+        """Before the pause: every rank reads, validates and plans the update (``inplace`` mode writes nothing
+        but the planned scatters inside the session). A refusal found here is found again by :meth:`apply`."""
+        try:
+            self._rpc("deltasync_prepare", update_info=json.dumps(update.to_update_info()))
+        except Exception as exc:  # noqa: BLE001 - an optimization: apply() does the work if prepare could not
+            logger.warning("could not prepare the update before the pause: %s", exc)
+
+    def audit(self) -> None:
+        """After the pause: every rank compares the checksums of the tensors it holds whole, read back from its
+        live parameters, with the manifest.
+
+        Raises:
+            ApplyError: a rank's parameters differ (the engine is unhealthy and unlabelled).
+        """
+        ranks = self._rpc("deltasync_audit")
+        bad = [r for r in ranks if not r.get("ok", False)]
+        if bad:
+            self._invalidate()
+            raise ApplyError(f"the read-back audit failed: {bad[0]}")
 
     def _call(self, method: str, body: dict[str, Any] | None = None) -> None:
         """One lifecycle call: ``init_weight_transfer_engine``, ``start_weight_update``, ``update_weights``,
@@ -78,7 +104,12 @@ class _VllmTarget:
             self._set_label(str(st.version))
 
     def init(
-        self, *, base_version: int | None = None, raise_errors: bool | None = None, staging_root: str | None = None
+        self,
+        *,
+        base_version: int | None = None,
+        raise_errors: bool | None = None,
+        staging_root: str | None = None,
+        mode: str | None = None,
     ) -> None:
         info: dict[str, Any] = {}
         if base_version is not None:
@@ -87,6 +118,8 @@ class _VllmTarget:
             info["raise_errors"] = raise_errors
         if staging_root is not None:
             info["staging_root"] = staging_root
+        if mode is not None:
+            info["mode"] = mode
         self._call("init_weight_transfer_engine", {"init_info": info})
         st = self.state()
         if base_version is not None and st.version == base_version:
@@ -163,6 +196,10 @@ class OfflineLLMTarget(_VllmTarget):
             ) from exc
         return ranks
 
+    def _rpc(self, method: str, **kwargs: Any) -> list[dict[str, Any]]:
+        ranks: list[dict[str, Any]] = self.llm.collective_rpc(method, kwargs=kwargs)
+        return ranks
+
     def _label(self) -> str | None:
         return str(self.llm.get_weight_version())
 
@@ -218,6 +255,11 @@ class HttpVllmTarget(_VllmTarget):
                 f"POST {self.url}/collective_rpc deltasync_status: {response.status_code} {response.text[:300]}; "
                 f"start the server with --worker-extension-cls {WORKER_EXTENSION}"
             )
+        ranks: list[dict[str, Any]] = response.json().get("results", [])
+        return ranks
+
+    def _rpc(self, method: str, **kwargs: Any) -> list[dict[str, Any]]:
+        response = self._post("/collective_rpc", json={"method": method, "kwargs": kwargs})
         ranks: list[dict[str, Any]] = response.json().get("results", [])
         return ranks
 

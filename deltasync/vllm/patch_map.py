@@ -1,0 +1,363 @@
+"""Where each checkpoint element lives in a running vLLM model, learned by watching the model's own loader.
+
+vLLM's ``load_weights`` maps a checkpoint tensor onto live parameters: renames (``q_proj`` into ``qkv_proj``),
+fused offsets (q, k, v rows; gate and up rows; biases), TP slices, vocabulary padding, tied ``lm_head``.
+Instead of re-implementing that per architecture, :func:`build_map` feeds the loader *probe* tensors whose
+values are their own flat indices (1-based, integers) into parameters temporarily swapped for zeroed integer
+tensors, and reads back which parameter element received which checkpoint element. The result, per checkpoint
+tensor, is a few runs ``(parameter, checkpoint start, parameter start, length)``; an update is then one
+vectorized scatter per live parameter (``index_put_``), with no loader call and no Python loop over elements.
+
+A tensor the loader cannot take as a probe (a quantized or repacked parameter, a loader that does arithmetic
+on the values, one element written twice) is left out of the map; the engine reloads its modules instead and
+says so in its status.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import re
+import time
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+import torch
+
+__all__ = ["Blocks", "PatchMap", "Runs", "Scatter", "build_map"]
+
+logger = logging.getLogger("vllm.deltasync.patch_map")
+
+_LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+
+
+@dataclasses.dataclass(frozen=True)
+class Runs:
+    """Where one checkpoint tensor's elements sit in one live parameter: runs of consecutive elements."""
+
+    param: str
+    """The live parameter's qualified name in the vLLM model."""
+    ckpt_start: torch.Tensor
+    """int64, sorted: first checkpoint flat index of each run."""
+    param_start: torch.Tensor
+    """int64: first flat index in the parameter of each run."""
+    length: torch.Tensor
+    """int64: elements in each run."""
+
+    @property
+    def numel(self) -> int:
+        return int(self.length.sum())
+
+    def locate(self, indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """For sorted checkpoint flat ``indices``: which of them this parameter holds (a bool mask) and where
+        (flat parameter indices of the held ones). Vectorized: one ``searchsorted``."""
+        run = torch.searchsorted(self.ckpt_start, indices, right=True) - 1
+        safe = run.clamp(min=0)
+        offset = indices - self.ckpt_start[safe]
+        held = (run >= 0) & (offset < self.length[safe])
+        return held, self.param_start[safe[held]] + offset[held]
+
+    def positions(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every (checkpoint index, parameter index) pair of these runs, in checkpoint order."""
+        total = self.numel
+        if total == 0:
+            empty = torch.empty(0, dtype=torch.int64)
+            return empty, empty
+        starts = torch.repeat_interleave(self.ckpt_start - self.param_start, self.length)
+        within = torch.arange(total, dtype=torch.int64) - torch.repeat_interleave(
+            torch.cumsum(self.length, 0) - self.length, self.length
+        )
+        param_index = torch.repeat_interleave(self.param_start, self.length) + within
+        return param_index + starts, param_index
+
+
+@dataclasses.dataclass
+class Scatter:
+    """One parameter's share of a sparse update: flat indices and the values that go there (on its device)."""
+
+    param: str
+    index: torch.Tensor
+    values: torch.Tensor
+
+
+@dataclasses.dataclass
+class Blocks:
+    """One dense entry's share in one parameter: contiguous copies ``param[dst:dst+n] = values[src:src+n]``."""
+
+    param: str
+    dst: list[int]
+    src: list[int]
+    length: list[int]
+    values: torch.Tensor
+
+
+class PatchMap:
+    """Checkpoint name -> the runs of live parameters holding its elements (on this rank)."""
+
+    def __init__(
+        self,
+        runs: dict[str, list[Runs]],
+        unmapped: dict[str, str],
+        params: Mapping[str, torch.nn.Parameter],
+        build_s: float,
+    ) -> None:
+        self.runs, self.unmapped, self.build_s = runs, unmapped, build_s
+        self._params = dict(params)
+        self._shapes = {n: (tuple(p.shape), p.dtype) for n, p in self._params.items()}
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.runs
+
+    def param(self, name: str) -> torch.nn.Parameter:
+        """A live parameter, checked to be the one the map was built for (vLLM never re-allocates them after
+        loading; a mismatch means the map is stale and nothing is written)."""
+        p = self._params[name]
+        if (tuple(p.shape), p.dtype) != self._shapes[name]:
+            raise RuntimeError(f"parameter {name} changed shape or dtype since the patch map was built")
+        return p
+
+    def plan(self, deltas: Iterable[Any]) -> list[Scatter | Blocks]:
+        """The writes of an update, values cast and moved to each parameter's device: one scatter per live
+        parameter for the sparse entries, contiguous block copies for the dense ones (anchors). Runs before the
+        pause (nothing is read during it). Raises KeyError for a tensor the map does not hold."""
+        parts: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+        out: list[Scatter | Blocks] = []
+        for d in deltas:
+            runs = self.runs[d.ckpt_name]
+            if d.indices is not None:
+                for r in runs:
+                    held, where = r.locate(d.indices)
+                    if where.numel():
+                        parts.setdefault(r.param, []).append((where, d.values[held]))
+                continue
+            start, stop = d.span if d.span is not None else (0, d.values.numel())
+            flat = d.values.reshape(-1)
+            for r in runs:
+                p = self.param(r.param)
+                lo = torch.clamp(r.ckpt_start, min=start)
+                hi = torch.clamp(r.ckpt_start + r.length, max=stop)
+                keep = hi > lo
+                if bool(keep.any()):
+                    dst = (r.param_start + (lo - r.ckpt_start))[keep].tolist()
+                    out.append(
+                        Blocks(
+                            r.param,
+                            dst,
+                            (lo[keep] - start).tolist(),
+                            (hi - lo)[keep].tolist(),
+                            flat.to(device=p.device, dtype=p.dtype),
+                        )
+                    )
+        for name, pieces in parts.items():
+            p = self.param(name)
+            index = torch.cat([w for w, _ in pieces]) if len(pieces) > 1 else pieces[0][0]
+            values = torch.cat([v for _, v in pieces]) if len(pieces) > 1 else pieces[0][1]
+            out.append(Scatter(name, index.to(p.device), values.to(device=p.device, dtype=p.dtype)))
+        return out
+
+    def write(self, ops: Iterable[Scatter | Blocks]) -> int:
+        """Write into the live parameters; returns the elements written."""
+        n = 0
+        with torch.no_grad():
+            for op in ops:
+                flat = self.param(op.param).data.view(-1)
+                if isinstance(op, Scatter):
+                    flat.index_put_((op.index,), op.values)
+                    n += op.index.numel()
+                else:
+                    for dst, src, length in zip(op.dst, op.src, op.length, strict=True):
+                        flat[dst : dst + length] = op.values[src : src + length]
+                        n += length
+        return n
+
+    def check_written(self, ops: Iterable[Scatter | Blocks]) -> list[str]:
+        """Read the written elements back from the live parameters: the parameters whose bits differ."""
+        bad = []
+        with torch.no_grad():
+            for op in ops:
+                flat = self.param(op.param).data.view(-1)
+                if isinstance(op, Scatter):
+                    ok = torch.equal(_bits(flat[op.index]), _bits(op.values))
+                else:
+                    ok = all(
+                        torch.equal(_bits(flat[d : d + n]), _bits(op.values[s : s + n]))
+                        for d, s, n in zip(op.dst, op.src, op.length, strict=True)
+                    )
+                if not ok:
+                    bad.append(op.param)
+        return bad
+
+    def read(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's elements of checkpoint tensor ``name``, read back from the live parameters: (checkpoint
+        flat indices, values), in checkpoint order."""
+        ck_all, vals_all = [], []
+        for r in self.runs[name]:
+            ck, pi = r.positions()
+            ck_all.append(ck)
+            vals_all.append(self.param(r.param).data.view(-1)[pi.to(self.param(r.param).device)].cpu().to(dtype))
+        ck = torch.cat(ck_all)
+        order = torch.argsort(ck)
+        return ck[order], torch.cat(vals_all)[order]
+
+    def summary(self) -> dict[str, Any]:
+        return {
+            "mapped": len(self.runs),
+            "unmapped": dict(sorted(self.unmapped.items())[:8]),
+            "unmapped_count": len(self.unmapped),
+            "runs": sum(len(rs) for rs in self.runs.values()),
+            "build_s": round(self.build_s, 3),
+        }
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
+
+
+def _group(name: str) -> str:
+    m = _LAYER.search(name)
+    return f"layers.{m.group(1)}" if m else ""
+
+
+def _runs(param: str, flat: torch.Tensor, numel: int) -> Runs | None:
+    """The runs of one probed parameter (values: 1-based checkpoint index, 0: not written); ``None`` when a
+    checkpoint element landed twice (not a plain copy)."""
+    pos = torch.nonzero(flat > 0).squeeze(1)
+    if pos.numel() == 0:
+        return None
+    ck = flat[pos].to(torch.int64) - 1
+    if int(ck.max()) >= numel:
+        raise ValueError(f"{param}: holds values that are no element index (the loader transforms them)")
+    order = torch.argsort(ck, stable=True)
+    ck, pos = ck[order], pos[order]
+    if ck.numel() > 1 and bool((ck[1:] == ck[:-1]).any()):
+        raise ValueError(f"{param}: an element is written twice")
+    brk = torch.ones(ck.numel(), dtype=torch.bool)
+    if ck.numel() > 1:
+        brk[1:] = ((ck[1:] - ck[:-1]) != 1) | ((pos[1:] - pos[:-1]) != 1)
+    starts = torch.nonzero(brk).squeeze(1)
+    lengths = torch.diff(torch.cat([starts, torch.tensor([ck.numel()])]))
+    return Runs(param, ck[starts].contiguous(), pos[starts].contiguous(), lengths.contiguous())
+
+
+def _verify_group(
+    params: Mapping[str, torch.nn.Parameter],
+    originals: Mapping[str, torch.Tensor],
+    group_runs: Mapping[str, list[Runs]],
+    spec: Mapping[str, tuple[str, tuple[int, ...]]],
+    load: Callable[[Iterable[tuple[str, torch.Tensor]]], Any],
+    unmapped: dict[str, str],
+    runs: dict[str, list[Runs]],
+) -> None:
+    """Load random real values through the loader and check they land where the map says, bit for bit (a
+    loader that scales or offsets values would map integer probes to wrong places); mismatching tensors leave
+    the map."""
+    if not group_runs:
+        return
+    from ..vocab import DTYPES
+
+    gen = torch.Generator().manual_seed(20260)
+    values = {n: torch.randn(spec[n][1], generator=gen).to(DTYPES[spec[n][0]]) for n in group_runs}
+    for q, data in originals.items():
+        params[q].data = torch.zeros_like(data)
+    try:
+        load(list(values.items()))
+    except Exception as exc:  # noqa: BLE001 - the probes loaded one by one; together they do not: map nothing
+        for n in group_runs:
+            unmapped[n] = f"the loader refused real values together ({type(exc).__name__}: {exc})"[:200]
+            runs.pop(n, None)
+        return
+    for n, rs in group_runs.items():
+        src = values[n].reshape(-1)
+        for r in rs:
+            flat = params[r.param].data.view(-1)
+            ck, pi = r.positions()
+            if not torch.equal(_bits(flat[pi.to(flat.device)].cpu()), _bits(src[ck])):
+                unmapped[n] = f"real values do not land where the probes did in {r.param} (the loader transforms them)"
+                runs.pop(n, None)
+                break
+
+
+def build_map(
+    model: torch.nn.Module,
+    spec: Mapping[str, tuple[str, tuple[int, ...]]],
+    load: Callable[[Iterable[tuple[str, torch.Tensor]]], Any],
+    untrusted: Callable[[str], str | None] = lambda param: None,
+) -> PatchMap:
+    """Learn the map of ``model`` for the checkpoint ``spec`` by watching ``load`` (the model's
+    ``load_weights``) write probe tensors. The live parameters are swapped for zeroed integer tensors one
+    layer at a time and restored afterwards, bit for bit; peak extra memory: one layer's parameters in int32
+    (int64 for tensors of 2^31 elements or more) plus one probe.
+
+    The loader shows where values land, not what the model does with them afterwards: a parameter that
+    post-load processing repacks (quantization, a CPU kernel's layout) holds another layout than the one
+    written. ``untrusted(param)`` names why a parameter cannot be patched (``None``: it can); tensors landing
+    in one are left out of the map.
+    """
+    t0 = time.perf_counter()
+    params = dict(model.named_parameters(remove_duplicate=False))
+    by_group: dict[str, list[str]] = {}
+    for name in spec:
+        by_group.setdefault(_group(name), []).append(name)
+    param_groups: dict[str, list[str]] = {}
+    seen: set[int] = set()
+    for qn, p in params.items():
+        if id(p) in seen or not p.is_floating_point() or p.numel() == 0:
+            continue  # a tied parameter is probed once, under its first name
+        seen.add(id(p))
+        param_groups.setdefault(_group(qn), []).append(qn)
+    runs: dict[str, list[Runs]] = {}
+    unmapped: dict[str, str] = {}
+    for group, names in sorted(by_group.items()):
+        probed = param_groups.get(group, [])
+        if group == "" or not probed:  # outside the layers, names can go anywhere outside them
+            probed = [q for g, qs in param_groups.items() if g == "" or g not in by_group for q in qs]
+        originals = {q: params[q].data for q in probed}
+        grads = {q: params[q].requires_grad for q in probed}
+        wide = max((params[q].numel() for q in probed), default=0) >= 2**31 - 1
+        itype = torch.int64 if wide else torch.int32
+        try:
+            for q in probed:
+                params[q].requires_grad_(False)  # an integer tensor cannot require gradients
+                params[q].data = torch.zeros(originals[q].shape, dtype=itype, device="cpu")
+            for name in names:
+                dtype, shape = spec[name]
+                numel = 1
+                for s in shape:
+                    numel *= s
+                probe = torch.arange(1, numel + 1, dtype=torch.int64 if numel >= 2**31 - 1 else itype).reshape(shape)
+                try:
+                    load([(name, probe)])
+                except Exception as exc:  # noqa: BLE001 - this tensor cannot be probed: it is reloaded instead
+                    unmapped[name] = f"{type(exc).__name__}: {exc}"[:200]
+                    for q in probed:
+                        params[q].data.zero_()
+                    continue
+                found: list[Runs] = []
+                try:
+                    for q in probed:
+                        flat = params[q].data.view(-1)
+                        if bool(flat.any()):
+                            r = _runs(q, flat, numel)
+                            if r is not None:
+                                found.append(r)
+                            flat.zero_()
+                except ValueError as exc:
+                    unmapped[name] = str(exc)
+                    for q in probed:
+                        params[q].data.zero_()
+                    continue
+                why = next((w for w in (untrusted(r.param) for r in found) if w), None)
+                if not found:
+                    unmapped[name] = "the loader wrote none of its elements into a probed parameter"
+                elif why:
+                    unmapped[name] = why
+                else:
+                    runs[name] = found
+            _verify_group(params, originals, {n: runs[n] for n in names if n in runs}, spec, load, unmapped, runs)
+        finally:
+            for q, data in originals.items():
+                params[q].data = data
+                params[q].requires_grad_(grads[q])
+    pm = PatchMap(runs, unmapped, params, time.perf_counter() - t0)
+    logger.info("deltasync: patch map built: %s", pm.summary())
+    return pm

@@ -1,0 +1,71 @@
+"""Plain parameters on vLLM's CPU build: keep linear weights as the tensors the loader wrote (no repack).
+
+vLLM's CPU build repacks every unquantized linear layer after loading (oneDNN, or the SGL kernel for small
+ones): ``layer.weight`` becomes an empty tensor and the GEMM uses a packed copy captured in
+``layer.cpu_linear``. Nothing addressable is left to patch in place, so every update has to re-run the loader
+and the repack (``reload`` mode). With ``DELTASYNC_VLLM_PLAIN_WEIGHTS=1`` in the environment of vLLM's
+processes, the deltasync plugin (loaded by vLLM in every process, before the model) makes that dispatch keep
+the weight and use ``torch.nn.functional.linear`` on it, as the GPU build does with its own kernels: the live
+parameters are then addressable and ``inplace`` mode scatters deltas straight into them.
+
+Off by default: it trades generation speed (oneDNN's packed GEMM against torch's) for update pauses that grow
+with the changed elements; ``benchmarks/bench_apply.py`` measures both sides.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+__all__ = ["ENV", "enabled", "install", "plain_parameters"]
+
+logger = logging.getLogger("vllm.deltasync.plain")
+
+ENV = "DELTASYNC_VLLM_PLAIN_WEIGHTS"
+"""The environment variable that turns plain parameters on (``1``) in vLLM's processes."""
+
+
+def enabled() -> bool:
+    return os.environ.get(ENV, "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def _plain_linear(x: Any, weight: Any, bias: Any) -> Any:
+    import torch
+
+    return torch.nn.functional.linear(x, weight, bias)
+
+
+def install() -> None:
+    """Replace vLLM's CPU GEMM dispatch by one that keeps plain weights, if :func:`enabled`; idempotent."""
+    if not enabled():
+        return
+    from vllm.model_executor.layers import utils
+
+    if getattr(utils.dispatch_cpu_unquantized_gemm, "_deltasync_plain", False):
+        return
+    original = utils.dispatch_cpu_unquantized_gemm
+
+    def dispatch_plain(layer: Any, remove_weight: bool) -> None:
+        weight = getattr(layer, "weight", None)
+        if weight is None or weight.is_meta or weight.ndim != 2:
+            original(layer, remove_weight)  # not a dense linear layer: vLLM's own handling
+            return
+        layer.cpu_linear = _plain_linear
+
+    dispatch_plain._deltasync_plain = True  # type: ignore[attr-defined]
+    utils.dispatch_cpu_unquantized_gemm = dispatch_plain
+    logger.info("deltasync: %s=1: vLLM's CPU linear weights stay plain (no repack)", ENV)
+
+
+def plain_parameters(model: Any) -> tuple[bool, list[str]]:
+    """Whether every dense linear layer of ``model`` computes from its live ``weight`` (GPU builds always do;
+    the CPU build only with :data:`ENV`), and the modules that do not (repacked: ``weight`` emptied)."""
+    packed = []
+    for name, module in model.named_modules():
+        if not hasattr(module, "cpu_linear"):
+            continue
+        weight = getattr(module, "weight", None)
+        if weight is None or weight.numel() == 0 or module.cpu_linear is not _plain_linear:
+            packed.append(name)
+    return not packed, packed

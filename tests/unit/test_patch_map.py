@@ -1,0 +1,111 @@
+"""The patch map's algorithm (issue 15) on a small torch model whose loader fuses, pads and shards the way
+vLLM's do; the real vLLM models are in tests/integration/test_inplace.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from deltasync.format import TensorDelta
+from deltasync.vllm.patch_map import build_map
+
+
+class Fused(torch.nn.Module):
+    """q, k, v rows fused into one parameter; a vocabulary padded to 8 rows; a tied head; a TP-like slice
+    (this 'rank' holds the second half of the columns of ``down``); a loader that refuses one tensor."""
+
+    def __init__(self, rank_half: bool = True) -> None:
+        super().__init__()
+        self.qkv = torch.nn.Parameter(torch.zeros(6, 4, dtype=torch.bfloat16), requires_grad=False)
+        self.embed = torch.nn.Parameter(torch.zeros(8, 4, dtype=torch.bfloat16), requires_grad=False)
+        self.head = self.embed  # tied
+        self.down = torch.nn.Parameter(torch.zeros(4, 3, dtype=torch.bfloat16), requires_grad=False)
+        self.norm = torch.nn.Parameter(torch.zeros(4, dtype=torch.bfloat16), requires_grad=False)
+
+    def load_weights(self, weights):
+        for name, w in weights:
+            if name in ("q", "k", "v"):
+                row = {"q": 0, "k": 2, "v": 4}[name]
+                self.qkv.data[row : row + 2].copy_(w)
+            elif name == "embed":
+                self.embed.data[: w.shape[0]].copy_(w)
+                self.embed.data[w.shape[0] :].fill_(0)  # vocabulary padding, as VocabParallelEmbedding does
+            elif name == "down":
+                self.down.data.copy_(w[:, 3:])  # this rank's half of the input dimension
+            elif name == "norm":
+                self.norm.data.copy_(w * 2)  # arithmetic on the values: the real-value check catches it
+            elif name == "quantized":
+                raise TypeError("expected a float tensor")
+
+
+SPEC = {
+    "q": ("BF16", (2, 4)),
+    "k": ("BF16", (2, 4)),
+    "v": ("BF16", (2, 4)),
+    "embed": ("BF16", (5, 4)),
+    "down": ("BF16", (4, 6)),
+    "norm": ("BF16", (4,)),
+    "quantized": ("BF16", (3,)),
+}
+
+
+def _delta(name: str, like: torch.Tensor, indices: torch.Tensor | None, values: torch.Tensor) -> TensorDelta:
+    return TensorDelta(ckpt_name=name, shape=tuple(like.shape), dtype=like.dtype, indices=indices, values=values)
+
+
+def _weights(seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {n: torch.randn(shape, generator=g).to(torch.bfloat16) for n, (_, shape) in SPEC.items()}
+
+
+def test_the_map_learned_from_the_loader_scatters_exactly_where_the_loader_writes() -> None:
+    model = Fused()
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    pm = build_map(model, SPEC, model.load_weights)
+    assert {n: p.detach() for n, p in model.named_parameters()}.keys() == before.keys()
+    for n, p in model.named_parameters():  # the probes left the live parameters exactly as they were
+        assert p.dtype == torch.bfloat16 and torch.equal(p.view(torch.int16), before[n].view(torch.int16))
+    assert set(pm.unmapped) == {"quantized", "norm"} and "TypeError" in pm.unmapped["quantized"]
+    assert "the loader transforms them" in pm.unmapped["norm"]
+    assert [r.param for r in pm.runs["q"]] == ["qkv"] and int(pm.runs["v"][0].param_start[0]) == 16
+    assert pm.runs["down"][0].length.tolist() == [3, 3, 3, 3]  # four rows of this rank's half
+
+    truth = _weights(1)
+    model.load_weights([(n, t) for n, t in truth.items() if n != "quantized"])
+    expected = {n: p.detach().clone() for n, p in model.named_parameters()}
+    model.load_weights([(n, torch.zeros_like(t)) for n, t in truth.items() if n != "quantized"])
+    dense = [_delta(n, t, None, t) for n, t in truth.items() if n in pm]
+    ops = pm.plan(dense)
+    assert pm.write(ops) > 0 and not pm.check_written(ops)
+    for n, p in model.named_parameters():
+        if n != "norm":  # unmapped: the engine reloads its module instead
+            assert torch.equal(p.view(torch.int16), expected[n].view(torch.int16)), n
+
+    new = {n: t.clone() for n, t in truth.items()}
+    for t in new.values():
+        t.view(-1)[::3] += 1
+    sparse = []
+    for n in pm.runs:
+        idx = torch.nonzero(new[n].view(-1).view(torch.int16) != truth[n].view(-1).view(torch.int16)).squeeze(1)
+        sparse.append(_delta(n, new[n], idx, new[n].view(-1)[idx]))
+    ops = pm.plan(sparse)
+    pm.write(ops)
+    assert not pm.check_written(ops)
+    model.load_weights([(n, t) for n, t in new.items() if n != "quantized"])  # what a full reload would give
+    reloaded = {n: p.detach().clone() for n, p in model.named_parameters()}
+    index, values = pm.read("q", (2, 4), torch.bfloat16)
+    assert index.tolist() == list(range(8)) and torch.equal(
+        values.view(torch.int16), new["q"].view(-1).view(torch.int16)
+    )
+    index, values = pm.read("down", (4, 6), torch.bfloat16)
+    assert index.numel() == 12  # a rank holds part: the audit counts it as partial
+    assert reloaded  # (kept for the reader: the scatter above equals this reload)
+
+
+def test_a_parameter_that_changed_since_the_map_is_never_written() -> None:
+    model = Fused()
+    pm = build_map(model, SPEC, model.load_weights)
+    model.qkv.data = torch.zeros(7, 4, dtype=torch.bfloat16)  # re-allocated behind the map's back
+    d = _delta("q", torch.zeros(2, 4, dtype=torch.bfloat16), torch.tensor([0]), torch.ones(1, dtype=torch.bfloat16))
+    with pytest.raises(RuntimeError, match="changed shape or dtype since the patch map was built"):
+        pm.plan([d])
