@@ -18,15 +18,18 @@ the work done before the pause (fetch, decode, stage, prepare). Ends with one JS
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+sys.path.insert(0, str(Path(__file__).parents[1]))  # tests.support: the launchers and the update stream
 
 PROMPTS = ["The quick brown fox", "Guess the five letter word:", "crane slate audio raise", "In a hole in the ground"]
 
@@ -120,27 +123,19 @@ class Bench:
         return float(self.agent.sync().timings["pause"] * 1e3)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=int, default=4)
-    parser.add_argument("--lr", type=float, nargs="+", default=[1e-6, 1e-5])
-    parser.add_argument("--tokens", type=int, default=64)
-    args = parser.parse_args()
-
+def run_engine(tmp: Path, model: Path, label: str, args: argparse.Namespace, figures: dict[str, Any]) -> list[Any]:
+    """One engine with its own run (coordinator, store, stream); everything it holds is freed on return."""
     from deltasync.client import CoordinatorClient
     from deltasync.vllm.plain import ENV
     from tests.support.credentials import PUBLISHER_TOKEN, TOKENS_ENV, agent_token
     from tests.support.launchers import CoordinatorProcess, offline_llm
-    from tests.support.models import QWEN3_0_6B_CONFIG, qwen3_shapes, write_config_only_model
+    from tests.support.models import QWEN3_0_6B_CONFIG, qwen3_shapes
     from tests.support.stream import UpdateStream
 
-    tmp = Path(tempfile.mkdtemp(prefix="deltasync-bench-apply-"))
-    model = write_config_only_model(tmp / "qwen3-0.6b")
     rows: list[dict[str, Any]] = []
-    figures: dict[str, Any] = {"model_elements": None}
-    for label in ("packed", "plain"):  # one engine at a time (2 cores), each with its own run
-        os.environ[ENV] = "1" if label == "plain" else "0"
-        llm = offline_llm(model, load_format="dummy")
+    os.environ[ENV] = "1" if label == "plain" else "0"
+    llm = offline_llm(model, load_format="dummy")
+    try:
         with (
             CoordinatorProcess(tmp / f"ledger-{label}.db", env=TOKENS_ENV, log=tmp / f"coordinator-{label}.log") as c,
             CoordinatorClient(c.url, token=PUBLISHER_TOKEN) as client,
@@ -160,7 +155,28 @@ def main() -> None:
                     rows += bench.updates("inplace", lr, args.steps)
                 figures["map"] = llm.collective_rpc("deltasync_status")[0].get("map")
                 figures["full_reload_pause_ms"] = bench.full_reload()
+    finally:
         llm.llm_engine.engine_core.shutdown()
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--lr", type=float, nargs="+", default=[1e-6, 1e-5])
+    parser.add_argument("--tokens", type=int, default=64)
+    parser.add_argument("--engines", nargs="+", choices=("packed", "plain"), default=["packed", "plain"])
+    args = parser.parse_args()
+
+    from tests.support.models import write_config_only_model
+
+    tmp = Path(tempfile.mkdtemp(prefix="deltasync-bench-apply-"))
+    model = write_config_only_model(tmp / "qwen3-0.6b")
+    rows: list[dict[str, Any]] = []
+    figures: dict[str, Any] = {"model_elements": None}
+    for label in args.engines:  # one engine at a time (2 cores, and ~10 GB of optimizer state per stream)
+        rows += run_engine(tmp, model, label, args, figures)
+        gc.collect()
     summary: dict[str, Any] = {}
     for label, mode, lr in sorted({(r["engine"], r["mode"], r["lr"]) for r in rows}):
         group = [r for r in rows if (r["engine"], r["mode"], r["lr"]) == (label, mode, lr)]

@@ -52,7 +52,6 @@ from ..errors import ApplyError, RefusalReason, UpdateRefused
 from ..format import TensorDelta
 from ..manifest import DeltaManifest, model_fingerprint
 from ..staging import StagedUpdate, read_staged
-from ..vocab import DTYPES
 from .patch_map import PatchMap, build_map
 from .plain import plain_parameters
 from .reload import LayerwiseReloader
@@ -146,6 +145,7 @@ class DeltaSyncWeightTransferEngine(WeightTransferEngine[DeltaSyncInitInfo, Delt
         self._prepared: tuple[str, list[tuple[DeltaManifest, list[TensorDelta]]], list[Any]] | None = None
         self._written: list[Any] = []
         self._audit: list[tuple[DeltaManifest, set[str]]] = []
+        self._readback: list[Any] = []  # the last session's writes, read back by the audit after the pause
 
     # ------------------------------------------------------------------ state
 
@@ -385,6 +385,7 @@ class DeltaSyncWeightTransferEngine(WeightTransferEngine[DeltaSyncInitInfo, Delt
             holding = holding.after(manifest)
         self._staged = holding
         self._audit = [(m, {d.ckpt_name for d in deltas}) for m, deltas in checked]
+        self._readback = list(ops[-1]) if self.mode == "inplace" and ops else []
         s = self.stats
         s["objects"] += len(checked)
         s["tensors"] += sum(len(d) for _, d in checked)
@@ -498,42 +499,49 @@ class DeltaSyncWeightTransferEngine(WeightTransferEngine[DeltaSyncInitInfo, Delt
     def _apply_mapped(self, checked: list[tuple[DeltaManifest, list[TensorDelta]]], ops: list[Any]) -> None:
         pm = self.patch_map()
         written = 0
-        for (manifest, deltas), object_ops in zip(checked, ops, strict=True):
+        for i, ((manifest, deltas), object_ops) in enumerate(zip(checked, ops, strict=True)):
             written += pm.write(object_ops)
-            bad = pm.check_written(object_ops)
-            if bad:
-                raise ApplyError(f"v{manifest.version}: read back differs from what was written in {bad[:3]}")
+            if i < len(ops) - 1:  # a later object overwrites some of these elements: read them back now
+                bad = pm.check_written(object_ops)
+                if bad:
+                    raise ApplyError(f"v{manifest.version}: read back differs from what was written in {bad[:3]}")
+            # the last object's readback is the audit's, after the pause: the pause is only the write
             if pm.unmapped:  # the modules the map cannot hold are reloaded from the shadow
                 self._apply_to_shadow(manifest, deltas)
                 self._pending &= set(pm.unmapped)
         self.stats["written"] = self.stats.get("written", 0) + written
 
     def audit(self) -> dict[str, Any]:
-        """Checksums of the last update's tensors, read back from the live parameters (the ``deltasync_audit``
-        RPC, after the pause): tensors this rank holds whole are compared with the manifest; on a mismatch the
-        engine is marked unhealthy. Tensors held in part (TP > 1) are counted, their written elements having
-        been read back inside the session."""
+        """The last update read back from the live parameters (the ``deltasync_audit`` RPC, right after the
+        pause, which holds only the writes): every written element is compared bit for bit with what was meant
+        to land there, and every tensor this rank holds whole is checksummed against the manifest (tensors held
+        in part, TP > 1, are counted as partial). On any mismatch the engine is marked unhealthy and the agent
+        pauses it until an anchor restores it."""
         if self.mode != "inplace" or self._map is None or not self._audit:
             return {"ok": self.healthy, "checked": 0, "partial": 0, "bad": []}
         from ..format import tensor_checksum
 
-        pm, checked, partial, bad = self._map, 0, 0, []
-        for manifest, names in self._audit:
-            for name in sorted(names):
+        pm, checked, partial = self._map, 0, 0
+        bad = [f"{p} (read back)" for p in pm.check_written(self._readback)]
+        self._readback = []
+        seen: set[str] = set()
+        for manifest, names in reversed(self._audit):  # each tensor against the last object that changed it
+            for name in sorted(names - seen):
+                seen.add(name)
                 if name not in pm:
                     continue
                 entry = manifest.tensors[name]
-                index, values = pm.read(name, entry.shape, DTYPES[entry.dtype])
-                if index.numel() != entry.numel:
+                values = pm.read_whole(name)
+                if values is None or values.numel() != entry.numel:
                     partial += 1
                     continue
-                full = values.reshape(entry.shape)
+                full = values.reshape(entry.shape)  # the map holds only parameters of the checkpoint's dtype
                 checked += 1
                 if any(tensor_checksum(full, (a, b)) != digest for a, b, digest in entry.checksums):
                     bad.append(name)
         self._audit = []
         if bad:
-            self._mark_unhealthy(f"the live parameters of {bad[:3]} differ from the published checksums")
+            self._mark_unhealthy(f"the live parameters of {bad[:3]} differ from what was published")
             self.outcome = {"ok": False, "refused": None, "message": self.detail}
         return {"ok": not bad and self.healthy, "checked": checked, "partial": partial, "bad": bad[:8]}
 

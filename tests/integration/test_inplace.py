@@ -14,12 +14,13 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import cloudpickle
 import pytest
 import torch
 from deltasync_coordinator.app import create_app
 from safetensors.torch import load_file, save_file
 
-from deltasync import LocalStore, RefusalReason, UpdateRefused
+from deltasync import ApplyError, LocalStore, RefusalReason, UpdateRefused
 from deltasync.agent import Agent
 from deltasync.client import CoordinatorClient
 from deltasync.config import AgentConfig
@@ -35,11 +36,22 @@ from tests.support.models import build_tiny_model
 from tests.support.world import StreamPublisher
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+cloudpickle.register_pickle_by_value(sys.modules[__name__])  # workers need not import this module
 PROMPTS = ["Guess the five letter word:", "crane slate audio raise"]
 
 
 def _statuses(llm: Any) -> list[dict[str, Any]]:
     return llm.collective_rpc("deltasync_status")
+
+
+def _corrupt_a_written_element(worker: Any) -> str:
+    """Runs in a vLLM worker (a callable sent by ``collective_rpc``): flips one element the last update wrote,
+    as a faulty write or a stale map would, before the audit reads the update back."""
+    engine = worker.weight_transfer_engine
+    op = next(op for op in engine._readback if hasattr(op, "index"))
+    flat = engine._map.param(op.param).data.view(-1).view(torch.int16)
+    flat[op.index[0]] ^= 1
+    return str(op.param)
 
 
 def _hostile(staging: Path, store: LocalStore, version: int, base: dict[str, torch.Tensor], how: str):
@@ -91,6 +103,7 @@ def test_inplace_through_the_map_is_bit_exact_against_a_fresh_engine(
 ) -> None:
     pytest.importorskip("vllm")
     monkeypatch.setenv(PLAIN_ENV, "1")  # this engine and the fresh one keep plain parameters
+    monkeypatch.setenv("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # the test sends a callable to the workers
     if tp == 2:
         monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")
     model_dir = build_tiny_model(tmp_path / arch, arch=arch, seed=1)
@@ -125,7 +138,24 @@ def test_inplace_through_the_map_is_bit_exact_against_a_fresh_engine(
                 assert exc.value.reason in (reason, RefusalReason.MALFORMED), exc.value
                 assert llm.collective_rpc("deltasync_effective") == before  # nothing written
                 assert all(st["healthy"] and st["version"] == at for st in _statuses(llm))
-            assert agent.sync().to_version == at + 1
+            if arch == "qwen3" and tp == 1:  # the readback after the pause catches a wrong write
+                m = read_manifest(store, at + 1)
+                good = stage_object(
+                    tmp_path / "staging" / "good",
+                    m,
+                    store.get(manifest_key(at + 1, "delta")),
+                    load_object(store, m, base=publisher.truth[at]),
+                )
+                target.apply(StagedUpdate(objects=(good,)))
+                assert llm.collective_rpc(_corrupt_a_written_element)
+                with pytest.raises(ApplyError, match="read-back audit failed"):
+                    target.audit()
+                assert not any(st["healthy"] for st in _statuses(llm))
+                assert "differ from what was published" in _statuses(llm)[0]["detail"]
+                result = agent.sync()  # the agent finds the engine unhealthy: only an anchor restores it
+                assert result.route == "anchor" and result.to_version == at + 1
+            else:
+                assert agent.sync().to_version == at + 1
             ranks = llm.collective_rpc("deltasync_effective")
             map_status = [st["map"] for st in _statuses(llm)]
             ours = generate(llm, PROMPTS)

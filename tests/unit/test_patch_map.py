@@ -93,12 +93,9 @@ def test_the_map_learned_from_the_loader_scatters_exactly_where_the_loader_write
     assert not pm.check_written(ops)
     model.load_weights([(n, t) for n, t in new.items() if n != "quantized"])  # what a full reload would give
     reloaded = {n: p.detach().clone() for n, p in model.named_parameters()}
-    index, values = pm.read("q", (2, 4), torch.bfloat16)
-    assert index.tolist() == list(range(8)) and torch.equal(
-        values.view(torch.int16), new["q"].view(-1).view(torch.int16)
-    )
-    index, values = pm.read("down", (4, 6), torch.bfloat16)
-    assert index.numel() == 12  # a rank holds part: the audit counts it as partial
+    values = pm.read_whole("q")
+    assert values is not None and torch.equal(values.view(torch.int16), new["q"].view(-1).view(torch.int16))
+    assert pm.read_whole("down") is None  # a rank holds part: the audit counts it as partial
     assert reloaded  # (kept for the reader: the scatter above equals this reload)
 
 
@@ -109,3 +106,27 @@ def test_a_parameter_that_changed_since_the_map_is_never_written() -> None:
     d = _delta("q", torch.zeros(2, 4, dtype=torch.bfloat16), torch.tensor([0]), torch.ones(1, dtype=torch.bfloat16))
     with pytest.raises(RuntimeError, match="changed shape or dtype since the patch map was built"):
         pm.plan([d])
+
+
+@pytest.mark.parametrize("chunk", [1, 3, 7, 1 << 22])
+def test_runs_are_the_same_whatever_the_scan_chunk(monkeypatch: pytest.MonkeyPatch, chunk: int) -> None:
+    """The probe scan reads a parameter in bounded chunks (an embedding has 10^8 elements); runs crossing a
+    chunk edge are joined, runs are ordered by checkpoint index, and an element landing twice is caught."""
+    from deltasync.vllm import patch_map
+
+    monkeypatch.setattr(patch_map, "_CHUNK", chunk)
+    flat = torch.zeros(40, dtype=torch.int32)
+    flat[2:12] = torch.arange(21, 31)  # checkpoint 20..29 at 2..11
+    flat[12:20] = torch.arange(1, 9)  # checkpoint 0..7 at 12..19 (adjacent in the parameter, not in the ckpt)
+    flat[25:35] = torch.arange(9, 19)  # checkpoint 8..17 at 25..34
+    r = patch_map._runs("p", flat, 30)
+    assert r is not None
+    assert r.ckpt_start.tolist() == [0, 8, 20] and r.param_start.tolist() == [12, 25, 2]
+    assert r.length.tolist() == [8, 10, 10]
+    flat[36] = 5  # checkpoint element 4 lands a second time
+    with pytest.raises(ValueError, match="written twice"):
+        patch_map._runs("p", flat, 30)
+    flat[36] = 31  # no element of a 30-element tensor
+    with pytest.raises(ValueError, match="no element index"):
+        patch_map._runs("p", flat, 30)
+    assert patch_map._runs("p", torch.zeros(9, dtype=torch.int32), 30) is None
