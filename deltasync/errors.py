@@ -83,6 +83,9 @@ class RefusalReason(enum.StrEnum):
     """The receiver failed an earlier update past its first write: only an anchor is accepted."""
     MALFORMED = "malformed"
     """A staged file is malformed or disagrees with its manifest."""
+    INTEGRITY = "integrity"
+    """Applied to what the receiver serves, the update would not give the published checksums (a forged or
+    swapped staged file, or weights that are not the base they are labelled): nothing was written."""
     UNSUPPORTED = "unsupported"
     """The engine cannot apply this update exactly (e.g. fused MoE experts on vLLM's CPU build); restart it from
     the new checkpoint instead."""

@@ -52,8 +52,8 @@ class _VllmTarget:
             logger.warning("could not prepare the update before the pause: %s", exc)
 
     def audit(self) -> None:
-        """After the pause: every rank compares the checksums of the tensors it holds whole, read back from its
-        live parameters, with the manifest.
+        """After the pause: every rank reads the update's writes back from its live parameters and compares
+        them bit for bit with its plan (which the engine proved against the published checksums before writing).
 
         Raises:
             ApplyError: a rank's parameters differ (the engine is unhealthy and unlabelled).

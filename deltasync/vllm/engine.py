@@ -144,7 +144,6 @@ class DeltaSyncWeightTransferEngine(WeightTransferEngine[DeltaSyncInitInfo, Delt
         self._moe_on_cpu: bool | None = None
         self._prepared: tuple[str, list[tuple[DeltaManifest, list[TensorDelta]]], list[Any]] | None = None
         self._written: list[Any] = []
-        self._audit: list[tuple[DeltaManifest, set[str]]] = []
         self._readback: list[Any] = []  # the last session's writes, read back by the audit after the pause
 
     # ------------------------------------------------------------------ state
@@ -328,6 +327,8 @@ class DeltaSyncWeightTransferEngine(WeightTransferEngine[DeltaSyncInitInfo, Delt
             checked = self._read(update)
             self._admit(checked, update)
             ops = self._plan(checked) if self.mode == "inplace" else None
+            if ops is not None:
+                self._prove(checked, ops)
         except UpdateRefused as exc:
             return {"ok": False, "refused": exc.reason.value, "message": str(exc)}
         except Exception as exc:  # noqa: BLE001 - update_weights repeats the work and reports it
@@ -357,6 +358,8 @@ class DeltaSyncWeightTransferEngine(WeightTransferEngine[DeltaSyncInitInfo, Delt
                     ops = self._plan(checked)
                 except ApplyError:  # no map (said in status): this update, and the next ones, reload
                     ops = None
+                if ops is not None:
+                    self._prove(checked, ops)
         except UpdateRefused as exc:
             self._fail(exc, refused=exc.reason)
             return
@@ -384,7 +387,6 @@ class DeltaSyncWeightTransferEngine(WeightTransferEngine[DeltaSyncInitInfo, Delt
         for manifest, _ in checked:
             holding = holding.after(manifest)
         self._staged = holding
-        self._audit = [(m, {d.ckpt_name for d in deltas}) for m, deltas in checked]
         self._readback = list(ops[-1]) if self.mode == "inplace" and ops else []
         s = self.stats
         s["objects"] += len(checked)
@@ -496,6 +498,50 @@ class DeltaSyncWeightTransferEngine(WeightTransferEngine[DeltaSyncInitInfo, Delt
         pm = self.patch_map()
         return [pm.plan([d for d in deltas if d.ckpt_name in pm]) for _, deltas in checked]
 
+    def _prove(self, checked: list[tuple[DeltaManifest, list[TensorDelta]]], ops: list[Any]) -> None:
+        """Before any write: apply the planned writes to copies of the live parameters, one parameter at a
+        time (extra memory: the largest one), and compare every tensor this rank holds whole with the published
+        checksums of the last object that changed it. A forged or swapped staged file, a wrong base or a stale
+        map is refused here and never reaches the live weights (tensors held in part, TP > 1, are proven by
+        the readback after the write, against the plan).
+
+        Raises:
+            UpdateRefused: (reason ``integrity``) the planned result differs from what was published.
+        """
+        from ..format import tensor_checksum
+
+        pm = self.patch_map()
+        last: dict[str, DeltaManifest] = {}
+        for manifest, deltas in checked:
+            for d in deltas:
+                if d.ckpt_name in pm:
+                    last[d.ckpt_name] = manifest
+        by_param: dict[str, list[str]] = {}
+        for name in last:
+            held = pm.params_of(name)
+            if len(held) == 1:
+                by_param.setdefault(next(iter(held)), []).append(name)
+        bad: list[str] = []
+        for param, names in by_param.items():
+            copy = {param: pm.param(param).data.view(-1).clone()}
+            for object_ops in ops:
+                pm.write(object_ops, into=copy)
+            for name in names:
+                values = pm.read_whole(name, source=copy)
+                entry = last[name].tensors[name]
+                if values is None or values.numel() != entry.numel:
+                    continue
+                full = values.reshape(entry.shape)
+                if any(tensor_checksum(full, (a, b)) != digest for a, b, digest in entry.checksums):
+                    bad.append(name)
+            del copy
+        if bad:
+            raise UpdateRefused(
+                f"deltasync: applied to what this engine serves, the update would give {len(bad)} tensors that "
+                f"differ from the published checksums (e.g. {sorted(bad)[0]}); nothing was written",
+                reason=RefusalReason.INTEGRITY,
+            )
+
     def _apply_mapped(self, checked: list[tuple[DeltaManifest, list[TensorDelta]]], ops: list[Any]) -> None:
         pm = self.patch_map()
         written = 0
@@ -513,37 +559,18 @@ class DeltaSyncWeightTransferEngine(WeightTransferEngine[DeltaSyncInitInfo, Delt
 
     def audit(self) -> dict[str, Any]:
         """The last update read back from the live parameters (the ``deltasync_audit`` RPC, right after the
-        pause, which holds only the writes): every written element is compared bit for bit with what was meant
-        to land there, and every tensor this rank holds whole is checksummed against the manifest (tensors held
-        in part, TP > 1, are counted as partial). On any mismatch the engine is marked unhealthy and the agent
+        pause, which holds only the writes): every written element is compared bit for bit with the plan.
+        The plan itself was proven against the published checksums before the first write (:meth:`_prove`),
+        so together they prove what is served. On a mismatch the engine is marked unhealthy and the agent
         pauses it until an anchor restores it."""
-        if self.mode != "inplace" or self._map is None or not self._audit:
-            return {"ok": self.healthy, "checked": 0, "partial": 0, "bad": []}
-        from ..format import tensor_checksum
-
-        pm, checked, partial = self._map, 0, 0
-        bad = [f"{p} (read back)" for p in pm.check_written(self._readback)]
-        self._readback = []
-        seen: set[str] = set()
-        for manifest, names in reversed(self._audit):  # each tensor against the last object that changed it
-            for name in sorted(names - seen):
-                seen.add(name)
-                if name not in pm:
-                    continue
-                entry = manifest.tensors[name]
-                values = pm.read_whole(name)
-                if values is None or values.numel() != entry.numel:
-                    partial += 1
-                    continue
-                full = values.reshape(entry.shape)  # the map holds only parameters of the checkpoint's dtype
-                checked += 1
-                if any(tensor_checksum(full, (a, b)) != digest for a, b, digest in entry.checksums):
-                    bad.append(name)
-        self._audit = []
+        if self.mode != "inplace" or self._map is None or not self._readback:
+            return {"ok": self.healthy, "checked": 0, "bad": []}
+        ops, self._readback = self._readback, []
+        bad = self._map.check_written(ops)
         if bad:
-            self._mark_unhealthy(f"the live parameters of {bad[:3]} differ from what was published")
+            self._mark_unhealthy(f"the live parameters {bad[:3]} differ from what was written (read back)")
             self.outcome = {"ok": False, "refused": None, "message": self.detail}
-        return {"ok": not bad and self.healthy, "checked": checked, "partial": partial, "bad": bad[:8]}
+        return {"ok": not bad and self.healthy, "checked": len(ops), "bad": bad[:8]}
 
     # ------------------------------------------------------------------ patches mode (vLLM's own)
 

@@ -142,12 +142,18 @@ class PatchMap:
             out.append(Scatter(name, index.to(p.device), values.to(device=p.device, dtype=p.dtype)))
         return out
 
-    def write(self, ops: Iterable[Scatter | Blocks]) -> int:
-        """Write into the live parameters; returns the elements written."""
+    def write(self, ops: Iterable[Scatter | Blocks], into: Mapping[str, torch.Tensor] | None = None) -> int:
+        """Write into the live parameters (or, with ``into``, into these flat stand-ins of some of them, for a
+        dry run: ops on other parameters are skipped); returns the elements written."""
         n = 0
         with torch.no_grad():
             for op in ops:
-                flat = self.param(op.param).data.view(-1)
+                if into is not None:
+                    if op.param not in into:
+                        continue
+                    flat = into[op.param]
+                else:
+                    flat = self.param(op.param).data.view(-1)
                 if isinstance(op, Scatter):
                     flat.index_copy_(0, op.index, op.values)  # ~20% faster than index_put_ on CPU
                     n += op.index.numel()
@@ -174,17 +180,26 @@ class PatchMap:
                     bad.append(op.param)
         return bad
 
-    def read_whole(self, name: str) -> torch.Tensor | None:
-        """Checkpoint tensor ``name`` read back from the live parameters, flat and in checkpoint order, if this
-        rank holds all of it (``None`` if it holds part: TP shards). One slice per run, no index arrays."""
+    def read_whole(self, name: str, source: Mapping[str, torch.Tensor] | None = None) -> torch.Tensor | None:
+        """Checkpoint tensor ``name`` read back from the live parameters (or from ``source``, flat stand-ins of
+        them), flat and in checkpoint order, if this rank holds all of it (``None`` if it holds part: TP
+        shards). One slice per run, no index arrays."""
         segments = _segments(self.runs[name])
         covered = 0
         for _, c, _, length in segments:
             if c != covered:
                 return None
             covered += length
-        parts = [self.param(param).data.view(-1)[p : p + length].cpu() for param, _, p, length in segments]
+
+        def flat(param: str) -> torch.Tensor:
+            return source[param] if source is not None else self.param(param).data.view(-1)
+
+        parts = [flat(param)[p : p + length].cpu() for param, _, p, length in segments]
         return torch.cat(parts) if len(parts) > 1 else parts[0].clone()
+
+    def params_of(self, name: str) -> set[str]:
+        """The live parameters holding checkpoint tensor ``name`` on this rank."""
+        return {r.param for r in self.runs[name]}
 
     def summary(self) -> dict[str, Any]:
         return {
