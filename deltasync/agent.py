@@ -463,8 +463,14 @@ class Agent:
             # the engine holds another version than it reported: re-plan from its real version
             self.host, self.host_version = None, None
             raise
-        except UpdateRefused:
-            raise
+        except UpdateRefused as exc:
+            if exc.reason is not RefusalReason.UNHEALTHY:
+                raise
+            # the engine went unhealthy before this update's first write (building its patch map changed live
+            # weights): never serve them; only an anchor restores it
+            self.needs_anchor, ok_to_serve = True, False
+            self.host, self.host_version = None, None
+            raise ApplyError(f"the engine is unhealthy: {exc}") from exc
         except ApplyError:
             self.needs_anchor, ok_to_serve = True, False
             self.host, self.host_version = None, None

@@ -52,7 +52,7 @@ from ..errors import ApplyError, RefusalReason, UpdateRefused
 from ..format import TensorDelta
 from ..manifest import DeltaManifest, model_fingerprint
 from ..staging import StagedUpdate, read_staged
-from .patch_map import PatchMap, build_map
+from .patch_map import MapCorruption, PatchMap, build_map
 from .plain import plain_parameters
 from .reload import LayerwiseReloader
 from .shadow import Shadow, spec_from_config
@@ -227,6 +227,8 @@ class DeltaSyncWeightTransferEngine(WeightTransferEngine[DeltaSyncInitInfo, Delt
             except Exception as exc:
                 self._map_failed = f"{type(exc).__name__}: {exc}"
                 logger.warning("deltasync: no patch map (%s); this engine reloads instead", self._map_failed)
+                if isinstance(exc, MapCorruption):  # probing changed live weights: never serve them
+                    self._mark_unhealthy(str(exc))
                 raise ApplyError(f"deltasync: the patch map could not be built ({self._map_failed})") from exc
         return self._map
 
@@ -499,11 +501,11 @@ class DeltaSyncWeightTransferEngine(WeightTransferEngine[DeltaSyncInitInfo, Delt
         return [pm.plan([d for d in deltas if d.ckpt_name in pm]) for _, deltas in checked]
 
     def _prove(self, checked: list[tuple[DeltaManifest, list[TensorDelta]]], ops: list[Any]) -> None:
-        """Before any write: apply the planned writes to copies of the live parameters, one parameter at a
-        time (extra memory: the largest one), and compare every tensor this rank holds whole with the published
-        checksums of the last object that changed it. A forged or swapped staged file, a wrong base or a stale
-        map is refused here and never reaches the live weights (tensors held in part, TP > 1, are proven by
-        the readback after the write, against the plan).
+        """Before any write: apply the planned writes to copies of the live parameters, a few at a time (those
+        holding one tensor; extra memory: the largest such set), and compare every tensor this rank holds whole
+        with the published checksums of the last object that changed it. A forged or swapped staged file, a
+        wrong base or a stale map is refused here and never reaches the live weights (tensors held in part,
+        TP > 1, are proven by the readback after the write, against the plan).
 
         Raises:
             UpdateRefused: (reason ``integrity``) the planned result differs from what was published.
@@ -516,14 +518,12 @@ class DeltaSyncWeightTransferEngine(WeightTransferEngine[DeltaSyncInitInfo, Delt
             for d in deltas:
                 if d.ckpt_name in pm:
                     last[d.ckpt_name] = manifest
-        by_param: dict[str, list[str]] = {}
+        by_params: dict[frozenset[str], list[str]] = {}  # a tensor may span parameters (a fused gate_up split)
         for name in last:
-            held = pm.params_of(name)
-            if len(held) == 1:
-                by_param.setdefault(next(iter(held)), []).append(name)
+            by_params.setdefault(frozenset(pm.params_of(name)), []).append(name)
         bad: list[str] = []
-        for param, names in by_param.items():
-            copy = {param: pm.param(param).data.view(-1).clone()}
+        for held, names in by_params.items():
+            copy = {param: pm.param(param).data.view(-1).clone() for param in held}
             for object_ops in ops:
                 pm.write(object_ops, into=copy)
             for name in names:

@@ -24,11 +24,18 @@ from typing import Any
 
 import torch
 
-__all__ = ["Blocks", "PatchMap", "Runs", "Scatter", "build_map"]
+__all__ = ["Blocks", "MapCorruption", "PatchMap", "Runs", "Scatter", "build_map"]
 
 logger = logging.getLogger("vllm.deltasync.patch_map")
 
-_LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+# a block index in a parameter or checkpoint name: Llama-style ``layers.N``, GPT-2/Falcon/Bloom ``h.N``, MPT
+# ``blocks.N``, BERT ``layer.N`` (probing swaps one block at a time: the rest of the model stays as it is)
+_LAYER = re.compile(r"(?:^|\.)(?:layers|layer|h|blocks|block)\.(\d+)\.")
+
+
+class MapCorruption(RuntimeError):
+    """Building the map changed live weights it had not swapped: the model serves wrong weights until an
+    anchor restores it."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -238,12 +245,12 @@ def _runs(param: str, flat: torch.Tensor, numel: int) -> Runs | None:
     prev_ck = prev_pos = -2  # the last written element of the previous chunk, to join runs across chunks
     for lo in range(0, flat.numel(), _CHUNK):
         chunk = flat[lo : lo + _CHUNK]
-        pos = torch.nonzero(chunk > 0).squeeze(1)
+        pos = torch.nonzero(chunk != 0).squeeze(1)  # a negative image (a derived ``-w``) counts as a write
         if pos.numel() == 0:
             continue
         ck = chunk[pos].to(torch.int64) - 1
         pos = pos + lo
-        if int(ck.max()) >= numel:
+        if int(ck.min()) < 0 or int(ck.max()) >= numel:
             raise ValueError(f"{param}: holds values that are no element index (the loader transforms them)")
         brk = torch.ones(ck.numel(), dtype=torch.bool)
         if ck.numel() > 1:
@@ -280,7 +287,69 @@ def _segments(runs: Iterable[Runs]) -> list[tuple[str, int, int, int]]:
     return out
 
 
+def _numel(shape: Iterable[int]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def _restore_identity(model: torch.nn.Module, params: Mapping[str, torch.nn.Parameter]) -> list[str]:
+    """Re-register every parameter the loader replaced by another object (the map, and vLLM, hold the
+    originals); returns the names that had been replaced."""
+    replaced = []
+    for qn, p in model.named_parameters(remove_duplicate=False):
+        if qn in params and p is not params[qn]:
+            replaced.append(qn)
+    for qn in replaced:
+        owner, _, leaf = qn.rpartition(".")
+        model.get_submodule(owner)._parameters[leaf] = params[qn]
+    return replaced
+
+
+def _fingerprints(model: torch.nn.Module) -> dict[str, tuple[Any, ...]]:
+    """Every parameter's and buffer's identity, dtype, shape and content digest (xxh3 on CPU, position-weighted
+    integer sums on an accelerator): what building the map must leave exactly as it found it."""
+    from ..format import tensor_checksum
+
+    out: dict[str, tuple[Any, ...]] = {}
+    tensors: list[tuple[str, torch.Tensor]] = [
+        ("param:" + n, t) for n, t in model.named_parameters(remove_duplicate=False)
+    ]
+    tensors += [("buffer:" + n, t) for n, t in model.named_buffers(remove_duplicate=False)]
+    for name, t in tensors:
+        data = t.detach()
+        if data.device.type == "cpu":
+            digest: Any = tensor_checksum(data.contiguous()) if data.numel() else ""
+        else:
+            flat = _bits(data.reshape(-1)) if data.dtype != torch.bool else data.reshape(-1).to(torch.uint8)
+            s1 = s2 = 0
+            for lo in range(0, flat.numel(), _CHUNK):
+                c = flat[lo : lo + _CHUNK].to(torch.int64)
+                s1 += int(c.sum())
+                s2 += int((c * torch.arange(lo + 1, lo + 1 + c.numel(), device=c.device)).sum())
+            digest = (s1, s2)
+        out[name] = (id(t), data.dtype, tuple(data.shape), digest)
+    return out
+
+
+def _real_values(shape: tuple[int, ...], dtype: torch.dtype, gen: torch.Generator) -> torch.Tensor:
+    """Random values with the edge cases spread among them (NaN, infinities, -0.0, the largest finite value,
+    a subnormal, large magnitudes): a loader that clamps, cleans or renormalises any of them is caught."""
+    values = torch.randn(shape, generator=gen).to(dtype)
+    flat = values.view(-1)
+    if flat.numel() and dtype.is_floating_point:
+        info = torch.finfo(dtype)
+        edge = [float("nan"), float("inf"), float("-inf"), -0.0, info.max, -info.max, info.smallest_normal / 4]
+        edge += [1e6, -1e6, 7e4, -7e4]
+        stride = max(1, flat.numel() // (4 * len(edge)))
+        for i in range(min(flat.numel(), 4 * len(edge))):
+            flat[(i * stride) % flat.numel()] = edge[i % len(edge)]
+    return values
+
+
 def _verify_group(
+    model: torch.nn.Module,
     params: Mapping[str, torch.nn.Parameter],
     originals: Mapping[str, torch.Tensor],
     group_runs: Mapping[str, list[Runs]],
@@ -297,11 +366,13 @@ def _verify_group(
     from ..vocab import DTYPES
 
     gen = torch.Generator().manual_seed(20260)
-    values = {n: torch.randn(spec[n][1], generator=gen).to(DTYPES[spec[n][0]]) for n in group_runs}
+    values = {n: _real_values(spec[n][1], DTYPES[spec[n][0]], gen) for n in group_runs}
     for q, data in originals.items():
-        params[q].data = torch.zeros_like(data)
+        params[q].data = torch.zeros(data.shape, dtype=data.dtype, device=data.device)
     try:
         load(list(values.items()))
+        if _restore_identity(model, params):
+            raise ValueError("the loader replaced a parameter object (re-registered it)")
     except Exception as exc:  # noqa: BLE001 - the probes loaded one by one; together they do not: map nothing
         for n in group_runs:
             unmapped[n] = f"the loader refused real values together ({type(exc).__name__}: {exc})"[:200]
@@ -347,13 +418,15 @@ def build_map(
         param_groups.setdefault(_group(qn), []).append(qn)
     runs: dict[str, list[Runs]] = {}
     unmapped: dict[str, str] = {}
+    before = _fingerprints(model)
     for group, names in sorted(by_group.items()):
         probed = param_groups.get(group, [])
         if group == "" or not probed:  # outside the layers, names can go anywhere outside them
             probed = [q for g, qs in param_groups.items() if g == "" or g not in by_group for q in qs]
         originals = {q: params[q].data for q in probed}
         grads = {q: params[q].requires_grad for q in probed}
-        wide = max((params[q].numel() for q in probed), default=0) >= 2**31 - 1
+        biggest = max([params[q].numel() for q in probed] + [_numel(spec[n][1]) for n in names], default=0)
+        wide = biggest >= 2**31 - 1  # a probe and the parameters it lands in share one integer type
         itype = torch.int64 if wide else torch.int32
         try:
             for q in probed:
@@ -361,12 +434,12 @@ def build_map(
                 params[q].data = torch.zeros(originals[q].shape, dtype=itype, device="cpu")
             for name in names:
                 dtype, shape = spec[name]
-                numel = 1
-                for s in shape:
-                    numel *= s
+                numel = _numel(shape)
                 probe = torch.arange(1, numel + 1, dtype=torch.int64 if numel >= 2**31 - 1 else itype).reshape(shape)
                 try:
                     load([(name, probe)])
+                    if _restore_identity(model, params):
+                        raise ValueError("the loader replaced a parameter object (re-registered it)")
                 except Exception as exc:  # noqa: BLE001 - this tensor cannot be probed: it is reloaded instead
                     unmapped[name] = f"{type(exc).__name__}: {exc}"[:200]
                     for q in probed:
@@ -386,18 +459,31 @@ def build_map(
                     for q in probed:
                         params[q].data.zero_()
                     continue
-                why = next((w for w in (untrusted(r.param) for r in found) if w), None)
+                why = next((w for w in (untrusted(r.param) for r in found) if w), None) or next(
+                    (f"{r.param} is not contiguous in memory" for r in found if not originals[r.param].is_contiguous()),
+                    None,
+                )
                 if not found:
                     unmapped[name] = "the loader wrote none of its elements into a probed parameter"
                 elif why:
                     unmapped[name] = why
                 else:
                     runs[name] = found
-            _verify_group(params, originals, {n: runs[n] for n in names if n in runs}, spec, load, unmapped, runs)
+            _verify_group(
+                model, params, originals, {n: runs[n] for n in names if n in runs}, spec, load, unmapped, runs
+            )
         finally:
             for q, data in originals.items():
                 params[q].data = data
                 params[q].requires_grad_(grads[q])
+    _restore_identity(model, params)
+    changed = [n for n, fp in _fingerprints(model).items() if before.get(n) != fp]
+    if changed:
+        raise MapCorruption(
+            f"building the patch map changed live weights it had not swapped ({len(changed)}: {changed[:3]}): the "
+            "loader writes where probing cannot see (another layer's parameter, a buffer, an alias of a "
+            "parameter's storage); this engine serves wrong weights until an anchor restores it"
+        )
     pm = PatchMap(runs, unmapped, params, time.perf_counter() - t0)
     logger.info("deltasync: patch map built: %s", pm.summary())
     return pm
