@@ -9,9 +9,9 @@ Modes:
 * ``inplace`` (the default wherever parameters are plain: GPU builds, and the CPU build with
   ``DELTASYNC_VLLM_PLAIN_WEIGHTS=1``): a :class:`~deltasync.vllm.patch_map.PatchMap`, learned once per engine
   by watching the model's own loader, turns each update into one vectorized scatter per live parameter; the
-  staged data is read and planned before the pause (``prepare``), and the written elements are read back
-  before the session ends. Tensors the map cannot hold fall back to ``reload`` for their modules only
-  (``status()["map"]`` names them).
+  staged data is read, planned and proven against the published checksums before the pause (``prepare``),
+  and the written elements are read back right after it (``audit``). Tensors the map cannot hold fall back
+  to ``reload`` for their modules only (``status()["map"]`` names them).
 * ``reload`` (vLLM's CPU build with packed weights, quantized models): a host shadow of the checkpoint
   receives the objects; then vLLM's layerwise reload re-runs for the affected modules only
   (:mod:`deltasync.vllm.reload`).
@@ -143,7 +143,6 @@ class DeltaSyncWeightTransferEngine(WeightTransferEngine[DeltaSyncInitInfo, Delt
         self._map_failed: str | None = None
         self._moe_on_cpu: bool | None = None
         self._prepared: tuple[str, list[tuple[DeltaManifest, list[TensorDelta]]], list[Any]] | None = None
-        self._written: list[Any] = []
         self._readback: list[Any] = []  # the last session's writes, read back by the audit after the pause
 
     # ------------------------------------------------------------------ state

@@ -126,12 +126,15 @@ class PatchMap:
                 continue
             start, stop = d.span if d.span is not None else (0, d.values.numel())
             flat = d.values.reshape(-1)
+            moved: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}  # one copy per device and dtype
             for r in runs:
                 p = self.param(r.param)
                 lo = torch.clamp(r.ckpt_start, min=start)
                 hi = torch.clamp(r.ckpt_start + r.length, max=stop)
                 keep = hi > lo
                 if bool(keep.any()):
+                    if (p.device, p.dtype) not in moved:
+                        moved[(p.device, p.dtype)] = flat.to(device=p.device, dtype=p.dtype)
                     dst = (r.param_start + (lo - r.ckpt_start))[keep].tolist()
                     out.append(
                         Blocks(
@@ -139,7 +142,7 @@ class PatchMap:
                             dst,
                             (lo[keep] - start).tolist(),
                             (hi - lo)[keep].tolist(),
-                            flat.to(device=p.device, dtype=p.dtype),
+                            moved[(p.device, p.dtype)],
                         )
                     )
         for name, pieces in parts.items():

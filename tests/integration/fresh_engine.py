@@ -7,7 +7,10 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
+import subprocess
 import sys
+from pathlib import Path
 
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
@@ -24,6 +27,25 @@ def generate(llm, prompts: list[str], max_tokens: int = 16) -> list[dict]:
         }
         for o in outs
     ]
+
+
+def fresh_run(model_dir: Path, weights: dict, ckpt: Path, prompts: list[str], tp: int = 1) -> dict:
+    """Write ``weights`` as a checkpoint beside ``model_dir``'s config and tokenizer (at ``ckpt``), start a fresh
+    engine on it in a subprocess (a clean vLLM, no deltasync backend) and return its ``outputs`` and
+    ``effective`` (per rank)."""
+    from safetensors.torch import save_file
+
+    shutil.copytree(model_dir, ckpt)
+    save_file(weights, str(ckpt / "model.safetensors"), metadata={"format": "pt"})
+    proc = subprocess.run(
+        [sys.executable, "-m", "tests.integration.fresh_engine", str(ckpt), json.dumps(prompts), str(tp)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+    assert lines, proc.stderr[-3000:]
+    return json.loads(lines[-1][len("RESULT ") :])
 
 
 if __name__ == "__main__":

@@ -5,9 +5,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import shutil
-import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -15,7 +12,7 @@ from typing import Any
 import pytest
 import torch
 from deltasync_coordinator.app import create_app
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from deltasync import (
     ApplyError,
@@ -35,7 +32,7 @@ from deltasync.reader import load_object, read_manifest
 from deltasync.staging import StagedUpdate, stage_object
 from deltasync.targets import UNHEALTHY_LABEL, OfflineLLMTarget
 from tests.conftest import PUBLISHER_TOKEN, ServerThread, agent_token, coordinator_settings, overwrite
-from tests.integration.fresh_engine import generate
+from tests.integration.fresh_engine import fresh_run, generate
 from tests.support.models import build_tiny_model, qwen3_effective_checksums
 from tests.support.world import StreamPublisher
 
@@ -119,18 +116,7 @@ def test_twenty_versions_bit_exact_with_catch_up_and_anchors(
 
     # a fresh engine on the v20 checkpoint generates exactly the same, the long prompt included (prefix cache reset)
     ours = generate(vllm_engine, PROMPTS + [LONG_PROMPT])
-    ckpt = world.tmp / "v20-checkpoint"
-    shutil.copytree(tiny_model_dir, ckpt)
-    save_file(pub.truth[20], str(ckpt / "model.safetensors"), metadata={"format": "pt"})
-    proc = subprocess.run(
-        [sys.executable, "-m", "tests.integration.fresh_engine", str(ckpt), json.dumps(PROMPTS + [LONG_PROMPT])],
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
-    assert lines, proc.stderr[-3000:]
-    fresh = json.loads(lines[-1][len("RESULT ") :])
+    fresh = fresh_run(tiny_model_dir, pub.truth[20], world.tmp / "v20-checkpoint", PROMPTS + [LONG_PROMPT])
     for a, b in zip(ours, fresh["outputs"], strict=True):
         assert a["ids"] == b["ids"]
         assert a["logprobs"] == b["logprobs"]  # exactly equal, not approximately

@@ -2,15 +2,11 @@
 
 from __future__ import annotations
 
-import json
-import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 from deltasync_coordinator.app import create_app
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from deltasync import LocalStore, RefusalReason, UpdateRefused
 from deltasync.agent import Agent
@@ -21,7 +17,7 @@ from deltasync.reader import load_object, read_manifest
 from deltasync.staging import StagedUpdate, stage_object
 from deltasync.targets import OfflineLLMTarget
 from tests.conftest import PUBLISHER_TOKEN, ServerThread, agent_token, coordinator_settings
-from tests.integration.fresh_engine import generate
+from tests.integration.fresh_engine import fresh_run, generate
 from tests.support.launchers import offline_llm
 from tests.support.world import StreamPublisher
 
@@ -73,18 +69,7 @@ def test_tp2_bit_exact_against_a_fresh_tp2_load(
             ours = generate(llm, PROMPTS)
     finally:
         llm.llm_engine.engine_core.shutdown()
-    ckpt = tmp_path / "v4"
-    shutil.copytree(tiny_model_dir, ckpt)
-    save_file(publisher.truth[4], str(ckpt / "model.safetensors"), metadata={"format": "pt"})
-    proc = subprocess.run(
-        [sys.executable, "-m", "tests.integration.fresh_engine", str(ckpt), json.dumps(PROMPTS), "2"],
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
-    assert lines, proc.stderr[-3000:]
-    fresh = json.loads(lines[-1][len("RESULT ") :])
+    fresh = fresh_run(tiny_model_dir, publisher.truth[4], tmp_path / "v4", PROMPTS, tp=2)
     assert fresh["effective"] == ranks, "a rank's effective weights differ from a fresh TP=2 load"
     assert [o["ids"] for o in ours] == [o["ids"] for o in fresh["outputs"]]
     assert [o["logprobs"] for o in ours] == [o["logprobs"] for o in fresh["outputs"]]

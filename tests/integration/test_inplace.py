@@ -8,8 +8,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import shutil
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -30,7 +28,7 @@ from deltasync.staging import StagedUpdate, stage_object
 from deltasync.targets import OfflineLLMTarget
 from deltasync.vllm.plain import ENV as PLAIN_ENV
 from tests.conftest import PUBLISHER_TOKEN, ServerThread, agent_token, coordinator_settings
-from tests.integration.fresh_engine import generate
+from tests.integration.fresh_engine import fresh_run, generate
 from tests.support.launchers import offline_llm
 from tests.support.models import build_tiny_model
 from tests.support.world import StreamPublisher
@@ -176,18 +174,7 @@ def test_inplace_through_the_map_is_bit_exact_against_a_fresh_engine(
             final = publisher.truth[at + 1]
     finally:
         llm.llm_engine.engine_core.shutdown()
-    ckpt = tmp_path / "final"
-    shutil.copytree(model_dir, ckpt)
-    save_file(final, str(ckpt / "model.safetensors"), metadata={"format": "pt"})
-    proc = subprocess.run(
-        [sys.executable, "-m", "tests.integration.fresh_engine", str(ckpt), json.dumps(PROMPTS), str(tp)],
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
-    assert lines, proc.stderr[-3000:]
-    fresh = json.loads(lines[-1][len("RESULT ") :])
+    fresh = fresh_run(model_dir, final, tmp_path / "final", PROMPTS, tp)
     differ = sorted({k for a, b in zip(fresh["effective"], ranks, strict=True) for k in a if a[k] != b.get(k)})
     assert not differ, f"the live parameters differ from a fresh load: {differ[:8]} (map: {map_status})"
     assert [o["ids"] for o in ours] == [o["ids"] for o in fresh["outputs"]]
