@@ -83,102 +83,191 @@ class Processes:
             stop_process_group(proc, grace_s, signalled=True)
 
 
-def report(out: Path, rows: list[dict[str, Any]], pauses: dict[int, float], final: dict[str, Any]) -> None:
-    full = rows[0]["full_bytes"] if rows else 0
+def _quantile(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else float("nan")
+
+
+def cpu_seconds(groups: dict[str, int]) -> dict[str, float]:
+    """CPU seconds (user + system, reaped children included) of every process in each named process group."""
+    tick = os.sysconf("SC_CLK_TCK")
+    out = dict.fromkeys(groups, 0.0)
+    by_pgid = {pgid: name for name, pgid in groups.items()}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        name = by_pgid.get(int(fields[2]))
+        if name is not None:
+            out[name] += sum(int(f) for f in fields[11:15]) / tick
+    return out
+
+
+def summarize(
+    rows: list[dict[str, Any]], pauses: dict[int, float], final: dict[str, Any], cpu: list[Any]
+) -> dict[str, Any]:
+    """The figures of one run (what --compare prints side by side)."""
+    wall = final["rl_ended_at"] - final["rl_started_at"]
+    quarter = max(1, len(rows) // 4)
+    latency = list(final["publish_to_served_s"].values())
+    start = next((c for t, c in cpu if t >= final["rl_started_at"]), cpu[0][1] if cpu else {})
+    end = next((c for t, c in reversed(cpu) if t <= final["rl_ended_at"]), cpu[-1][1] if cpu else {})
+    return {
+        "mode": final["mode"],
+        "max_staleness": final["max_staleness"],
+        "steps": len(rows),
+        "wall_s": wall,
+        "trainer_busy_fraction": sum(r["train_s"] for r in rows) / wall,
+        "trainer_rollout_wait_s": sum(r["rollout_wait_s"] for r in rows),
+        "trainer_sync_wait_s": sum(r["sync_wait_s"] for r in rows),
+        "publish_blocked_s": sum(r["publish_blocked_s"] for r in rows),
+        "episodes_per_s": final["episodes"] / wall,
+        "staleness_histogram": final["staleness_histogram"],
+        "dropped_groups": final["dropped_groups"],
+        "publish_to_served_ms_median": _quantile(latency, 0.5) * 1e3,
+        "publish_to_served_ms_p90": _quantile(latency, 0.9) * 1e3,
+        "pause_ms_median": _quantile(list(pauses.values()), 0.5) * 1e3,
+        "reward_first_quarter": sum(r["reward"] for r in rows[:quarter]) / quarter,
+        "reward_last_quarter": sum(r["reward"] for r in rows[-quarter:]) / quarter,
+        "cpu_cores": {n: (end.get(n, 0) - start.get(n, 0)) / wall for n in end},
+        "bit_exact": final["bit_exact"],
+    }
+
+
+SUMMARY_LINES = [
+    ("RL wall time (s)", "wall_s", "{:.1f}"),
+    ("trainer busy (fraction of wall)", "trainer_busy_fraction", "{:.1%}"),
+    ("trainer waiting for rollouts (s)", "trainer_rollout_wait_s", "{:.1f}"),
+    ("trainer waiting for a weight sync (s)", "trainer_sync_wait_s", "{:.3f}"),
+    ("trainer blocked publishing (s)", "publish_blocked_s", "{:.3f}"),
+    ("rollout throughput (episodes/s)", "episodes_per_s", "{:.1f}"),
+    ("staleness at consumption {versions: groups}", "staleness_histogram", "{}"),
+    ("dropped groups", "dropped_groups", "{}"),
+    ("publish -> served, median (ms)", "publish_to_served_ms_median", "{:.0f}"),
+    ("publish -> served, p90 (ms)", "publish_to_served_ms_p90", "{:.0f}"),
+    ("vLLM pause, median (ms)", "pause_ms_median", "{:.0f}"),
+    ("reward, first quarter", "reward_first_quarter", "{:.3f}"),
+    ("reward, last quarter", "reward_last_quarter", "{:.3f}"),
+]
+
+
+def print_summaries(summaries: list[dict[str, Any]]) -> None:
+    print(f"\n{'':42}" + "".join(f"{s['mode'] + ' (K=' + str(s['max_staleness']) + ')':>22}" for s in summaries))
+    for label, key, fmt in SUMMARY_LINES:
+        print(f"{label:42}" + "".join(f"{fmt.format(s[key]):>22}" for s in summaries))
+    for name in summaries[0]["cpu_cores"]:
+        print(
+            f"{'CPU busy, ' + name + ' (cores)':42}"
+            + "".join(f"{s['cpu_cores'].get(name, 0):>22.2f}" for s in summaries)
+        )
+
+
+def report(
+    out: Path, rows: list[dict[str, Any]], pauses: dict[int, float], final: dict[str, Any], summary: dict[str, Any]
+) -> None:
+    published = {p["version"]: p for p in final["published"] if p["kind"] == "delta"}
+    full = final["full_bytes"]
     print(
-        f"\n{'step':>4} {'version':>7} {'delta KB':>9} {'vs full':>8} {'changed':>8} {'sync ms':>8} {'pause ms':>9} "
-        f"{'reward':>7}"
+        f"\n{'step':>4} {'version':>7} {'delta KB':>9} {'vs full':>8} {'stale':>6} {'wait ms':>8} "
+        f"{'train ms':>9} {'reward':>7}"
     )
     for r in rows:
-        pause = pauses.get(r.get("version", -1))
+        size = published.get(r["version"], {}).get("bytes", 0)
         print(
-            f"{r['step']:4d} {r.get('version', 0):7d} {r.get('delta_bytes', 0) / 1024:9.1f} "
-            f"{r.get('delta_bytes', 0) / max(full, 1):8.2%} {r.get('changed_fraction', 0):8.2%} "
-            f"{(r.get('applied_wait_s') or 0) * 1e3:8.0f} {pause * 1e3 if pause else float('nan'):9.0f} "
+            f"{r['step']:4d} {r['version']:7d} {size / 1024:9.1f} {size / max(full, 1):8.2%} "
+            f"{max(r['staleness']):6d} {(r['rollout_wait_s'] + r['sync_wait_s']) * 1e3:8.0f} {r['train_s'] * 1e3:9.0f} "
             f"{r['reward']:7.3f}"
         )
-    if rows:
-        deltas = [r for r in rows if r.get("kind") == "delta"]
-        avg = sum(r["delta_bytes"] for r in deltas) / max(len(deltas), 1)
-        first, last = rows[: max(1, len(rows) // 4)], rows[-max(1, len(rows) // 4) :]
-        print(
-            f"\nfull model {full / 1024:.0f} KB in bf16; mean delta {avg / 1024:.1f} KB ({avg / max(full, 1):.1%}); "
-            f"reward {sum(r['reward'] for r in first) / len(first):.3f} (first quarter) -> "
-            f"{sum(r['reward'] for r in last) / len(last):.3f} (last quarter)"
-        )
+    print_summaries([summary])
     print(
-        f"final: trainer v{final.get('version')} / vLLM weight_version {final.get('served_weight_version')}: "
-        f"{'BIT-EXACT' if final.get('bit_exact') else 'MISMATCH'} over {final.get('tensors_checked')} tensors"
+        f"final: trainer v{final['version']} / vLLM weight_version {final['served_weight_version']}: "
+        f"{'BIT-EXACT' if final['bit_exact'] else 'MISMATCH'} over {final['tensors_checked']} tensors"
     )
     try:
-        plot(out / "demo.png", rows, pauses, full)
+        plot(out / "demo.png", rows, pauses, final, summary)
         print(f"plot: {out / 'demo.png'}")
     except ImportError:
         print("plot skipped: pip install matplotlib")
 
 
-def plot(path: Path, rows: list[dict[str, Any]], pauses: dict[int, float], full: int) -> None:
+def plot(
+    path: Path, rows: list[dict[str, Any]], pauses: dict[int, float], final: dict[str, Any], summary: dict[str, Any]
+) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     steps = [r["step"] for r in rows]
-    fig, axes = plt.subplots(3, 1, figsize=(8, 9), sharex=True)
-    axes[0].bar(steps, [r.get("delta_bytes", 0) / 1024 for r in rows], label="published (KB)")
-    axes[0].axhline(full / 1024, color="red", linestyle="--", label="full model (KB)")
-    axes[0].set_yscale("log")
-    axes[0].set_ylabel("bytes per step (KB)")
-    axes[0].legend()
-    axes[1].plot(steps, [(r.get("applied_wait_s") or 0) * 1e3 for r in rows], marker=".", label="publish-to-applied")
-    axes[1].plot(steps, [pauses.get(r.get("version", -1), 0) * 1e3 for r in rows], marker=".", label="vLLM pause")
-    axes[1].set_ylabel("ms")
-    axes[1].legend()
-    axes[2].plot(steps, [r["reward"] for r in rows], marker=".", label="mean reward")
-    axes[2].set_ylabel("reward")
-    axes[2].set_xlabel("optimizer step")
-    axes[2].legend()
-    fig.suptitle("Wordle GRPO with deltasync: trainer -> store -> vLLM")
+    published = [p for p in final["published"] if p["kind"] == "delta"]
+    fig, axes = plt.subplots(3, 2, figsize=(12, 10))
+    ax = axes[0][0]
+    ax.bar([p["version"] for p in published], [p["bytes"] / 1024 for p in published], label="delta (KB)")
+    ax.axhline(final["full_bytes"] / 1024, color="red", linestyle="--", label="full model (KB)")
+    ax.set_yscale("log")
+    ax.set_xlabel("version")
+    ax.set_title("bytes per version")
+    ax.legend()
+    ax = axes[0][1]
+    lat = sorted((int(v), s * 1e3) for v, s in final["publish_to_served_s"].items())
+    ax.plot([v for v, _ in lat], [ms for _, ms in lat], marker=".", label="publish -> served")
+    ax.plot(sorted(pauses), [pauses[v] * 1e3 for v in sorted(pauses)], marker=".", label="vLLM pause")
+    ax.set_xlabel("version")
+    ax.set_ylabel("ms")
+    ax.set_title("weight sync")
+    ax.legend()
+    ax = axes[1][0]
+    ax.plot(steps, [r["reward"] for r in rows], marker=".")
+    ax.set_xlabel("step")
+    ax.set_title("mean reward")
+    ax = axes[1][1]
+    train = [r["train_s"] * 1e3 for r in rows]
+    wait = [r["rollout_wait_s"] * 1e3 for r in rows]
+    ax.bar(steps, train, label="training")
+    ax.bar(steps, wait, bottom=train, label="waiting for rollouts")
+    ax.bar(
+        steps,
+        [r["sync_wait_s"] * 1e3 for r in rows],
+        bottom=[a + b for a, b in zip(train, wait, strict=True)],
+        label="waiting for a sync",
+    )
+    ax.set_xlabel("step")
+    ax.set_ylabel("ms")
+    ax.set_title("trainer time per step")
+    ax.legend()
+    ax = axes[2][0]
+    hist = {int(k): v for k, v in summary["staleness_histogram"].items()}
+    ax.bar(list(hist), list(hist.values()))
+    ax.set_xlabel(
+        f"versions behind at consumption (bound {summary['max_staleness']}; {summary['dropped_groups']} dropped)"
+    )
+    ax.set_title("staleness of consumed groups")
+    ax = axes[2][1]
+    names = list(summary["cpu_cores"])
+    ax.barh(names, [summary["cpu_cores"][n] for n in names])
+    ax.set_xlabel("cores busy during the RL phase")
+    ax.set_title("CPU per process")
+    fig.suptitle(f"Wordle GRPO with deltasync ({summary['mode']}): trainer -> store -> vLLM")
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
+    fig.savefig(path, dpi=90)
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", type=Path, default=Path("demo-out"))
-    parser.add_argument("--steps", type=int, default=200)
-    parser.add_argument("--warmup-steps", type=int, default=300)
-    parser.add_argument("--learning-rate", type=float, default=1e-5)
-    args = parser.parse_args()
-    out = args.out.absolute()
-    shutil.rmtree(out, ignore_errors=True)
-    out.mkdir(parents=True)
+def run_once(out: Path, model: Path, args: argparse.Namespace, *, sync: bool) -> dict[str, Any]:
+    """One run: every process started, the trainer followed, every process stopped. Returns the report."""
+    out.mkdir(parents=True, exist_ok=True)
     procs = Processes(out)
-    signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
     secret = secrets.token_hex(16)
     publisher_env = {"DELTASYNC_PUBLISHER_TOKEN": secrets.token_hex(16)}
     tokens = {**publisher_env, "DELTASYNC_AGENT_SECRET": secret}  # the coordinator's credentials
     agent_env = {"DELTASYNC_AGENT_TOKEN": make_agent_token(secret, "vllm-0")}  # bound to the agent's id
-    py = sys.executable
+    py, store = sys.executable, out / "store"
     try:
-        print(f"[demo] building the tiny Qwen3 and its Wordle tokenizer in {out / 'model'}", flush=True)
-        model = build_model(out / "model")
-        store = out / "store"
         coord_port, env_port = free_port(), free_port()
         coord = procs.start(
             "coordinator",
-            [
-                py,
-                "-m",
-                "deltasync.cli",
-                "coordinator",
-                "--db",
-                str(out / "ledger.db"),
-                "--store",
-                str(store),
-                "--port",
-                str(coord_port),
-            ],
+            [py, "-m", "deltasync.cli", "coordinator", "--db", str(out / "ledger.db"), "--store", str(store)]
+            + ["--port", str(coord_port)],
             tokens,
         )
         env = procs.start("env", [py, "-m", "examples.wordle.env_server", "--port", str(env_port)])
@@ -188,88 +277,82 @@ def main() -> int:
         print(
             f"[demo] coordinator {coord_url}, environment {env_url}; starting vLLM (about 30 s on 2 cores)", flush=True
         )
-        vllm = VllmServerProcess(model, log=out / "logs" / "vllm.log")
+        # --enable-scale-out: the token-in/token-out route, whose answers carry each token's weight version
+        vllm = VllmServerProcess(model, log=out / "logs" / "vllm.log", args=["--enable-scale-out"])
         vllm.start_async()
         procs.adopt("vllm", vllm.proc)  # type: ignore[arg-type]
         vllm.wait_healthy()
-        print(
-            f"[demo] vLLM {vllm.url} serving its start-up weights; starting the sidecar agent and the trainer",
-            flush=True,
+        mode = "lock-step (--sync)" if sync else f"asynchronous, max staleness {args.max_staleness}"
+        print(f"[demo] vLLM {vllm.url} up; starting the sidecar agent and the trainer, {mode}", flush=True)
+        agent_args = ["--vllm-url", vllm.url, "--coordinator", coord_url, "--store", str(store), "--agent-id", "vllm-0"]
+        agent_args += ["--poll-wait-s", "5", "--staging-dir", str(out / "staging"), "--backoff-s", "0.2"]
+        procs.start("agent", [py, "-m", "deltasync.cli", "agent", *agent_args], agent_env)
+        train_args = ["--model", str(model), "--vllm-url", vllm.url, "--env-url", env_url, "--coordinator", coord_url]
+        train_args += ["--store", str(store), "--out", str(out / "run"), "--steps", str(args.steps)]
+        train_args += ["--warmup-steps", str(args.warmup_steps), "--learning-rate", str(args.learning_rate)]
+        train_args += ["--max-staleness", str(args.max_staleness), "--seed", str(args.seed)] + (
+            ["--sync"] if sync else []
         )
-        procs.start(
-            "agent",
-            [
-                py,
-                "-m",
-                "deltasync.cli",
-                "agent",
-                "--vllm-url",
-                vllm.url,
-                "--coordinator",
-                coord_url,
-                "--store",
-                str(store),
-                "--agent-id",
-                "vllm-0",
-                "--poll-wait-s",
-                "5",
-                "--staging-dir",
-                str(out / "staging"),
-                "--backoff-s",
-                "0.2",
-            ],
-            agent_env,
-        )
-        trainer = procs.start(
-            "trainer",
-            [
-                py,
-                "-m",
-                "examples.wordle.train",
-                "--model",
-                str(model),
-                "--vllm-url",
-                vllm.url,
-                "--env-url",
-                env_url,
-                "--coordinator",
-                coord_url,
-                "--store",
-                str(store),
-                "--out",
-                str(out / "run"),
-                "--steps",
-                str(args.steps),
-                "--warmup-steps",
-                str(args.warmup_steps),
-            ],
-            publisher_env,
-        )
-        rows, pauses, seen = follow(trainer, out, coord_url, procs, publisher_env["DELTASYNC_PUBLISHER_TOKEN"])
+        trainer = procs.start("trainer", [py, "-m", "examples.wordle.train", *train_args], publisher_env)
+        rows, pauses, seen, cpu = follow(trainer, out, coord_url, procs, publisher_env["DELTASYNC_PUBLISHER_TOKEN"])
         if trainer.returncode != 0:
             print((out / "logs" / "trainer.log").read_text()[-3000:], file=sys.stderr)
             raise RuntimeError(f"the trainer exited with {trainer.returncode}; logs in {out / 'logs'}")
-        final = json.loads((out / "run" / "final.json").read_text())
-        final["applied_versions_in_order"] = seen
-        (out / "report.json").write_text(json.dumps({"steps": rows, "pauses": pauses, "final": final}, indent=1))
-        report(out, rows, pauses, final)
-        return 0 if final["bit_exact"] else 1
-    except KeyboardInterrupt:
-        print("\n[demo] interrupted: stopping every process", file=sys.stderr)
-        return 130
     finally:
         procs.stop_all()
         print(f"[demo] all processes stopped; logs in {out / 'logs'}", flush=True)
+    final = json.loads((out / "run" / "final.json").read_text())
+    final["applied_versions_in_order"] = seen
+    summary = summarize(rows, pauses, final, cpu)
+    result = {"summary": summary, "steps": rows, "pauses": pauses, "final": final}
+    (out / "report.json").write_text(json.dumps(result, indent=1))
+    report(out, rows, pauses, final, summary)
+    return result
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path, default=Path("demo-out"))
+    parser.add_argument("--steps", type=int, default=100)
+    parser.add_argument("--warmup-steps", type=int, default=300)
+    parser.add_argument("--learning-rate", type=float, default=1e-5)
+    parser.add_argument("--max-staleness", type=int, default=2)
+    parser.add_argument("--seed", type=int, default=0)
+    modes = parser.add_mutually_exclusive_group()
+    modes.add_argument("--sync", action="store_true", help="lock-step: vLLM serves each version before rollouts")
+    modes.add_argument("--compare", action="store_true", help="sync, then async, same seed and steps; side by side")
+    args = parser.parse_args()
+    out = args.out.absolute()
+    shutil.rmtree(out, ignore_errors=True)
+    out.mkdir(parents=True)
+    signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
+    try:
+        print(f"[demo] building the tiny Qwen3 and its Wordle tokenizer in {out / 'model'}", flush=True)
+        model = build_model(out / "model")
+        if not args.compare:
+            result = run_once(out, model, args, sync=args.sync)
+            return 0 if result["final"]["bit_exact"] else 1
+        results = [run_once(out / mode, model, args, sync=mode == "sync") for mode in ("sync", "async")]
+        summaries = [r["summary"] for r in results]
+        (out / "compare.json").write_text(json.dumps(summaries, indent=1))
+        print(f"\n[demo] the same {args.steps} steps, seed {args.seed}, lock-step then asynchronous:")
+        print_summaries(summaries)
+        return 0 if all(s["bit_exact"] for s in summaries) else 1
+    except KeyboardInterrupt:
+        print("\n[demo] interrupted: every process was stopped", file=sys.stderr)
+        return 130
 
 
 def follow(
     trainer: subprocess.Popen[bytes], out: Path, coord_url: str, procs: Processes, token: str
-) -> tuple[list[dict[str, Any]], dict[int, float], list[int]]:
-    """Print progress while the trainer runs; collect metrics, the agent's pause per version, applied order."""
+) -> tuple[list[dict[str, Any]], dict[int, float], list[int], list[tuple[float, dict[str, float]]]]:
+    """Print progress while the trainer runs; collect metrics, the agent's pause per version, the applied order,
+    and the CPU time of every process (sampled)."""
     metrics = out / "run" / "metrics.jsonl"
     rows: list[dict[str, Any]] = []
     pauses: dict[int, float] = {}
     seen: list[int] = []
+    cpu: list[tuple[float, dict[str, float]]] = []
     offset = 0
     with httpx.Client(base_url=coord_url, timeout=10, headers={"Authorization": f"Bearer {token}"}) as http:
         while True:
@@ -277,6 +360,8 @@ def follow(
             for name, proc in procs.children.items():
                 if name != "trainer" and proc.poll() is not None:
                     raise RuntimeError(f"{name} exited with {proc.returncode}; see {out / 'logs' / (name + '.log')}")
+            if not done:
+                cpu.append((time.time(), cpu_seconds({n: p.pid for n, p in procs.children.items()})))
             try:
                 for agent in http.get("/v1/agents").json()["agents"]:
                     v = agent["applied_version"]
@@ -293,14 +378,15 @@ def follow(
                         r = json.loads(line)
                         rows.append(r)
                         print(
-                            f"[demo] step {r['step']:3d}: reward {r['reward']:.3f}, published v{r.get('version')} "
-                            f"({r.get('delta_bytes', 0) / 1024:.1f} KB, {r.get('changed_fraction', 0):.2%} changed), "
-                            f"vLLM caught up in {(r.get('applied_wait_s') or 0) * 1e3:.0f} ms",
+                            f"[demo] step {r['step']:3d}: reward {r['reward']:.3f}, rollouts from "
+                            f"v{min(g[0] for g in r['groups'])} (trainer at v{r['policy_version']}), waited "
+                            f"{(r['rollout_wait_s'] + r['sync_wait_s']) * 1e3:.0f} ms, trained "
+                            f"{r['train_s'] * 1e3:.0f} ms, published v{r['version']}",
                             flush=True,
                         )
                     offset = f.tell()
             if done:
-                return rows, pauses, seen
+                return rows, pauses, seen, cpu
             time.sleep(0.2)
 
 

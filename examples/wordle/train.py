@@ -1,9 +1,16 @@
-"""Wordle RL with delta sync: a short supervised warm-up on scripted games, then TRL's GRPOTrainer whose
-rollouts come from a vLLM server kept current by the deltasync sidecar agent.
+"""Wordle RL with delta sync: a short supervised warm-up on scripted games, then GRPO whose rollouts come from a
+vLLM server kept current by the deltasync sidecar agent.
 
-Each optimizer step is published (DeltaSyncCallback); before generating, the trainer waits until the fleet has
-applied the last published version (staleness 0), so every rollout uses exactly the weights it trains. Writes one
-JSON line per step to ``--out/metrics.jsonl`` and, at the end, ``--out/final.json`` with the bit-exact check.
+**Asynchronous by default.** Rollout workers (threads) generate groups continuously against vLLM into a bounded
+queue while the trainer trains; each optimizer step is published through :class:`DeltaSyncWeightTransfer` (TRL's
+``WeightTransferProtocol``, called as AsyncGRPOTrainer calls it) and the sidecar applies it while vLLM keeps
+serving. Every completion is tagged with the weight versions vLLM reports for its tokens; a group whose oldest
+token is more than ``--max-staleness`` versions behind the trainer is dropped, and the loss corrects the rest with
+a truncated importance ratio (:mod:`examples.wordle.grpo`). ``--sync`` is the lock-step baseline: before each
+step the trainer waits until vLLM serves its last version, then generates, then trains.
+
+Writes one JSON line per step to ``--out/metrics.jsonl`` and, at the end, ``--out/final.json`` (timings, staleness,
+the bit-exact check of what vLLM serves against the trainer's weights).
 
     python -m examples.wordle.train --model DIR --vllm-url URL --env-url URL --coordinator URL --store URI --out DIR
 """
@@ -24,15 +31,16 @@ import torch
 
 from deltasync.client import CoordinatorClient
 from deltasync.config import PublisherConfig
-from deltasync.integrations.trl import DeltaSyncCallback
+from deltasync.integrations.trl import DeltaSyncWeightTransfer
 from deltasync.publisher import Publisher
 from tests.support.models import qwen3_effective_checksums
 
-from .game import allowed_words, parse_guess, render_messages
+from .game import render_messages
+from .grpo import grpo_tis_loss
+from .rollouts import Group, Positions, RolloutQueue, RolloutWorkers, ServedVersions, generate_group
 from .solver import TreeSolver
 
 logger = logging.getLogger("wordle.train")
-FORMAT_BONUS = 0.1
 
 
 def prompt_ids(tok: Any, messages: list[dict[str, str]]) -> list[int]:
@@ -87,97 +95,27 @@ def warmup(model: Any, tok: Any, steps: int, *, batch: int = 16, lr: float = 3e-
     return losses
 
 
-class Rollouts:
-    """TRL ``rollout_func``: completions from the vLLM server, after the fleet caught up with the trainer."""
-
-    def __init__(
-        self,
-        vllm_url: str,
-        model_name: str,
-        tok: Any,
-        coordinator: CoordinatorClient,
-        publisher: Publisher,
-        *,
-        max_tokens: int,
-        metrics: dict[str, Any],
-    ) -> None:
-        self.vllm_url, self.model_name, self.tok = vllm_url, model_name, tok
-        self.coordinator, self.publisher, self.max_tokens, self.metrics = coordinator, publisher, max_tokens, metrics
-        self.http = httpx.Client(base_url=vllm_url, timeout=300)
-
-    def wait_applied(self, version: int, timeout_s: float = 300) -> float:
-        """Seconds until every agent reports ``version`` applied."""
-        t0 = time.perf_counter()
-        while time.perf_counter() - t0 < timeout_s:
-            fleet = self.coordinator.agents()
-            if fleet and all(a.applied_version is not None and a.applied_version >= version for a in fleet):
-                return time.perf_counter() - t0
-            time.sleep(0.05)
-        raise TimeoutError(f"the agents did not apply v{version} within {timeout_s} s: {fleet}")
-
-    def __call__(self, prompts: list[Any], trainer: Any) -> dict[str, Any]:
-        self.publisher.flush()  # the version of the last step is committed and registered
-        version = self.publisher.published[-1].version
-        self.metrics["applied_wait_s"] = self.wait_applied(version)
-        self.metrics["served_version"] = version
-        ids = [prompt_ids(self.tok, p) for p in prompts]
-        body = {
-            "model": self.model_name,
-            "prompt": ids,
-            "max_tokens": self.max_tokens,
-            "temperature": 1.0,
-            "logprobs": 0,
-            "n": 1,
-            "return_token_ids": True,
-            "skip_special_tokens": False,
-            "stop_token_ids": [self.tok.eos_token_id],
-        }
-        response = self.http.post("/v1/completions", json=body)
-        response.raise_for_status()
-        choices = sorted(response.json()["choices"], key=lambda c: c["index"])
-        return {
-            "prompt_ids": ids,
-            "completion_ids": [c["token_ids"] for c in choices],
-            "logprobs": [c["logprobs"]["token_logprobs"] for c in choices],
-        }
-
-
-def make_reward(env: httpx.Client):
-    """The reward: the environment's (1.0 win, 0.1 per green + 0.05 per yellow) plus 0.1 for a well-formed,
-    valid guess; 0 for an invalid move (malformed reply, not 5 letters, not an allowed word)."""
-
-    def wordle_reward(completions: list[Any], session_id: list[str], **kwargs: Any) -> list[float]:
-        rewards = []
-        for completion, sid in zip(completions, session_id, strict=True):
-            text = completion if isinstance(completion, str) else completion[-1]["content"]
-            guess = parse_guess(text)
-            if guess is None or guess not in allowed_words():
-                rewards.append(0.0)
-                continue
-            fork = env.post(f"/v1/sessions/{sid}/fork").json()["session_id"]
-            step = env.post(f"/v1/sessions/{fork}/guess", json={"guess": guess}).json()
-            env.delete(f"/v1/sessions/{fork}")
-            rewards.append(step["reward"] + FORMAT_BONUS if step["valid"] else 0.0)
-        return rewards
-
-    return wordle_reward
-
-
-def sessions_dataset(env: httpx.Client, n: int, seed: int) -> Any:
-    """Game positions from the environment: a random answer and 0-2 opening moves of the scripted solver."""
-    from datasets import Dataset
-
+def game_positions(env: httpx.Client, tok: Any, n: int, seed: int) -> list[tuple[list[int], list[dict[str, str]], str]]:
+    """Game positions from the environment (prompt ids, prompt messages, session id): a random answer and 0-2
+    opening moves of the scripted solver."""
     rng, solver, rows = random.Random(seed), TreeSolver(), []
     for i in range(n):
         obs = env.post("/v1/sessions", json={"seed": seed * 100_000 + i}).json()
         for _ in range(rng.randint(0, 2)):
             history = [(h["guess"], h["feedback"]) for h in obs["history"]]
             obs = env.post(f"/v1/sessions/{obs['session_id']}/guess", json={"guess": solver.guess(history)}).json()
-        if obs["done"]:
-            continue
-        history = [(h["guess"], h["feedback"]) for h in obs["history"]]
-        rows.append({"prompt": render_messages(history), "session_id": obs["session_id"]})
-    return Dataset.from_list(rows)
+        if not obs["done"]:
+            messages = render_messages([(h["guess"], h["feedback"]) for h in obs["history"]])
+            rows.append((prompt_ids(tok, messages), messages, obs["session_id"]))
+    return rows
+
+
+def sync_weights(transfer: DeltaSyncWeightTransfer, model: Any) -> int:
+    """One weight sync, with TRL AsyncGRPOTrainer's calls in its order (``_sync_weight_merged``)."""
+    transfer.pause()
+    transfer.send_weights((name, p.detach()) for name, p in model.named_parameters())
+    transfer.resume()
+    return transfer.versions[-1]
 
 
 def main() -> None:
@@ -186,6 +124,7 @@ def main() -> None:
     parser.add_argument("--vllm-url", required=True)
     parser.add_argument("--env-url", required=True)
     parser.add_argument("--coordinator", required=True)
+    parser.add_argument("--ca-bundle", help="CA certificates (PEM) for an https coordinator")
     parser.add_argument("--store", required=True)
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--steps", type=int, default=30)
@@ -193,12 +132,18 @@ def main() -> None:
     parser.add_argument("--num-generations", type=int, default=8)
     parser.add_argument("--prompts-per-step", type=int, default=2)
     parser.add_argument("--learning-rate", type=float, default=1e-4)
+    parser.add_argument("--max-tokens", type=int, default=12)
+    parser.add_argument("--sync", action="store_true", help="lock-step: wait for vLLM to serve each version")
+    parser.add_argument("--max-staleness", type=int, default=2, help="drop groups more versions behind than this")
+    parser.add_argument("--rollout-workers", type=int, default=2, help="groups generated at a time")
+    parser.add_argument("--queue-size", type=int, help="groups queued at most (default: 2 steps' worth)")
+    parser.add_argument("--is-cap", type=float, default=2.0, help="cap of the truncated importance ratio")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
+    if args.max_staleness < 0 or args.steps < 1 or args.rollout_workers < 1:
+        parser.error("need --max-staleness >= 0, --steps >= 1 and --rollout-workers >= 1")
     logging.basicConfig(level=logging.INFO, format="[trainer] %(asctime)s %(message)s")
-    os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
-    import trl
-    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     torch.manual_seed(args.seed)
     args.out.mkdir(parents=True, exist_ok=True)
@@ -209,97 +154,119 @@ def main() -> None:
         losses = warmup(model, tok, args.warmup_steps, seed=args.seed)
         logger.info("warm-up done in %.0f s: loss %.3f -> %.3f", time.perf_counter() - t0, losses[0], losses[-1])
 
-    token = os.environ.get("DELTASYNC_PUBLISHER_TOKEN")
     env = httpx.Client(base_url=args.env_url, timeout=60)
-    coordinator = CoordinatorClient(args.coordinator, token=token)
-    publisher = Publisher(args.store, coordinator, PublisherConfig(anchor_every=10, queue_size=1))
-    step_metrics: dict[str, Any] = {}
-    rollouts = Rollouts(args.vllm_url, args.model, tok, coordinator, publisher, max_tokens=12, metrics=step_metrics)
+    vllm = httpx.Client(base_url=args.vllm_url, timeout=300)
+    token = os.environ.get("DELTASYNC_PUBLISHER_TOKEN")
+    coordinator = CoordinatorClient(args.coordinator, token=token, ca_bundle=args.ca_bundle)
+    publisher = Publisher(args.store, coordinator, PublisherConfig(anchor_every=10, queue_size=2))
+    transfer = DeltaSyncWeightTransfer(publisher)
+    served = ServedVersions(args.vllm_url)
+    rows = game_positions(env, tok, max(64, args.steps * args.prompts_per_step), args.seed)
+
+    def make_group(prompt: list[int], session_id: str, i: int) -> Group:
+        n, max_tokens = args.num_generations, args.max_tokens
+        return generate_group(vllm, env, tok, prompt, session_id, n=n, max_tokens=max_tokens, seed=args.seed + i)
+
+    workers = RolloutWorkers(
+        make_group, Positions([(ids, sid) for ids, _, sid in rows], args.seed), workers=args.rollout_workers
+    )
+    staleness = 0 if args.sync else args.max_staleness
+    rollouts = RolloutQueue(args.queue_size or 2 * args.prompts_per_step, staleness)
+    opt = torch.optim.AdamW(model.parameters(), lr=args.learning_rate)
     metrics_file = open(args.out / "metrics.jsonl", "a")  # noqa: SIM115 (closed at the end)
-    full_bytes = sum(p.numel() * 2 for n, p in model.named_parameters() if n != "lm_head.weight")
+    published_at: dict[int, float] = {}
 
-    class Report(TrainerCallback):  # type: ignore[misc]
-        def on_log(self, targs: Any, state: Any, control: Any, logs: dict[str, Any] | None = None, **kw: Any) -> None:
-            if not logs or "reward" not in logs:
-                return
-            publisher.flush()  # this step's version is committed (the next rollout waits for it anyway)
-            latest = publisher.published[-1].version if publisher.published else None
-            objects = [m for m in publisher.published if m.version == latest]
-            delta = next((m for m in objects if m.kind == "delta"), objects[0] if objects else None)
-            record = {
-                "step": state.global_step,
-                "reward": logs.get("reward"),
-                "reward_std": logs.get("reward_std"),
-                "loss": logs.get("loss"),
-                "served_version": step_metrics.get("served_version"),
-                "applied_wait_s": step_metrics.get("applied_wait_s"),
-                "full_bytes": full_bytes,
-            }
-            if delta is not None:  # what an agent that is up to date fetches; an anchor written beside it is noted
-                record.update(
-                    version=delta.version,
-                    kind=delta.kind,
-                    delta_bytes=delta.total_bytes,
-                    changed_fraction=delta.nnz / max(delta.numel, 1),
-                    anchor=len(objects) > 1,
-                    publish_blocked_s=publisher.last_blocked_s,
-                )
-            metrics_file.write(json.dumps(record) + "\n")
-            metrics_file.flush()
-
-    config = trl.GRPOConfig(
-        output_dir=str(args.out / "trainer"),
-        per_device_train_batch_size=args.num_generations * args.prompts_per_step,
-        num_generations=args.num_generations,
-        max_completion_length=12,
-        max_steps=args.steps,
-        learning_rate=args.learning_rate,
-        logging_steps=1,
-        report_to=[],
-        use_cpu=not torch.cuda.is_available(),
-        save_strategy="no",
-        beta=0.0,
-        seed=args.seed,
-        temperature=1.0,
-    )
-    trainer = trl.GRPOTrainer(
-        model=model,
-        reward_funcs=make_reward(env),
-        args=config,
-        processing_class=tok,
-        train_dataset=sessions_dataset(env, max(64, args.steps * args.prompts_per_step), args.seed),
-        rollout_func=rollouts,
-        callbacks=[DeltaSyncCallback(publisher, close_on_end=False), Report()],
-    )
-    trainer.train()
-    # the last step: publish, wait for the fleet, then prove what vLLM serves equals the trainer's weights
-    publisher.flush()
-    final_version = publisher.published[-1].version
-    latency = rollouts.wait_applied(final_version)
-    trained = {n: p.detach().to(torch.bfloat16) for n, p in trainer.model.state_dict().items() if n != "lm_head.weight"}
-    expected = qwen3_effective_checksums(trained, trainer.model.config.num_hidden_layers)
-    served = httpx.post(args.vllm_url + "/collective_rpc", json={"method": "deltasync_effective"}, timeout=120)
-    got = served.json()["results"][0]
+    # train begin, as AsyncGRPOTrainer's _TrainBeginCallback: set up, cold sync, then start the rollout workers
+    transfer.init_weight_transfer()
+    version = sync_weights(transfer, model)
+    published_at[version] = time.time()
+    cold_sync_s = served.wait_for(version)
+    rl_started_at = time.time()
+    if not args.sync:
+        workers.start(rollouts)
+    model.train()
+    for step in range(1, args.steps + 1):
+        t_step = time.perf_counter()
+        sync_wait_s = served.wait_for(version) if args.sync else 0.0  # async mode never waits for a weight sync
+        rollout_wait_s, groups = 0.0, []
+        if args.sync:
+            t0 = time.perf_counter()
+            groups = workers.generate(args.prompts_per_step)
+            rollout_wait_s = time.perf_counter() - t0
+            for g in groups:
+                rollouts.staleness[version - g.oldest_version] += 1
+        else:
+            for _ in range(args.prompts_per_step):
+                group, waited = rollouts.take(version, workers.check)
+                groups.append(group)
+                rollout_wait_s += waited
+        t0 = time.perf_counter()
+        loss, stats = grpo_tis_loss(model, groups, pad_id=tok.pad_token_id, cap=args.is_cap)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        train_s = time.perf_counter() - t0
+        policy_version = version
+        version = sync_weights(transfer, model)  # the trainer's next policy, published without waiting for it
+        published_at[version] = time.time()
+        record = {
+            "step": step,
+            "version": version,
+            "policy_version": policy_version,
+            "reward": stats.reward,
+            "loss": stats.loss,
+            "is_weight_mean": stats.is_weight_mean,
+            "is_capped": stats.is_capped,
+            "logprob_gap": stats.logprob_gap,
+            "groups": [[g.oldest_version, g.newest_version, round(g.finished_at, 3)] for g in groups],
+            "staleness": [policy_version - g.oldest_version for g in groups],
+            "dropped_total": rollouts.dropped,
+            "sync_wait_s": sync_wait_s,
+            "rollout_wait_s": rollout_wait_s,
+            "train_s": train_s,
+            "publish_blocked_s": publisher.last_blocked_s,
+            "step_s": time.perf_counter() - t_step,
+            "episodes_total": workers.episodes,
+        }
+        metrics_file.write(json.dumps(record) + "\n")
+        metrics_file.flush()
+    rl_ended_at = time.time()
+    # train end, as AsyncGRPOTrainer: stop the rollout workers, then destroy the transfer (flushes the publisher)
+    workers.stop()
+    transfer.destroy()
+    final_apply_wait_s = served.wait_for(version)
+    trained = {n: p.detach().to(torch.bfloat16) for n, p in model.state_dict().items() if n != "lm_head.weight"}
+    expected = qwen3_effective_checksums(trained, model.config.num_hidden_layers)
+    got = vllm.post("/collective_rpc", json={"method": "deltasync_effective"}, timeout=120).json()["results"][0]
     differ = sorted(k for k in expected if got.get(k) != expected[k])
-    weight_version = httpx.get(args.vllm_url + "/weight_info", timeout=30).json()["weight_version"]
+    weight_version = vllm.get("/weight_info", timeout=30).json()["weight_version"]
     final = {
-        "version": final_version,
+        "mode": "sync" if args.sync else "async",
+        "max_staleness": staleness,
+        "version": version,
         "served_weight_version": weight_version,
         "bit_exact": not differ,
         "tensors_checked": len(expected),
         "differ": differ,
-        "final_apply_wait_s": latency,
-        "published": [{"version": m.version, "kind": m.kind, "bytes": m.total_bytes} for m in publisher.published],
+        "final_apply_wait_s": final_apply_wait_s,
+        "cold_sync_s": cold_sync_s,
+        "rl_started_at": rl_started_at,
+        "rl_ended_at": rl_ended_at,
+        "episodes": workers.episodes,
+        "dropped_groups": rollouts.dropped,
+        "staleness_histogram": {str(k): v for k, v in sorted(rollouts.staleness.items())},
+        "publish_to_served_s": {
+            str(v): at - t for v, t in published_at.items() if (at := served.served_at(v)) is not None
+        },
+        "full_bytes": sum(p.numel() * 2 for p in model.parameters()),
+        "published": [
+            {"version": m.version, "kind": m.kind, "bytes": m.total_bytes, "changed": m.nnz / max(m.numel, 1)}
+            for m in publisher.published
+        ],
     }
     (args.out / "final.json").write_text(json.dumps(final, indent=1))
-    logger.info(
-        "final v%d served as weight_version %s: bit-exact %s (%d tensors)",
-        final_version,
-        weight_version,
-        not differ,
-        len(expected),
-    )
-    publisher.close()
+    logger.info("final v%d served as weight_version %s: bit-exact %s", version, weight_version, not differ)
+    served.close()
     metrics_file.close()
     coordinator.close()
     if differ:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import queue
 from pathlib import Path
 
 import pytest
@@ -78,3 +79,114 @@ def test_weight_transfer_protocol_publishes_each_sync(tmp_path: Path) -> None:
         assert_bit_equal(read_weights(store, step), {k: v.to(torch.bfloat16) for k, v in weights.items()})
     transfer.destroy()
     assert transfer.versions == [0, 1, 2]
+
+
+class _RecordingTransfer(DeltaSyncWeightTransfer):
+    """The real DeltaSyncWeightTransfer (it publishes), recording the protocol calls it receives, in order."""
+
+    def __init__(self, publisher: Publisher) -> None:
+        super().__init__(publisher, wait=True)
+        self.calls: list[str] = []
+
+    def init_weight_transfer(self) -> None:
+        self.calls.append("init_weight_transfer")
+        super().init_weight_transfer()
+
+    def pause(self) -> None:
+        self.calls.append("pause")
+        super().pause()
+
+    def send_weights(self, iterator) -> None:
+        self.calls.append("send_weights")
+        super().send_weights(iterator)
+
+    def resume(self) -> None:
+        self.calls.append("resume")
+        super().resume()
+
+    def destroy(self) -> None:
+        self.calls.append("destroy")
+        super().destroy()
+
+
+class _NoRollouts:
+    """TRL's RolloutWorkerProtocol with no rollouts: TRL's own worker feeds a training loop that cannot run on CPU
+    (see the test below). It records what the trainer tells it."""
+
+    def __init__(self) -> None:
+        self.rollout_buffer: queue.Queue[object] = queue.Queue()
+        self.events: list[object] = []
+
+    def start(self) -> None:
+        self.events.append("start")
+
+    def stop(self) -> None:
+        self.events.append("stop")
+
+    def update_model_version(self, model_version: int) -> None:
+        self.events.append(model_version)
+
+    def check_health(self, stale_after_s: float) -> None:
+        pass
+
+
+def test_async_grpo_trainer_syncs_through_deltasync(tmp_path: Path, tiny_model_dir: Path, monkeypatch) -> None:
+    """TRL 1.16's AsyncGRPOTrainer, built by examples/wordle/train_async_trl.py, syncs weights through its own code
+    (the train-begin cold sync, then the per-step sync callback) into DeltaSyncWeightTransfer: real versions in a
+    real store and coordinator, bit-exact, with the protocol calls in TRL's order, which examples/wordle/train.py
+    repeats.
+
+    What blocks the rest of AsyncGRPO on CPU, exactly: (1) its constructor calls ``get_peak_flops_per_device``, which
+    asks ``torch.cuda.get_device_name`` (replaced here by a fixed figure: it only feeds the MFU log); (2) its training
+    forward runs the ``tree_fa3`` attention, whose FlashAttention-3 kernel the ``kernels`` package fetches from the
+    Hub (``kernels-community/flash-attn3``), CUDA only. So ``train()`` itself does not run here."""
+    pytest.importorskip("trl")
+    monkeypatch.setenv("TRL_EXPERIMENTAL_SILENCE", "1")
+    from trl.experimental.async_grpo import async_grpo_trainer as tas
+
+    from examples.wordle import train, train_async_trl
+    from examples.wordle.env_server import create_app as env_app
+
+    monkeypatch.setattr(tas, "get_peak_flops_per_device", lambda accelerator, dtype: 1e12)
+    monkeypatch.setenv("DELTASYNC_PUBLISHER_TOKEN", PUBLISHER_TOKEN)
+    store = tmp_path / "store"
+    with (
+        ServerThread(create_app(coordinator_settings(tmp_path))) as coordinator,
+        ServerThread(env_app()) as env,
+    ):
+        args = train_async_trl.parser().parse_args(
+            ["--model", str(tiny_model_dir), "--vllm-url", "http://127.0.0.1:9", "--env-url", env.url]
+            + ["--coordinator", coordinator.url, "--store", str(store), "--out", str(tmp_path / "out"), "--steps", "2"]
+        )
+        worker = _NoRollouts()
+        trainer = train_async_trl.build_trainer(args, rollout_worker=worker)
+        transfer = _RecordingTransfer(trainer.weight_transfer.publisher)
+        trainer.weight_transfer = transfer
+        callbacks = trainer.callback_handler.callbacks
+        begin = next(c for c in callbacks if isinstance(c, tas._TrainBeginCallback))
+        begin.on_train_begin(trainer.args, trainer.state, trainer.control)
+        with torch.no_grad():  # one optimizer step's worth of change
+            trainer.model.model.norm.weight.add_(0.25)
+        trainer.state.global_step = 1
+        step = next(c for c in callbacks if isinstance(c, tas.StepIntervalCallback) and c.fn == trainer._sync_weight)
+        step.on_step_end(trainer.args, trainer.state, trainer.control)
+        # the end of TRL's _inner_training_loop (reached only through train()): stop the worker, destroy the transfer
+        trainer.rollout_worker.stop()
+        trainer.weight_transfer.destroy()
+        next(c for c in callbacks if type(c).__name__ == "CloseClients").on_train_end()
+        expected = {n: p.detach().to(torch.bfloat16) for n, p in tas._iter_vllm_named_params(trainer.model)}
+        with CoordinatorClient(coordinator.url, token=PUBLISHER_TOKEN) as client:
+            registered = [(v.version, v.kind) for v in client.wait_for_versions(None, wait_s=0)]
+    sync = ["pause", "send_weights", "resume"]
+    assert transfer.calls == ["init_weight_transfer", *sync, *sync, "destroy"]
+    assert worker.events == [1, "start", 2, "stop"]  # TRL's model_version counts syncs from 1; deltasync's from 0
+    assert transfer.versions == [0, 1] and registered == [(0, "anchor"), (1, "delta")]
+    assert_bit_equal(read_weights(LocalStore(store), 1), expected)
+
+    # examples/wordle/train.py makes the same calls in the same order
+    ours = _RecordingTransfer(Publisher(LocalStore(tmp_path / "ours")))
+    ours.init_weight_transfer()
+    for _ in range(2):
+        train.sync_weights(ours, trainer.model)
+    ours.destroy()
+    assert ours.calls == transfer.calls

@@ -1,5 +1,5 @@
-"""The Wordle demo, shortened (3 steps): real processes, every version applied in order, bit-exact at the end,
-and no process left behind."""
+"""The Wordle demo, shortened (4 asynchronous steps): real processes, the staleness bound held, every rollout tagged
+with a version vLLM served, versions applied in order, bit-exact at the end, and no process left behind."""
 
 from __future__ import annotations
 
@@ -25,26 +25,32 @@ def _alive(pid: int) -> bool:
     return state != "Z"
 
 
-def test_shortened_demo(tmp_path: Path) -> None:
+def test_shortened_async_demo(tmp_path: Path) -> None:
     out = tmp_path / "demo"
-    proc = subprocess.run(
-        [sys.executable, "-m", "examples.wordle.run_demo", "--out", str(out), "--steps", "3", "--warmup-steps", "20"],
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
+    cmd = [sys.executable, "-m", "examples.wordle.run_demo", "--out", str(out), "--steps", "4", "--warmup-steps", "20"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "BIT-EXACT" in proc.stdout and (out / "demo.png").stat().st_size > 10_000
     report = json.loads((out / "report.json").read_text())
-    final = report["final"]
-    assert final["bit_exact"] and final["served_weight_version"] == str(final["version"]) == "3"
+    final, summary, steps = report["final"], report["summary"], report["steps"]
+    assert final["mode"] == "async" and final["max_staleness"] == 2
+    assert final["bit_exact"] and final["served_weight_version"] == str(final["version"]) == "4"
     published = sorted({p["version"] for p in final["published"]})
-    assert published == [0, 1, 2, 3]
-    # the engine's own log: every version applied, in order, none skipped or repeated (regression, found by CI:
-    # importing TRL sets VLLM_LOGGING_LEVEL=ERROR in os.environ, which silenced the server; its level is now explicit)
+    assert published == [0, 1, 2, 3, 4]
+    # the engine's own log: versions applied in order, none repeated, ending at the last (an agent may apply several
+    # deltas in one pause). Regression, found by CI: importing TRL sets VLLM_LOGGING_LEVEL=ERROR in os.environ for
+    # every child, which silenced the server; its level is now explicit.
     applied = [int(v) for v in re.findall(r"deltasync: now at v(\d+)", (out / "logs" / "vllm.log").read_text())]
-    assert applied == published, applied
-    assert [r["served_version"] for r in report["steps"]] == [0, 1, 2]  # each rollout used the previous step's weights
+    assert applied == sorted(set(applied)) and applied[-1] == 4 and set(applied) <= set(published), applied
+    # the bound held: every consumed group was at most 2 versions behind the trainer
+    assert all(0 <= s <= 2 for r in steps for s in r["staleness"]), [r["staleness"] for r in steps]
+    assert sum(final["staleness_histogram"].values()) == 2 * len(steps) == 8
+    # every tag came from the server: a version vLLM applied, never one the trainer had not published yet
+    for r in steps:
+        for oldest, newest, _ in r["groups"]:
+            assert oldest in applied and newest in applied and oldest <= newest <= r["policy_version"], r
+    # asynchronous: the trainer never waited for a weight sync
+    assert summary["trainer_sync_wait_s"] == 0 and all(r["sync_wait_s"] == 0 for r in steps)
     # every process the demo started is gone, and nothing else still runs from its directory
     pids = json.loads((out / "pids.json").read_text())
     assert set(pids) == {"coordinator", "env", "vllm", "agent", "trainer"}
