@@ -63,13 +63,15 @@ def grpo_tis_loss(model: Any, groups: list[Group], *, pad_id: int, cap: float = 
         attention[i, :end] = 1
         mask[i, len(prompt) : end] = True
         vllm_lp[i, len(prompt) : end] = torch.tensor(lp)
+    device = next(model.parameters()).device
+    input_ids, attention, mask, vllm_lp = (t.to(device) for t in (input_ids, attention, mask, vllm_lp))
     logits = model(input_ids=input_ids, attention_mask=attention).logits.float()
     # the token at position t is predicted by the logits at t - 1
-    logp = torch.zeros((len(rows), width))
+    logp = torch.zeros((len(rows), width), device=device)
     logp[:, 1:] = torch.log_softmax(logits[:, :-1], dim=-1).gather(-1, input_ids[:, 1:, None]).squeeze(-1)
     ratio = torch.exp(logp.detach() - vllm_lp)
     weight = ratio.clamp(max=cap)
-    a = torch.tensor(adv)[:, None]
+    a = torch.tensor(adv, device=device)[:, None]
     per_token = -weight * torch.exp(logp - logp.detach()) * a
     loss = per_token[mask].mean()
     stats = LossStats(

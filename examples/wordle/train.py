@@ -85,11 +85,14 @@ def warmup(model: Any, tok: Any, steps: int, *, batch: int = 16, lr: float = 3e-
         input_ids = torch.tensor([x + [pad] * (width - len(x)) for x in ids])
         label_ids = torch.tensor([y + [-100] * (width - len(y)) for y in labels])
         attention = (torch.arange(width)[None, :] < torch.tensor([len(x) for x in ids])[:, None]).long()
-        loss = model(input_ids=input_ids, attention_mask=attention, labels=label_ids).loss
+        device = next(model.parameters()).device
+        loss = model(
+            input_ids=input_ids.to(device), attention_mask=attention.to(device), labels=label_ids.to(device)
+        ).loss
         loss.backward()
         opt.step()
         opt.zero_grad()
-        losses.append(float(loss))
+        losses.append(float(loss.detach()))
         if step % 50 == 0 or step == steps - 1:
             logger.info("warm-up step %d/%d: loss %.3f", step + 1, steps, losses[-1])
     return losses
@@ -149,6 +152,7 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     tok = AutoTokenizer.from_pretrained(args.model)
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)
+    model.to("cuda" if torch.cuda.is_available() else "cpu")
     if args.warmup_steps > 0:
         t0 = time.perf_counter()
         losses = warmup(model, tok, args.warmup_steps, seed=args.seed)
@@ -220,6 +224,7 @@ def main() -> None:
             "logprob_gap": stats.logprob_gap,
             "groups": [[g.oldest_version, g.newest_version, round(g.finished_at, 3)] for g in groups],
             "staleness": [policy_version - g.oldest_version for g in groups],
+            "spanning_update": sum(c.first_version != c.last_version for g in groups for c in g.completions),
             "dropped_total": rollouts.dropped,
             "sync_wait_s": sync_wait_s,
             "rollout_wait_s": rollout_wait_s,
@@ -235,7 +240,7 @@ def main() -> None:
     workers.stop()
     transfer.destroy()
     final_apply_wait_s = served.wait_for(version)
-    trained = {n: p.detach().to(torch.bfloat16) for n, p in model.state_dict().items() if n != "lm_head.weight"}
+    trained = {n: p.detach().to("cpu", torch.bfloat16) for n, p in model.state_dict().items() if n != "lm_head.weight"}
     expected = qwen3_effective_checksums(trained, model.config.num_hidden_layers)
     got = vllm.post("/collective_rpc", json={"method": "deltasync_effective"}, timeout=120).json()["results"][0]
     differ = sorted(k for k in expected if got.get(k) != expected[k])
