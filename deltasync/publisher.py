@@ -15,6 +15,7 @@ import collections
 import dataclasses
 import logging
 import os
+import secrets
 import socket
 import threading
 import time
@@ -169,13 +170,18 @@ class Publisher:
     def _take_lease(self) -> LeaseKeeper | None:
         if self.rank != 0 or self.coordinator is None:
             return None
-        holder = f"{socket.gethostname()} pid {os.getpid()}"
+        # unique per publisher: a lease held under this name is this publisher's own (see below)
+        holder = f"{socket.gethostname()} pid {os.getpid()} {secrets.token_hex(3)}"
         deadline = time.monotonic() + self.config.lease_wait_s
         while True:
             try:
                 lease = self.coordinator.acquire_lease(holder, ttl_s=self.config.lease_ttl_s)
                 break
-            except LeaseError:
+            except LeaseError as exc:
+                if exc.orphaned:  # our own attempt took it and its answer was lost (a replica went away): it
+                    # is never renewed, so wait for it to lapse rather than fail; no other publisher holds the run
+                    logger.warning("publisher lease: waiting for this publisher's orphaned lease to lapse (%s)", exc)
+                    deadline = max(deadline, time.monotonic() + self.config.lease_ttl_s + 1)
                 if time.monotonic() >= deadline:
                     raise
                 time.sleep(min(1.0, self.config.lease_ttl_s / 10))
