@@ -55,6 +55,9 @@ class ReplicaStub:
         assert mode in MODES, mode
         self.target, self.mode, self.cut_after_s = target, mode, cut_after_s
         self.mode_for: Callable[[str, str], str | None] = lambda method, path: None
+        self.after_forward: Callable[[str, str], None] = lambda method, path: None
+        """Called with (method, path) once a forwarded request is answered, before the answer is passed on (or
+        the connection cut): e.g. kill the coordinator behind it."""
         self.hits: list[tuple[str, str]] = []
         self._released = threading.Event()
         self._forward = httpx.Client(timeout=120)
@@ -117,6 +120,7 @@ class ReplicaStub:
         assert self.target is not None, "forwarding needs a target"
         headers = {k: v for k, v in h.headers.items() if k.lower() not in ("host", "content-length", "connection")}
         r = self._forward.request(h.command, self.target + h.path, headers=headers, content=body)
+        self.after_forward(h.command, path)
         if mode == "cut_after_forward":
             return self._cut(h)
         self._answer(h, r.status_code, {k: v for k, v in r.headers.items() if k.lower() not in _HOP}, r.content)
