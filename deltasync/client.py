@@ -47,6 +47,8 @@ _JITTER = random.Random()
 _M = TypeVar("_M", bound=BaseModel)
 _RETRY_STATUS = frozenset({500, 502, 503, 504})
 _MAX_RETRY_AFTER_S = 30.0
+_NEVER_SENT = (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout)
+"""Transport errors before a request left this process: no replica can have carried it out."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -376,7 +378,7 @@ class CoordinatorClient:
                 except httpx.TransportError as exc:
                     response, error = None, exc
                     last[base] = repr(exc)
-                    if lost is not None and not isinstance(exc, httpx.ConnectError | httpx.ConnectTimeout):
+                    if lost is not None and not isinstance(exc, _NEVER_SENT):
                         lost.append(f"{base}: {exc!r}")
                 else:
                     try:

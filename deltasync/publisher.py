@@ -75,7 +75,8 @@ class Publisher:
 
     Args:
         store: a store or store URI.
-        coordinator: where to register versions (rank 0), or ``None`` to only write the store.
+        coordinator: where to register versions (rank 0), or ``None`` to only write the store; several
+            replicas of one ledger in one client fail over safely (a retried registration is idempotent).
         config: encoding, anchors, queue, signing key, lease.
         name_map: runtime to checkpoint names (default: strip FSDP, DDP, compile and PEFT wrappers).
         merge_lora: publish a PEFT model's LoRA adapters merged into the base weights.
