@@ -147,7 +147,12 @@ def add_agent_parser(sub: Any) -> None:
         help="keep a vLLM server at the latest version (a sidecar; its own token comes from DELTASYNC_AGENT_TOKEN)",
     )
     agent.add_argument("--vllm-url", required=True, help="the vLLM server (VLLM_SERVER_DEV_MODE=1; keep it private)")
-    agent.add_argument("--coordinator", required=True, help="the coordinator's URL (https:// with --ca-bundle)")
+    agent.add_argument(
+        "--coordinator",
+        required=True,
+        help="the coordinator's URL (https:// with --ca-bundle), or several replicas of one ledger: URL1,URL2 "
+        "(sticky, failing over in order)",
+    )
     agent.add_argument("--ca-bundle", help="CA certificates (PEM) for an https coordinator")
     agent.add_argument("--store", required=True, help="store URI or path")
     agent.add_argument("--agent-id", help="name shown by the coordinator, bound to its token (default agent-0)")

@@ -87,7 +87,8 @@ class Agent:
 
     Args:
         store: where the objects are.
-        coordinator: the coordinator (with this agent's own token).
+        coordinator: the coordinator (with this agent's own token); one client may hold several replicas of
+            the ledger (``CoordinatorClient([url_a, url_b])``): it fails over between them.
         target: the engine (see :mod:`deltasync.targets`).
         config: polling, staging, retries, staleness bound, rollback permission.
         verify_key: require every manifest to be signed by this key (default: ``config.public_key``'s file).

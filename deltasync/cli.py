@@ -252,13 +252,17 @@ def _parser() -> argparse.ArgumentParser:
     verify.add_argument("--version", type=int, required=True, help="version to rebuild")
     verify.add_argument("--public-key", help="refuse manifests not signed by this Ed25519 public key (PEM)")
     verify.add_argument(
-        "--coordinator", help="refuse manifests whose sha256 is not the one registered there (token: DELTASYNC_TOKEN)"
+        "--coordinator",
+        help="refuse manifests whose sha256 is not the one registered there (token: DELTASYNC_TOKEN); several "
+        "replicas of one ledger: URL1,URL2",
     )
     verify.add_argument("--ca-bundle", help="CA certificates (PEM) for an https coordinator")
     verify.add_argument("--json", action="store_true", help="print JSON")
     verify.set_defaults(func=_cmd_verify)
     gc = sub.add_parser("gc", help="garbage collection through the coordinator (token: DELTASYNC_PUBLISHER_TOKEN)")
-    gc.add_argument("--coordinator", required=True, help="the coordinator's URL")
+    gc.add_argument(
+        "--coordinator", required=True, help="the coordinator's URL, or several replicas of one ledger: URL1,URL2"
+    )
     gc.add_argument("--dry-run", action="store_true", help="prove the kept anchor and list what would go")
     gc.add_argument("--ca-bundle", help="CA certificates (PEM) for an https coordinator")
     gc.add_argument("--json", action="store_true", help="print JSON")

@@ -9,6 +9,7 @@ import logging
 import math
 import random
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, Literal, TypeVar
@@ -46,6 +47,8 @@ _JITTER = random.Random()
 _M = TypeVar("_M", bound=BaseModel)
 _RETRY_STATUS = frozenset({500, 502, 503, 504})
 _MAX_RETRY_AFTER_S = 30.0
+_NEVER_SENT = (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout)
+"""Transport errors before a request left this process: no replica can have carried it out."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -167,31 +170,95 @@ def _raise_for_status(response: httpx.Response) -> None:
     )
 
 
-class CoordinatorClient:
-    """A synchronous client of the coordinator, safe to share between threads.
+def _parse_urls(urls: str | Sequence[str]) -> tuple[str, ...]:
+    """``"http://a:8600,http://b:8600"`` (the CLI's and the environment's form) or a list -> a tuple of URLs."""
+    parts = urls.split(",") if isinstance(urls, str) else list(urls)
+    out: list[str] = []
+    for part in parts:
+        url = part.strip().rstrip("/")
+        if not url:
+            continue
+        if not url.startswith(("http://", "https://")):
+            raise ValueError(f"coordinator URL {url!r} must start with http:// or https://")
+        if url in out:
+            raise ValueError(f"coordinator URL {url} is listed twice in {urls!r}")
+        out.append(url)
+    if not out:
+        raise ValueError(f"need at least one coordinator URL, got {urls!r}")
+    return tuple(out)
 
-    Connection errors, timeouts and 5xx answers are retried with exponential backoff and jitter;
-    every call is idempotent on the server (re-registering an identical version answers 200).
+
+def _outcome(response: httpx.Response) -> str:
+    """A failed answer in a few words, for the give-up message."""
+    try:
+        detail = response.json().get("detail", "")
+    except (ValueError, AttributeError):
+        detail = ""
+    return f"{response.status_code} {detail}".strip()[:200]
+
+
+class CoordinatorClient:
+    """A synchronous client of the coordinator (one or several replicas of one ledger), safe to share between
+    threads.
+
+    **Retries.** Connection errors, timeouts (a replica that sends no bytes within ``timeout_s``), a cut
+    connection and 500/502/503/504 answers are retried with exponential backoff and jitter (a ``Retry-After``
+    wins). Every call is idempotent on the server (re-registering an identical version answers 200), see below.
+
+    **Several replicas** (``base_url`` a list, or ``"http://a:8600,http://b:8600"``): replicas of *one* ledger
+    (the same run id). The client sticks to the replica that last answered. On a retryable failure it moves
+    to the next replica at once (round robin); only when every replica failed in a round does it back off,
+    so the schedule and the total backoff are those of one coordinator with ``retries`` retries: at most
+    ``retries + 1`` rounds of one attempt per replica. After the last round the error names every URL and
+    what it last answered. A long-poll whose replica dies moves to the next one with the same question.
+
+    **What is retried on another replica, and why that is safe** (a request may have been carried out by a
+    replica that went away before answering; the ledger is shared, so the next replica sees its effect):
+
+    * every ``GET``: reads (a plan records the agent's latest plan: the same row again);
+    * ``POST /v1/versions``: create-only: an identical body answers 200 even without the lease (the retry of
+      a registration that did commit), a different body for the same (version, kind) 409: a version is never
+      registered twice, and a lost answer is never a spurious failure;
+    * ``POST /v1/lease`` with a lease id (renew): extends that lease only, fenced by its id;
+      ``DELETE /v1/lease/{id}``: a lease already released answers 404, which is ignored;
+    * ``POST /v1/agents/{id}/heartbeat``: the agent's state, last write wins;
+    * ``POST /v1/gc``: proves an anchor and deletes what is a candidate *now*; a second pass deletes what the
+      first left;
+    * ``POST /v1/lease`` without a lease id (take the lease) is the one request that is not idempotent: the
+      lease is exclusive, so a retry can never make two writers, but if the first attempt took the lease
+      before its answer was lost, the retry is refused naming this holder; :class:`LeaseError` then says so
+      (``orphaned``), and :class:`~deltasync.publisher.Publisher` waits for that lease to lapse (it is never
+      renewed) instead of failing.
+
+    **Run identity.** The run id is pinned once for all replicas (from ``run_id``, or the first answer). A
+    replica that names another run (another ledger), or none, is refused with
+    :class:`~deltasync.errors.RunMismatch`, never used: the client does not fail over past it, and moves
+    on from it so the next call tries the others first.
 
     Args:
-        base_url: e.g. ``http://127.0.0.1:8600``.
-        token: bearer token (the publisher's or the agent's).
+        base_url: e.g. ``http://127.0.0.1:8600``; or several replicas: a list, or one comma-separated string.
+        token: bearer token (the publisher's or the agent's), the same for every replica.
         timeout_s: per-request timeout, on top of any long-poll wait.
-        retries: attempts after the first, for retryable failures.
-        backoff_s: first backoff; doubles each attempt, capped at 10 s (a ``Retry-After`` wins).
-        http_client: an ``httpx.Client`` to use instead of a new one (tests pass an ASGI one).
+        retries: rounds after the first (a round tries every replica once), for retryable failures.
+        backoff_s: first backoff; doubles each round, capped at 10 s (a ``Retry-After`` wins).
+        http_client: an ``httpx.Client`` to use instead of a new one (tests pass an ASGI one); requests go to
+            absolute URLs, so it serves every replica.
         run_id: pin the coordinator's run identity now (default: pinned from its first answer). Every answer
             names its run; one that names another raises :class:`~deltasync.errors.RunMismatch`.
         ca_bundle: a CA certificate file (PEM) to verify an ``https://`` coordinator with (default: the system's).
 
+    Raises:
+        ValueError: no URL, a URL without ``http://`` or ``https://``, a URL listed twice, or bad numbers.
+
     Example:
         >>> client = CoordinatorClient("http://127.0.0.1:8600", token="...")  # doctest: +SKIP
+        >>> client = CoordinatorClient("http://coord-a:8600,http://coord-b:8600", token="...")  # doctest: +SKIP
         >>> client.latest_version()  # doctest: +SKIP
     """
 
     def __init__(
         self,
-        base_url: str,
+        base_url: str | Sequence[str],
         *,
         token: str | None = None,
         timeout_s: float = 30.0,
@@ -205,21 +272,28 @@ class CoordinatorClient:
             raise ValueError(
                 f"need retries >= 0, backoff_s >= 0, timeout_s > 0; got {retries}, {backoff_s}, {timeout_s}"
             )
+        self.urls: tuple[str, ...] = _parse_urls(base_url)
+        """Every replica, in the order given."""
         headers = {"Authorization": f"Bearer {token}"} if token else {}
         verify: Any = True
         if ca_bundle is not None:
             import ssl
 
             verify = ssl.create_default_context(cafile=ca_bundle)
-        self._http = http_client or httpx.Client(base_url=base_url, timeout=timeout_s, verify=verify)
+        self._http = http_client or httpx.Client(timeout=timeout_s, verify=verify)
         self._http.headers.update(headers)
-        self.base_url = base_url
+        self._active = 0  # the replica that answered last (sticky); a plain int: races only reorder attempts
         self.timeout_s, self.retries, self.backoff_s = timeout_s, retries, backoff_s
         self.run_id: str | None = run_id
-        """The coordinator's run identity, pinned (from ``run_id`` or its first answer)."""
+        """The coordinator's run identity, pinned (from ``run_id`` or its first answer), for every replica."""
+
+    @property
+    def base_url(self) -> str:
+        """The replica in use: the one that answered last (the first one given, before any answer)."""
+        return self.urls[self._active]
 
     def __repr__(self) -> str:  # never show the token
-        return f"CoordinatorClient({self.base_url!r})"
+        return f"CoordinatorClient({','.join(self.urls)!r})"
 
     def close(self) -> None:
         self._http.close()
@@ -243,14 +317,17 @@ class CoordinatorClient:
             )
         self.run_id = run_id
 
-    def _check_run(self, response: httpx.Response) -> None:
+    def _check_run(self, response: httpx.Response, base: str) -> None:
+        """Pin or check the run (a RunMismatch carries no status code: callers branching on 404 must not see one)."""
         run = response.headers.get(RUN_HEADER)
         if run is None:
-            if self.run_id is not None and response.is_success:  # every deltasync answer names its run
+            # every deltasync answer names its run; a proxy's 502/503/504 may not (it is retried, never used)
+            if self.run_id is not None and response.status_code not in _RETRY_STATUS:
                 raise RunMismatch(
-                    f"{response.request.method} {response.request.url.path}: the answer from {self.base_url} names no "
-                    f"run ({RUN_HEADER} is missing), this client follows run {self.run_id}: not a deltasync "
-                    "coordinator, or a proxy that strips headers; refusing to follow it",
+                    f"{response.request.method} {response.request.url.path}: the answer from {base} "
+                    f"({response.status_code}) names no run ({RUN_HEADER} is missing), this client follows run "
+                    f"{self.run_id}: not a deltasync coordinator, or a proxy that strips headers; refusing to "
+                    "follow it",
                     method=response.request.method,
                     url=str(response.request.url),
                 )
@@ -259,36 +336,78 @@ class CoordinatorClient:
             self.run_id = run
         elif run != self.run_id:
             raise RunMismatch(
-                f"{response.request.method} {response.request.url.path}: the coordinator at {self.base_url} keeps "
+                f"{response.request.method} {response.request.url.path}: the coordinator at {base} keeps "
                 f"run {run}, this client follows run {self.run_id}: another ledger (a new coordinator, or a wrong "
                 "URL); refusing to follow it",
                 method=response.request.method,
                 url=str(response.request.url),
             )
 
-    def _send(self, method: str, path: str, *, extra_timeout_s: float = 0, **kwargs: Any) -> httpx.Response:
-        """One request with retries; returns a 2xx response or raises CoordinatorError."""
+    def _move_from(self, index: int) -> None:
+        """Round robin: a replica that failed is not the first one tried by the next call."""
+        if self._active == index:
+            self._active = (index + 1) % len(self.urls)
+
+    def _send(
+        self,
+        method: str,
+        path: str,
+        *,
+        extra_timeout_s: float = 0,
+        lost: list[str] | None = None,
+        **kwargs: Any,
+    ) -> httpx.Response:
+        """One request with retries and failover; returns a 2xx response or raises CoordinatorError.
+
+        ``lost`` collects, for a caller whose request is not idempotent, each URL whose attempt may have been
+        carried out without an answer coming back (anything but a refused connection)."""
         timeout = httpx.Timeout(self.timeout_s + extra_timeout_s)
-        attempt = 0
-        while True:
+        n = len(self.urls)
+        last: dict[str, str] = {}  # what each replica answered last, for the give-up message
+        response: httpx.Response | None = None
+        error: httpx.TransportError | None = None
+        tried = self.urls[self._active]
+        for attempt in range(self.retries + 1):
             retry_after: float | None = None
-            try:
-                response = self._http.request(method, path, timeout=timeout, **kwargs)
-                self._check_run(response)
-                if response.status_code not in _RETRY_STATUS or attempt >= self.retries:
-                    _raise_for_status(response)
-                    return response
-                reason = f"HTTP {response.status_code}"
-                header = response.headers.get("Retry-After", "")
-                retry_after = min(float(header), _MAX_RETRY_AFTER_S) if header.isdigit() else None
-            except httpx.TransportError as exc:
-                if attempt >= self.retries:
-                    raise CoordinatorError(
-                        f"{method} {path}: no answer from {self.base_url} in {attempt + 1} attempts ({exc!r})",
-                        method=method,
-                        url=f"{self.base_url}{path}",
-                    ) from exc
-                reason = type(exc).__name__
+            start = self._active
+            for step in range(n):
+                index = (start + step) % n
+                base = tried = self.urls[index]
+                try:
+                    response, error = self._http.request(method, base + path, timeout=timeout, **kwargs), None
+                except httpx.TransportError as exc:
+                    response, error = None, exc
+                    last[base] = repr(exc)
+                    if lost is not None and not isinstance(exc, _NEVER_SENT):
+                        lost.append(f"{base}: {exc!r}")
+                else:
+                    try:
+                        self._check_run(response, base)
+                    except RunMismatch:
+                        self._move_from(index)
+                        raise
+                    if response.status_code not in _RETRY_STATUS:
+                        self._active = index  # sticky: the next call starts here
+                        _raise_for_status(response)
+                        return response
+                    last[base] = _outcome(response)
+                    if lost is not None:
+                        lost.append(f"{base}: {last[base]}")
+                    header = response.headers.get("Retry-After", "")
+                    if header.isdigit():
+                        retry_after = max(retry_after or 0.0, min(float(header), _MAX_RETRY_AFTER_S))
+                self._move_from(index)
+                if step < n - 1:
+                    logger.warning(
+                        "coordinator %s: %s %s failed (%s); failing over to %s",
+                        base,
+                        method,
+                        path,
+                        last[base],
+                        self.urls[(index + 1) % n],
+                    )
+            if attempt >= self.retries:
+                break
             delay = min(self.backoff_s * 2**attempt, 10.0) * (0.5 + _JITTER.random() / 2)
             if retry_after is not None:
                 delay = max(delay, retry_after)
@@ -296,13 +415,28 @@ class CoordinatorClient:
                 "coordinator %s %s failed (%s); retry %d/%d in %.2f s",
                 method,
                 path,
-                reason,
+                "; ".join(f"{u}: {r}" for u, r in last.items()) if n > 1 else last[self.urls[0]],
                 attempt + 1,
                 self.retries,
                 delay,
             )
             time.sleep(delay)
-            attempt += 1
+        rounds = self.retries + 1
+        if n == 1:  # one coordinator: the messages and status codes it always had
+            if response is not None:
+                _raise_for_status(response)
+            raise CoordinatorError(
+                f"{method} {path}: no answer from {self.urls[0]} in {rounds} attempts ({error!r})",
+                method=method,
+                url=f"{self.urls[0]}{path}",
+            ) from error
+        each = "; ".join(f"{u} answered {r}" if r[:1].isdigit() else f"{u}: {r}" for u, r in last.items())
+        raise CoordinatorError(
+            f"{method} {path}: no coordinator replica answered in {rounds} rounds over {n} replicas ({each})",
+            status_code=None if response is None else response.status_code,
+            method=method,
+            url=f"{tried}{path}",
+        ) from error
 
     @staticmethod
     def _parse(response: httpx.Response, model: type[_M]) -> _M:
@@ -358,13 +492,23 @@ class CoordinatorClient:
         return self._lease(LeaseCreate(holder=lease.holder, ttl_s=ttl_s, lease_id=lease.lease_id))
 
     def _lease(self, body: LeaseCreate) -> Lease:
+        lost: list[str] | None = [] if body.lease_id is None else None  # taking it is the one non-idempotent call
         try:
-            lease = self._request("POST", "/v1/lease", LeasePublic, json=body.model_dump(mode="json"))
+            response = self._send("POST", "/v1/lease", json=body.model_dump(mode="json"), lost=lost)
         except CoordinatorError as exc:
-            if exc.status_code == 409:
-                raise LeaseError(str(exc), status_code=409, method=exc.method, url=exc.url) from None
-            raise
-        return Lease(**lease.model_dump())
+            if exc.status_code != 409:
+                raise
+            if lost and repr(body.holder) in str(exc):
+                raise LeaseError(
+                    f"{exc}; this client's own earlier attempt may have taken the lease before its answer was lost "
+                    f"({'; '.join(lost)}): that lease is never renewed and lapses within {body.ttl_s:g} s",
+                    status_code=409,
+                    method=exc.method,
+                    url=exc.url,
+                    orphaned=True,
+                ) from None
+            raise LeaseError(str(exc), status_code=409, method=exc.method, url=exc.url) from None
+        return Lease(**self._parse(response, LeasePublic).model_dump())
 
     def release_lease(self, lease: Lease) -> None:
         """Give the lease up; a lease that is no longer live is ignored."""

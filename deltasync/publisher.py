@@ -15,6 +15,7 @@ import collections
 import dataclasses
 import logging
 import os
+import secrets
 import socket
 import threading
 import time
@@ -74,7 +75,8 @@ class Publisher:
 
     Args:
         store: a store or store URI.
-        coordinator: where to register versions (rank 0), or ``None`` to only write the store.
+        coordinator: where to register versions (rank 0), or ``None`` to only write the store; several
+            replicas of one ledger in one client fail over safely (a retried registration is idempotent).
         config: encoding, anchors, queue, signing key, lease.
         name_map: runtime to checkpoint names (default: strip FSDP, DDP, compile and PEFT wrappers).
         merge_lora: publish a PEFT model's LoRA adapters merged into the base weights.
@@ -169,13 +171,18 @@ class Publisher:
     def _take_lease(self) -> LeaseKeeper | None:
         if self.rank != 0 or self.coordinator is None:
             return None
-        holder = f"{socket.gethostname()} pid {os.getpid()}"
+        # unique per publisher: a lease held under this name is this publisher's own (see below)
+        holder = f"{socket.gethostname()} pid {os.getpid()} {secrets.token_hex(3)}"
         deadline = time.monotonic() + self.config.lease_wait_s
         while True:
             try:
                 lease = self.coordinator.acquire_lease(holder, ttl_s=self.config.lease_ttl_s)
                 break
-            except LeaseError:
+            except LeaseError as exc:
+                if exc.orphaned:  # our own attempt took it and its answer was lost (a replica went away): it
+                    # is never renewed, so wait for it to lapse rather than fail; no other publisher holds the run
+                    logger.warning("publisher lease: waiting for this publisher's orphaned lease to lapse (%s)", exc)
+                    deadline = max(deadline, time.monotonic() + self.config.lease_ttl_s + 1)
                 if time.monotonic() >= deadline:
                     raise
                 time.sleep(min(1.0, self.config.lease_ttl_s / 10))

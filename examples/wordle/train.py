@@ -126,7 +126,7 @@ def main() -> None:
     parser.add_argument("--model", required=True)
     parser.add_argument("--vllm-url", required=True)
     parser.add_argument("--env-url", required=True)
-    parser.add_argument("--coordinator", required=True)
+    parser.add_argument("--coordinator", required=True, help="URL, or replicas of one ledger: URL1,URL2")
     parser.add_argument("--ca-bundle", help="CA certificates (PEM) for an https coordinator")
     parser.add_argument("--store", required=True)
     parser.add_argument("--out", type=Path, required=True)

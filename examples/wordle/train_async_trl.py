@@ -39,7 +39,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--model", required=True)
     p.add_argument("--vllm-url", required=True)
     p.add_argument("--env-url", required=True)
-    p.add_argument("--coordinator", required=True)
+    p.add_argument("--coordinator", required=True, help="URL, or replicas of one ledger: URL1,URL2")
     p.add_argument("--ca-bundle", help="CA certificates (PEM) for an https coordinator")
     p.add_argument("--store", required=True)
     p.add_argument("--out", type=Path, required=True)

@@ -154,6 +154,39 @@ def test_verify_against_the_coordinator_refuses_unregistered_bytes(
         assert "problem: anchor v0: its manifest's sha256 is" in out and "0 objects would delete" in out
 
 
+def test_verify_and_gc_take_several_coordinator_replicas(
+    tmp_path: Path, update_stream: UpdateStream, capsys: pytest.CaptureFixture[str], monkeypatch
+) -> None:
+    """Issue 14: ``--coordinator URL1,URL2``: a replica that is down is skipped; a bad list is a usage error."""
+    from deltasync_coordinator.app import create_app
+
+    from deltasync.client import CoordinatorClient
+    from deltasync.schemas import VersionCreate
+    from tests.support.replicas import refused_url
+
+    store = LocalStore(tmp_path / "store")
+    down = refused_url()
+    with ServerThread(create_app(coordinator_settings(tmp_path))) as server:
+        with CoordinatorClient([down, server.url], token=PUBLISHER_TOKEN, backoff_s=0.01) as client:
+            lease = client.acquire_lease("cli-test", ttl_s=60)
+            client.register_version(
+                VersionCreate.for_manifest(write_anchor(store, update_stream.bf16(), version=0)), lease=lease
+            )
+        monkeypatch.setenv("DELTASYNC_TOKEN", PUBLISHER_TOKEN)
+        monkeypatch.setenv("DELTASYNC_PUBLISHER_TOKEN", PUBLISHER_TOKEN)
+        both = f"{down},{server.url}"
+        assert main(["verify", str(store.root), "--version", "0", "--coordinator", both]) == 0
+        assert f"every manifest registered with {both}" in capsys.readouterr().out
+        assert main(["gc", "--coordinator", both, "--dry-run", "--json"]) == 0
+        assert json.loads(capsys.readouterr().out)["kept_anchor"] == 0
+        assert main(["gc", "--coordinator", f"{server.url},coord-b:8600", "--dry-run"]) == 2
+        assert "'coord-b:8600' must start with http:// or https://" in capsys.readouterr().err
+    assert main(["gc", "--coordinator", f"{down},{refused_url()}", "--dry-run"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()[-1]  # after the failover warnings
+    assert err.startswith("CoordinatorError: POST /v1/gc: no coordinator replica answered in 4 rounds over 2 replicas")
+    assert f"{down}: ConnectError(" in err
+
+
 def test_token_prints_an_agent_token_bound_to_its_id(monkeypatch, capsys: pytest.CaptureFixture[str]) -> None:
     monkeypatch.setenv("DELTASYNC_AGENT_SECRET", "s" * 32)
     assert main(["token", "--agent-id", "vllm-3"]) == 0
