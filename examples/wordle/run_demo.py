@@ -152,10 +152,16 @@ SUMMARY_LINES = [
 ]
 
 
+def _show(fmt: str, value: Any) -> str:
+    if isinstance(value, dict):
+        return " ".join(f"{k}:{v}" for k, v in value.items())
+    return fmt.format(value)
+
+
 def print_summaries(summaries: list[dict[str, Any]]) -> None:
     print(f"\n{'':42}" + "".join(f"{s['mode'] + ' (K=' + str(s['max_staleness']) + ')':>22}" for s in summaries))
     for label, key, fmt in SUMMARY_LINES:
-        print(f"{label:42}" + "".join(f"{fmt.format(s[key]):>22}" for s in summaries))
+        print(f"{label:42}" + "".join(f"{_show(fmt, s[key]):>22}" for s in summaries))
     for name in summaries[0]["cpu_cores"]:
         print(
             f"{'CPU busy, ' + name + ' (cores)':42}"

@@ -139,13 +139,16 @@ def main() -> None:
     parser.add_argument("--sync", action="store_true", help="lock-step: wait for vLLM to serve each version")
     parser.add_argument("--max-staleness", type=int, default=2, help="drop groups more versions behind than this")
     parser.add_argument("--rollout-workers", type=int, default=2, help="groups generated at a time")
-    parser.add_argument("--queue-size", type=int, help="groups queued at most (default: 2 steps' worth)")
+    parser.add_argument(
+        "--queue-size", type=int, help="groups queued at most (default: K steps' worth, less in flight)"
+    )
     parser.add_argument("--is-cap", type=float, default=2.0, help="cap of the truncated importance ratio")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     if args.max_staleness < 0 or args.steps < 1 or args.rollout_workers < 1:
         parser.error("need --max-staleness >= 0, --steps >= 1 and --rollout-workers >= 1")
     logging.basicConfig(level=logging.INFO, format="[trainer] %(asctime)s %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per rollout request otherwise
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     torch.manual_seed(args.seed)
@@ -175,7 +178,10 @@ def main() -> None:
         make_group, Positions([(ids, sid) for ids, _, sid in rows], args.seed), workers=args.rollout_workers
     )
     staleness = 0 if args.sync else args.max_staleness
-    rollouts = RolloutQueue(args.queue_size or 2 * args.prompts_per_step, staleness)
+    # what is queued or in flight when the trainer takes a group is consumed over the next steps: more than K steps'
+    # worth ahead would be generated only to be dropped (AsyncGRPO sizes its in-flight tasks the same way)
+    ahead = max(1, args.prompts_per_step * args.max_staleness - args.rollout_workers)
+    rollouts = RolloutQueue(args.queue_size or ahead, staleness)
     opt = torch.optim.AdamW(model.parameters(), lr=args.learning_rate)
     metrics_file = open(args.out / "metrics.jsonl", "a")  # noqa: SIM115 (closed at the end)
     published_at: dict[int, float] = {}
