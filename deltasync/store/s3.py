@@ -33,12 +33,14 @@ Guarantees, and how:
   exactly the bytes asked for, of an object of the size the ``HEAD`` gave, or it is retried (a cut connection)
   or refused (a size that disagrees: the object changed, or something in between rewrites sizes).
 * **Bounded.** ``get(max_bytes=)`` checks the ``HEAD`` size first; a body is never read past the size asked.
-* **Retries.** 408/429/5xx and transport errors (reset, refused, timeout, cut mid-body) are retried with
+* **Retries.** 408/429/5xx, 409 (S3's ``ConditionalRequestConflict``, two conditional writes at once: the
+  retry gets the 412) and transport errors (reset, refused, timeout, cut mid-body) are retried with
   exponential backoff and jitter, ``retries`` times, then raise :class:`StoreError` naming the bucket and key.
   obstore's own retries are off, so a create-only put is never re-sent behind our back.
 * **Keys.** Every key passes :func:`check_key`; listed keys that do not (written by something else) are
-  skipped. obstore refuses to list a bucket holding a key it cannot parse (``a//b``, ``../x``); the listing
-  then falls back to boto3 (in the ``[s3]`` extra), which lists raw keys.
+  skipped. S3 listings go through boto3 (also in the ``[s3]`` extra), which returns keys as stored: obstore
+  aborts a whole listing over one key it cannot parse (``a//b``, ``../x``: one hostile key would hide every
+  version), and lists a folder marker ``x/`` (what consoles' "create folder" writes) as a key ``x``.
 
 GCS and Azure: opened with obstore's ``GCSStore`` / ``AzureStore`` and the standard environment
 (``GOOGLE_APPLICATION_CREDENTIALS``; ``AZURE_STORAGE_ACCOUNT_NAME`` and a key or token). Only their
@@ -72,7 +74,7 @@ __all__ = ["S3Store", "parse_bucket_uri", "with_s3_endpoint"]
 logger = logging.getLogger(__name__)
 
 SCHEMES = ("s3", "gs", "az")
-_RETRY_STATUS = frozenset({408, 429, 500, 502, 503, 504})
+_RETRY_STATUS = frozenset({408, 409, 429, 500, 502, 503, 504})  # 409: S3's ConditionalRequestConflict
 _STATUS = re.compile(r"status code: (\d{3})")
 _JITTER = random.Random()  # private: never perturbs (or depends on) the process-wide `random` state
 _STAGING = ".uploads"
@@ -143,7 +145,7 @@ class S3Store:
         scheme: ``"s3"`` (default), ``"gs"`` or ``"az"``.
         conditional_writes: ``None`` (default): probe on the first write whether the service honours
             ``If-None-Match``; ``True``: trust that it does; ``False``: HEAD-then-PUT (see the module docstring).
-        retries: attempts after the first on 408/429/5xx and transport errors.
+        retries: attempts after the first on 408/409/429/5xx and transport errors.
         backoff_s: first backoff (doubled each attempt, capped at 20 s, with jitter).
         multipart_bytes: objects at least this big go up as a parallel multipart upload.
         parallel_bytes: objects at least this big are fetched as parallel ranged GETs of ``part_bytes``.
@@ -369,22 +371,19 @@ class S3Store:
     def _put_multipart(self, path: str, source: bytes | memoryview | Path, conditional: bool) -> None:
         import obstore
 
-        if not conditional:
-            self._store.put(path, _reader(source), use_multipart=True, chunk_size=self.part_bytes)
-            return
-        staging = f"{_STAGING}/{uuid.uuid4().hex}"
+        staging = f"{_STAGING}/{uuid.uuid4().hex}" if conditional else path
         try:
-            self._store.put(
-                staging,
-                _reader(source),
-                use_multipart=True,
-                chunk_size=self.part_bytes,
-                max_concurrency=self.max_concurrency,
-            )
+            with _reader(source) as f:  # streamed: parts are read as they go up
+                self._store.put(
+                    staging, f, use_multipart=True, chunk_size=self.part_bytes, max_concurrency=self.max_concurrency
+                )
+            if not conditional:
+                return
             obstore.copy(self._store, staging, path, overwrite=False)
         finally:
             try:
-                obstore.delete(self._store, staging)
+                if conditional:
+                    obstore.delete(self._store, staging)
             except Exception as exc:  # a staging object left behind is hidden and never listed; say so
                 logger.warning("%s: could not delete staging object %s (%s)", self.uri, staging, _first_line(exc))
 
@@ -533,26 +532,20 @@ class S3Store:
 
     def list(self, prefix: str = "") -> builtins.list[str]:
         """Keys under a directory-like ``prefix`` (``""`` or ending in ``/``), relative to the store's prefix,
-        sorted. Keys that fail :func:`check_key` (hidden, ``..``, odd characters) are skipped."""
-        import obstore
-        from obstore.exceptions import InvalidPathError
+        sorted. Keys that fail :func:`check_key` (hidden, ``..``, ``a//b``, folder markers ``x/``, odd
+        characters: written by something else) are skipped.
 
+        On S3 the listing is boto3's, which returns keys as stored: obstore refuses a whole listing over one key
+        it cannot parse, and lists the folder marker ``x/`` as a key ``x`` that cannot be read.
+
+        Raises:
+            ObjectNotFound: the bucket does not exist.
+        """
         if prefix and not prefix.endswith("/"):
             raise ValueError(f"prefix {prefix!r} must be empty or end with '/'")
-        sub = check_key(prefix.rstrip("/")) if prefix else None
-
-        def listing() -> builtins.list[str]:
-            return [m["path"] for batch in obstore.list(self._store, sub, chunk_size=1000) for m in batch]
-
-        try:
-            paths = self._call("list", prefix, listing)
-        except StoreError as exc:
-            if not isinstance(exc.__cause__, InvalidPathError):
-                raise
-            paths = self._list_raw(sub, exc.__cause__)
-        except InvalidPathError as exc:
-            paths = self._list_raw(sub, exc)
-        return sorted(p for p in paths if self._valid(p))
+        sub = check_key(prefix.rstrip("/")) + "/" if prefix else ""
+        paths = self._list_s3(sub) if self.scheme == "s3" else self._list_obstore(sub)
+        return sorted(p for p in paths if p.startswith(sub) and self._valid(p))
 
     def _valid(self, key: str) -> bool:
         try:
@@ -561,49 +554,59 @@ class S3Store:
             with self._lock:
                 first = key not in self._skipped
                 self._skipped.add(key)
-            if first:  # once per key: agents list on every poll
+            if first:  # once per key: a store is listed again and again
                 logger.warning("%s: skipping listed key %r: not a deltasync key", self.uri, key)
             return False
         return True
 
-    def _list_raw(self, sub: str | None, cause: BaseException) -> builtins.list[str]:
-        """List with boto3, which returns raw keys: obstore refuses a bucket holding a key it cannot parse."""
-        logger.warning(
-            "%s: the bucket holds a key that is not a valid path (%s), written by something other than deltasync; "
-            "listing with boto3 and skipping it",
-            self.uri,
-            _first_line(cause),
-        )
-        if self.scheme != "s3":
-            raise StoreError(f"{self.uri}: the container holds a key that cannot be listed ({_first_line(cause)})")
+    def _list_obstore(self, sub: str) -> builtins.list[str]:
+        import obstore
+        from obstore.exceptions import InvalidPathError
+
+        def listing() -> builtins.list[str]:
+            batches = obstore.list(self._store, sub.rstrip("/") or None, chunk_size=1000)
+            return [m["path"] for batch in batches for m in batch]
+
+        try:
+            return self._call("list", sub, listing)
+        except InvalidPathError as exc:
+            raise StoreError(
+                f"{self.uri}: the container holds a key that cannot be listed ({_first_line(exc)}), written by "
+                "something other than deltasync: delete it"
+            ) from exc
+
+    def _list_s3(self, sub: str) -> builtins.list[str]:
         try:
             import boto3
+            from botocore.config import Config
         except ImportError as exc:
-            raise StoreError(
-                f"{self.uri}: the bucket holds a key obstore cannot list ({_first_line(cause)}); delete it, or "
-                "pip install 'deltasync[s3]' (boto3) to list around it"
-            ) from exc
+            raise ImportError("S3Store lists with boto3: pip install 'deltasync[s3]'") from exc
         with self._lock:
             if self._boto3 is None:
                 region = os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION")
-                self._boto3 = boto3.client("s3", endpoint_url=self._resolved_endpoint(), region_name=region)
+                config = Config(
+                    retries={"max_attempts": self.retries + 1, "mode": "standard"},
+                    connect_timeout=10,
+                    read_timeout=60,
+                )
+                self._boto3 = boto3.client(
+                    "s3", endpoint_url=self._resolved_endpoint(), region_name=region, config=config
+                )
             client = self._boto3
-        root = "/".join(p for p in (self.prefix, sub) if p)
-        root = root + "/" if root else ""
+        root = f"{self.prefix}/{sub}" if self.prefix else sub
         keys: builtins.list[str] = []
-
-        def pages() -> builtins.list[str]:
-            out: builtins.list[str] = []
-            for page in client.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=root):
-                out.extend(obj["Key"] for obj in page.get("Contents", []))
-            return out
-
         try:
-            keys = pages()
-        except Exception as exc:  # boto3's errors are its own tree; name the bucket and what happened
-            raise StoreError(f"{self.uri}: listing with boto3 failed ({_first_line(exc)})") from exc
-        strip = len(self.prefix) + 1 if self.prefix else 0
-        return [k[strip:] for k in keys]
+            for page in client.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=root):
+                keys.extend(obj["Key"][len(root) - len(sub) :] for obj in page.get("Contents", []))
+        except Exception as exc:  # botocore's errors are their own tree: name the bucket and what it said
+            code = getattr(exc, "response", {}).get("Error", {}).get("Code")
+            if code == "NoSuchBucket":
+                raise ObjectNotFound(f"{self.uri}: the bucket {self.bucket!r} does not exist") from None
+            raise StoreError(
+                f"{self.uri}: listing {root!r} failed after {self.retries + 1} attempts ({_first_line(exc)}); "
+                "check the endpoint, the credentials and the bucket policy"
+            ) from exc
+        return keys
 
 
 class _RangeReader(io.RawIOBase):

@@ -81,7 +81,8 @@ class MotoServer:
 class Fault:
     """One rule of a :class:`FaultProxy`: requests whose method is ``method`` (``"*"``: any) and whose path
     contains ``path_contains`` get ``status`` (a canned S3 error, the upstream never sees the request), or are
-    forwarded and their response body ``cut_after`` bytes in (then the client connection is closed), or have
+    forwarded and their response cut ``cut_after`` bytes in, head included (then the client connection is
+    closed; 0: the request lands, its answer is lost), or have
     their ``Content-Length`` answer replaced by ``content_length`` (a lying HEAD), or lose the request header
     ``drop_header`` on the way (a service that ignores it). ``times``: how many requests the rule takes
     (``None``: every one)."""
@@ -107,10 +108,16 @@ class FaultProxy:
 
     Keep-alive on both sides: each request's head and body are read (``Content-Length`` framing), the first
     matching rule applied, and the response framed the same way (``HEAD``, 204 and 304 carry no body).
+
+    ``serialize_writes``: forward one PUT or POST at a time. moto checks ``If-None-Match`` and then writes, with
+    no lock between (``moto/s3/responses.py``), so two concurrent conditional writes can both succeed there;
+    S3 makes the check and the write one step. Serializing writes models S3, while the clients still race.
     """
 
-    def __init__(self, upstream_port: int) -> None:
+    def __init__(self, upstream_port: int, *, serialize_writes: bool = False) -> None:
         self.upstream = ("127.0.0.1", upstream_port)
+        self.serialize_writes = serialize_writes
+        self._write_lock = threading.Lock()
         self.rules: list[Fault] = []
         self.requests: list[tuple[str, str]] = []
         self._lock = threading.Lock()
@@ -126,6 +133,10 @@ class FaultProxy:
 
     def __exit__(self, *exc: object) -> None:
         self._stop = True
+        try:
+            self._sock.shutdown(socket.SHUT_RDWR)  # wakes the accept() of the serving thread
+        except OSError:
+            pass
         self._sock.close()
         self._thread.join(5)
 
@@ -220,18 +231,25 @@ class FaultProxy:
                     head = b"\r\n".join(ln for ln in head.split(b"\r\n") if not ln.lower().startswith(drop))
                 if upstream is None:
                     upstream = socket.create_connection(self.upstream)
-                upstream.sendall(head + body)
-                rhead = self._read_head(upstream, ubuf)
-                if rhead is None:
-                    return
-                status = int(rhead.split(b" ", 2)[1])
-                n = 0 if method == b"HEAD" or status in (204, 304) else self._length(rhead)
-                rbody = self._read_body(upstream, ubuf, n)
+                serialize = self.serialize_writes and method in (b"PUT", b"POST")
+                if serialize:
+                    self._write_lock.acquire()
+                try:
+                    upstream.sendall(head + body)
+                    rhead = self._read_head(upstream, ubuf)
+                    if rhead is None:
+                        return
+                    status = int(rhead.split(b" ", 2)[1])
+                    n = 0 if method == b"HEAD" or status in (204, 304) else self._length(rhead)
+                    rbody = self._read_body(upstream, ubuf, n)
+                finally:
+                    if serialize:
+                        self._write_lock.release()
                 if rule is not None and rule.content_length is not None:
                     lines = [ln for ln in rhead[:-4].split(b"\r\n") if not ln.lower().startswith(b"content-length:")]
                     rhead = b"\r\n".join([*lines, b"Content-Length: %d" % rule.content_length]) + b"\r\n\r\n"
                 if rule is not None and rule.cut_after is not None:
-                    client.sendall(rhead + rbody[: rule.cut_after])
+                    client.sendall((rhead + rbody)[: rule.cut_after])
                     return
                 client.sendall(rhead + rbody)
         except (ConnectionError, OSError):
