@@ -8,7 +8,7 @@ objects through ``s3://`` (:class:`deltasync.store.s3.S3Store`) and through a lo
 moto keeps objects in its own process and serves them over loopback HTTP, so the absolute figures are those
 of this machine's CPUs (2 shared cores here), not of a network; the ratios are what the choice rests on.
 
-    python benchmarks/bench_store.py [--repeat 3] [--only libraries|stores]
+    python benchmarks/bench_store.py [--repeat 3] [--only libraries|stores]    # part 1 also needs s3fs
 """
 
 from __future__ import annotations

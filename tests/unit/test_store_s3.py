@@ -3,6 +3,7 @@ connections, lying sizes, racing writers, a service that ignores If-None-Match, 
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import threading
@@ -14,8 +15,10 @@ import pytest
 
 from deltasync import ObjectExists, ObjectNotFound, ObjectTooLarge, StoreError, open_store
 from deltasync.cli import main
+from deltasync.publisher import Publisher
 from deltasync.store.s3 import S3Store, parse_bucket_uri, with_s3_endpoint
 from tests.support.s3 import FaultProxy, MotoServer
+from tests.support.stream import UpdateStream
 from tests.unit.conftest import S3_BUCKET
 
 
@@ -231,11 +234,22 @@ def test_gcs_and_azure_open_but_are_untested_beyond_construction(monkeypatch: py
     assert open_store("az://container/run1").uri == "az://container/run1"
 
 
-def test_cli_ls_takes_s3_endpoint(
-    moto_server: MotoServer, s3_store: S3Store, capsys: pytest.CaptureFixture[str]
+def test_cli_ls_and_verify_take_s3_endpoint(
+    moto_server: MotoServer, s3_store: S3Store, update_stream: UpdateStream, capsys: pytest.CaptureFixture[str]
 ) -> None:
+    """The README's commands: publish into s3://, then `deltasync ls` and `deltasync verify` with --s3-endpoint."""
     uri = f"s3://{S3_BUCKET}/{s3_store.prefix}"
     assert main(["ls", uri, "--s3-endpoint", moto_server.url, "--json"]) == 0
     assert capsys.readouterr().out.strip() == "[]"
+    with Publisher(s3_store) as pub:
+        pub.publish(update_stream.bf16(), 0)
+        pub.publish(update_stream.step(), 1)
+    assert main(["ls", uri, "--s3-endpoint", moto_server.url, "--json"]) == 0
+    assert [(row["version"], row["kind"]) for row in json.loads(capsys.readouterr().out)] == [
+        (0, "anchor"),
+        (1, "delta"),
+    ]
+    assert main(["verify", uri, "--s3-endpoint", moto_server.url, "--version", "1"]) == 0
+    assert capsys.readouterr().out.startswith("v1: ok")
     assert main(["ls", "/tmp/nowhere", "--s3-endpoint", moto_server.url]) == 2
     assert "--s3-endpoint applies to s3:// URIs only" in capsys.readouterr().err
