@@ -25,7 +25,8 @@ Guarantees, and how:
   ones as a parallel multipart upload to a hidden staging key (``.uploads/``, never listed), then a copy that
   completes only if the key is still free (``If-None-Match`` on ``CompleteMultipartUpload``), then the staging
   object is deleted. A 412 is :class:`ObjectExists`. A service that ignores ``If-None-Match`` is detected on the
-  first write (a hidden probe object written twice); then writes fall back to HEAD-then-PUT, and two writers
+  first write (a hidden probe object written twice; for the copy, on the first large write, a probe copied
+  twice); then those writes fall back to HEAD-then-PUT, and two writers
   racing between the HEAD and the PUT can overwrite each other: the coordinator's publisher lease (one
   publisher per run) is what keeps them apart there. A retried put that meets a 412 reads the object back:
   if its bytes are ours (the first attempt landed, its answer was lost) the put succeeded.
@@ -82,6 +83,9 @@ _PROBE = ".deltasync-probe"
 _T = TypeVar("_T")
 
 
+_BUCKET = re.compile(r"[a-z0-9][a-z0-9._-]{1,220}[a-z0-9]")
+
+
 def parse_bucket_uri(uri: str) -> tuple[str, str, str, str | None]:
     """``s3://bucket/a/b?endpoint=http://host:9000`` -> (``"s3"``, ``"bucket"``, ``"a/b"``, endpoint).
 
@@ -93,6 +97,11 @@ def parse_bucket_uri(uri: str) -> tuple[str, str, str, str | None]:
     scheme = parts.scheme.lower()
     if scheme not in SCHEMES or not parts.netloc:
         raise ValueError(f"store URI {uri!r}: expected s3://<bucket>[/<prefix>] (or gs://, az://)")
+    if not _BUCKET.fullmatch(parts.netloc):
+        raise ValueError(
+            f"store URI {uri!r}: bucket {parts.netloc!r} must be 3+ lowercase letters, digits, '.', '_' or '-' "
+            "(credentials never go in the URI: use AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY)"
+        )
     prefix = parts.path.strip("/")
     if prefix:
         check_key(prefix)
@@ -103,7 +112,18 @@ def parse_bucket_uri(uri: str) -> tuple[str, str, str, str | None]:
     endpoint = query.get("endpoint", [None])[-1]
     if endpoint is not None and scheme != "s3":
         raise ValueError(f"store URI {uri!r}: endpoint= applies to s3:// URIs only")
+    if endpoint:
+        _check_endpoint(endpoint)
     return scheme, parts.netloc, prefix, endpoint or None
+
+
+def _check_endpoint(endpoint: str) -> str:
+    parts = urlsplit(endpoint)
+    if parts.scheme not in ("http", "https") or not parts.hostname or parts.username or parts.password:
+        raise ValueError(
+            f"S3 endpoint {endpoint!r} must be an http:// or https:// URL with a host and no credentials in it"
+        )
+    return endpoint
 
 
 def with_s3_endpoint(uri: str, endpoint: str) -> str:
@@ -115,6 +135,7 @@ def with_s3_endpoint(uri: str, endpoint: str) -> str:
     if not uri.lower().startswith("s3://"):
         raise ValueError(f"store URI {uri!r}: --s3-endpoint applies to s3:// URIs only")
     scheme, bucket, prefix, current = parse_bucket_uri(uri)
+    _check_endpoint(endpoint)
     if current is not None and current != endpoint:
         raise ValueError(f"store URI {uri!r} names endpoint {current!r}, but --s3-endpoint is {endpoint!r}")
     return _format_uri(scheme, bucket, prefix, endpoint)
@@ -177,6 +198,8 @@ class S3Store:
             raise ValueError(f"scheme must be one of {SCHEMES}, got {scheme!r}")
         if endpoint is not None and scheme != "s3":
             raise ValueError(f"endpoint applies to s3 only, got scheme {scheme!r}")
+        if endpoint is not None:
+            _check_endpoint(endpoint)
         for name, value in (("retries", retries), ("max_concurrency", max_concurrency - 1)):
             if value < 0:
                 raise ValueError(f"{name} must be >= {0 if name == 'retries' else 1}, got {value}")
@@ -190,6 +213,7 @@ class S3Store:
         self.multipart_bytes, self.parallel_bytes, self.part_bytes = multipart_bytes, parallel_bytes, part_bytes
         self.max_concurrency = max_concurrency
         self._conditional = True if scheme != "s3" else conditional_writes
+        self._conditional_copy = True if scheme != "s3" else conditional_writes
         self._lock = threading.Lock()
         self._skipped: set[str] = set()
         self._boto3: Any = None
@@ -340,10 +364,47 @@ class S3Store:
             )
         return honoured
 
+    def _conditional_copies(self) -> bool:
+        """Whether the service honours ``If-None-Match`` on ``CompleteMultipartUpload`` (the create-only copy
+        that commits a large object), probed once, on the first large write."""
+        with self._lock:
+            if self._conditional_copy is None:
+                self._conditional_copy = self._probe_copy()
+            return self._conditional_copy
+
+    def _probe_copy(self) -> bool:
+        import obstore
+        from obstore.exceptions import AlreadyExistsError, NotSupportedError
+
+        probe = f"{_PROBE}/{uuid.uuid4().hex}"
+        self._call("probe", probe, lambda: self._store.put(probe, b"", use_multipart=False))
+        try:
+            self._call("probe", probe, lambda: obstore.copy(self._store, probe, probe + ".copy", overwrite=False))
+            try:
+                obstore.copy(self._store, probe, probe + ".copy", overwrite=False)
+                honoured = False
+            except AlreadyExistsError:
+                honoured = True
+        except NotSupportedError:
+            honoured = False
+        finally:
+            try:
+                obstore.delete(self._store, [probe, probe + ".copy"])
+            except Exception as exc:  # a probe left behind is harmless (hidden, never listed): say so, go on
+                logger.warning("%s: could not delete the probe objects %s* (%s)", self.uri, probe, _first_line(exc))
+        if not honoured:
+            logger.warning(
+                "%s: the service ignores If-None-Match on CompleteMultipartUpload: objects of %d bytes or more fall "
+                "back to HEAD-then-upload, and two writers racing on one key can overwrite each other",
+                self.uri,
+                self.multipart_bytes,
+            )
+        return honoured
+
     def _create(self, key: str, source: bytes | memoryview | Path) -> None:
         path = self._path(key)
         size = source.stat().st_size if isinstance(source, Path) else len(source)
-        conditional = self._conditional_writes()
+        conditional = self._conditional_writes() and (size < self.multipart_bytes or self._conditional_copies())
         if not conditional and self.exists(key):
             raise ObjectExists(f"{self.uri}: {key!r} exists; objects are create-only (another writer?)")
         attempts = [0]
@@ -476,6 +537,11 @@ class S3Store:
                 raise StoreError(
                     f"{self.uri}: {key!r}: its HEAD said {total} bytes but its GET says {result.meta['size']}; "
                     "the object changed, or something between here and the store rewrites sizes: not read"
+                )
+            if end > start and tuple(result.range) != (start, end):
+                raise StoreError(
+                    f"{self.uri}: {key!r}: asked for bytes [{start}, {end}), the store answered {result.range}: "
+                    "something between here and the store ignores ranges; not read"
                 )
             got = 0
             for chunk in result.stream(min_chunk_size=1 << 20):

@@ -200,20 +200,20 @@ def test_big_objects_go_up_in_parts_and_come_back_in_ranges(
 
 
 def test_uris_endpoints_and_credentials(moto_server: MotoServer, s3_env: None, monkeypatch: pytest.MonkeyPatch) -> None:
-    assert parse_bucket_uri("s3://b/a/b/") == ("s3", "b", "a/b", None)
-    assert parse_bucket_uri("s3://b?endpoint=http://h:9000") == ("s3", "b", "", "http://h:9000")
+    assert parse_bucket_uri("s3://bkt/a/b/") == ("s3", "bkt", "a/b", None)
+    assert parse_bucket_uri("s3://bkt?endpoint=http://h:9000") == ("s3", "bkt", "", "http://h:9000")
     for bad, message in [
-        ("s3://b/../x", "store key"),
+        ("s3://bkt/../x", "store key"),
         ("s3:///x", "expected s3://<bucket>"),
-        ("s3://b?region=x", "unknown query parameters"),
-        ("gs://b?endpoint=http://h", "s3:// URIs only"),
+        ("s3://bkt?region=x", "unknown query parameters"),
+        ("gs://bkt?endpoint=http://h", "s3:// URIs only"),
     ]:
         with pytest.raises(ValueError, match=message):
             parse_bucket_uri(bad)
     with pytest.raises(ValueError, match="--s3-endpoint applies to s3:// URIs only"):
         open_store("/tmp/x", s3_endpoint="http://h")
     with pytest.raises(ValueError, match="names endpoint 'http://a'"):
-        with_s3_endpoint("s3://b?endpoint=http://a", "http://b")
+        with_s3_endpoint("s3://bkt?endpoint=http://a", "http://b")
     explicit = open_store("s3://deltasync-test/u1", s3_endpoint=moto_server.url)
     assert isinstance(explicit, S3Store) and explicit.uri == f"s3://deltasync-test/u1?endpoint={moto_server.url}"
     assert open_store(explicit.uri).uri == explicit.uri
@@ -253,3 +253,30 @@ def test_cli_ls_and_verify_take_s3_endpoint(
     assert capsys.readouterr().out.startswith("v1: ok")
     assert main(["ls", "/tmp/nowhere", "--s3-endpoint", moto_server.url]) == 2
     assert "--s3-endpoint applies to s3:// URIs only" in capsys.readouterr().err
+
+
+def test_a_service_that_ignores_if_none_match_on_multipart_complete(
+    proxy: FaultProxy, s3_env: None, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Small objects stay conditional; large ones (a create-only copy) fall back to HEAD-then-upload."""
+    proxy.add(method="POST", drop_header="If-None-Match", times=None)  # CompleteMultipartUpload is a POST
+    store = through(proxy, multipart_bytes=5 << 20)
+    big = os.urandom(5 << 20)
+    with caplog.at_level(logging.WARNING, "deltasync.store.s3"):
+        store.put("small", b"1")
+        store.put("big", big)
+    assert "ignores If-None-Match on CompleteMultipartUpload" in caplog.text
+    assert "ignores If-None-Match: writes fall back" not in caplog.text
+    for key, data in (("small", b"2"), ("big", big[::-1])):
+        with pytest.raises(ObjectExists, match="create-only"):
+            store.put(key, data)
+    assert store.get("big") == big and store.list() == ["big", "small"]
+
+
+def test_uris_refuse_odd_buckets_and_endpoints() -> None:
+    for bad in ["s3://user:secret@bucket/x", "s3://Bucket", "s3://b", "s3://b_/x"]:
+        with pytest.raises(ValueError, match="must be 3\\+ lowercase"):
+            parse_bucket_uri(bad)
+    for endpoint in ["ftp://h", "http://user:pw@h:9000", "h:9000"]:
+        with pytest.raises(ValueError, match="http:// or https:// URL with a host and no credentials"):
+            with_s3_endpoint("s3://bucket", endpoint)
