@@ -142,11 +142,14 @@ def libraries(server: MotoServer, repeat: int) -> dict[str, dict[str, dict[str, 
 
 def stores(server: MotoServer, repeat: int) -> dict[str, dict[str, dict[str, float]]]:
     from deltasync.store import LocalStore, open_store
+    from deltasync.store.s3 import S3Store
 
     out: dict[str, dict[str, dict[str, float]]] = {}
     with tempfile.TemporaryDirectory() as tmp:
+        one_get = S3Store(BUCKET, "stores-one-get", endpoint=server.url, parallel_bytes=1 << 40)
         candidates = {
-            "s3://": open_store(f"s3://{BUCKET}/stores", s3_endpoint=server.url),
+            "s3:// (defaults: ranged GETs from 64 MiB)": open_store(f"s3://{BUCKET}/stores", s3_endpoint=server.url),
+            "s3:// (one GET)": one_get,
             "local": LocalStore(Path(tmp) / "store"),
         }
         for name, size in SIZES.items():
@@ -165,7 +168,7 @@ def stores(server: MotoServer, repeat: int) -> dict[str, dict[str, dict[str, flo
                 _check(data)(store.get(key))
                 rows[f"{label} get"] = _timed(lambda store=store, key=key: store.get(key), repeat, size)
                 for op in ("put", "get"):
-                    print(f"{name:13s} {label:6s} {op}  {rows[f'{label} {op}']['MB_per_s']:8.0f} MB/s", flush=True)
+                    print(f"{name:13s} {label:42s} {op}  {rows[f'{label} {op}']['MB_per_s']:8.0f} MB/s", flush=True)
             out[name] = rows
     return out
 
