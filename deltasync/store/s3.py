@@ -204,6 +204,8 @@ class S3Store:
             raise ValueError(f"endpoint applies to s3 only, got scheme {scheme!r}")
         if endpoint is not None:
             _check_endpoint(endpoint)
+        if not _BUCKET.fullmatch(bucket):
+            raise ValueError(f"bucket {bucket!r} must be 3+ lowercase letters, digits, '.', '_' or '-'")
         for name, value in (("retries", retries), ("max_concurrency", max_concurrency - 1)):
             if value < 0:
                 raise ValueError(f"{name} must be >= {0 if name == 'retries' else 1}, got {value}")
@@ -287,6 +289,10 @@ class S3Store:
             try:
                 return fn()
             except (NotFoundError, FileNotFoundError):  # obstore raises either
+                if what in ("put", "probe"):  # a write answered 404: the bucket is not there
+                    raise StoreError(
+                        f"{self.uri}: {what} {key!r}: the bucket {self.bucket!r} does not exist; create it first"
+                    ) from None
                 raise ObjectNotFound(f"{self.uri}: no object {key!r}") from None
             except (AlreadyExistsError, FileExistsError):
                 raise ObjectExists(f"{self.uri}: {key!r} exists; objects are create-only (another writer?)") from None

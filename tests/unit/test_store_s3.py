@@ -96,11 +96,16 @@ def test_a_lying_head_is_refused_not_trusted(proxy: FaultProxy, s3_env: None) ->
         store.get("k", max_bytes=999)
 
 
-def test_a_missing_key(s3_store: S3Store) -> None:
+def test_a_missing_key(s3_store: S3Store, moto_server: MotoServer) -> None:
     for call in (s3_store.get, s3_store.open, s3_store.size, s3_store.delete):
         with pytest.raises(ObjectNotFound, match="no object 'missing'"):
             call("missing")
     assert not s3_store.exists("missing")
+    nowhere = S3Store("no-such-bucket", endpoint=moto_server.url, backoff_s=0.001)
+    with pytest.raises(StoreError, match="the bucket 'no-such-bucket' does not exist; create it first"):
+        nowhere.put("k", b"1")
+    with pytest.raises(ObjectNotFound, match="the bucket 'no-such-bucket' does not exist"):
+        nowhere.list()
 
 
 @pytest.mark.parametrize("multipart", [False, True])
@@ -280,3 +285,23 @@ def test_uris_refuse_odd_buckets_and_endpoints() -> None:
     for endpoint in ["ftp://h", "http://user:pw@h:9000", "h:9000"]:
         with pytest.raises(ValueError, match="http:// or https:// URL with a host and no credentials"):
             with_s3_endpoint("s3://bucket", endpoint)
+
+
+@pytest.mark.parametrize("key", ["../x", "a/../../b", "./a", "a//b", "/abs", "a\\b", "a/.hidden", "%2e%2e/x", ""])
+def test_every_method_checks_its_key(s3_store: S3Store, tmp_path: Path, key: str) -> None:
+    src = tmp_path / "f"
+    src.write_bytes(b"x")
+    for call in (
+        lambda: s3_store.put(key, b"x"),
+        lambda: s3_store.put_many([("ok", b"x"), (key, b"x")]),
+        lambda: s3_store.put_file(key, src),
+        lambda: s3_store.get(key),
+        lambda: s3_store.open(key),
+        lambda: s3_store.size(key),
+        lambda: s3_store.exists(key),
+        lambda: s3_store.delete(key),
+        lambda: s3_store.list(key.rstrip("/") + "/"),
+    ):
+        with pytest.raises(ValueError, match="store key|prefix"):
+            call()
+    assert not s3_store.exists("ok")  # a batch with one bad key writes none
