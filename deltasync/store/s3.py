@@ -477,7 +477,7 @@ class S3Store:
         Raises:
             ObjectExists: the key is taken; nothing was written.
         """
-        self._create(key, data if isinstance(data, bytes) else memoryview(data))
+        self._create(key, data if isinstance(data, bytes) else memoryview(data).cast("B"))
 
     def put_many(self, items: Iterable[tuple[str, bytes | bytearray | memoryview]]) -> None:
         """Create several objects in parallel, each atomically. Refuses them all (ObjectExists) if a key is
@@ -496,7 +496,8 @@ class S3Store:
             _first_error(list(pool.map(lambda p: _capture(lambda: self.put(p[0], p[1])), pairs)))
 
     def put_file(self, key: str, path: str | os.PathLike[str]) -> None:
-        """Create an object from a local file, streamed (a parallel multipart upload from ``multipart_bytes``).
+        """Create an object from a local file: from ``multipart_bytes`` on, streamed as a parallel multipart
+        upload (parts of ``part_bytes``); below it, one conditional PUT (read whole, at most ``multipart_bytes``).
 
         Raises:
             ObjectExists: the key is taken.
