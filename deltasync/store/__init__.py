@@ -39,7 +39,8 @@ def _open_hub_uri(uri: str) -> Store:
 
 
 def _open_bucket_uri(uri: str) -> Store:
-    from .s3 import S3Store, parse_bucket_uri
+    from ._s3_uri import parse_bucket_uri
+    from .s3 import S3Store
 
     scheme, bucket, prefix, endpoint = parse_bucket_uri(uri)
     return S3Store(bucket, prefix, endpoint=endpoint, scheme=scheme)
@@ -71,7 +72,7 @@ def open_store(uri: str, *, s3_endpoint: str | None = None) -> Store:
             that is not ``s3://`` (or that names another endpoint).
     """
     if s3_endpoint:
-        from .s3 import with_s3_endpoint
+        from ._s3_uri import with_s3_endpoint
 
         uri = with_s3_endpoint(uri, s3_endpoint)
     if "://" not in uri:

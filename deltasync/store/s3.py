@@ -69,85 +69,21 @@ from collections.abc import Callable, Iterable, Sequence
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, BinaryIO, TypeVar, cast
-from urllib.parse import parse_qs, quote, urlsplit
 
 from ..errors import ObjectExists, ObjectNotFound, ObjectTooLarge, StoreError
+from ._s3_uri import BUCKET_NAME, SCHEMES, check_endpoint, format_uri, parse_bucket_uri, with_s3_endpoint
 from .base import check_key
 
 __all__ = ["S3Store", "parse_bucket_uri", "with_s3_endpoint"]
 
 logger = logging.getLogger(__name__)
 
-SCHEMES = ("s3", "gs", "az")
 _RETRY_STATUS = frozenset({408, 409, 429, 500, 502, 503, 504})  # 409: S3's ConditionalRequestConflict
 _STATUS = re.compile(r"status code: (\d{3})")
 _JITTER = random.Random()  # private: never perturbs (or depends on) the process-wide `random` state
 _STAGING = ".uploads"
 _PROBE = ".deltasync-probe"
 _T = TypeVar("_T")
-
-
-_BUCKET = re.compile(r"[a-z0-9][a-z0-9._-]{1,220}[a-z0-9]")
-
-
-def parse_bucket_uri(uri: str) -> tuple[str, str, str, str | None]:
-    """``s3://bucket/a/b?endpoint=http://host:9000`` -> (``"s3"``, ``"bucket"``, ``"a/b"``, endpoint).
-
-    Raises:
-        ValueError: not ``s3://``, ``gs://`` or ``az://``, no bucket, a prefix that fails :func:`check_key`,
-            or an unknown query parameter.
-    """
-    parts = urlsplit(uri)
-    scheme = parts.scheme.lower()
-    if scheme not in SCHEMES or not parts.netloc:
-        raise ValueError(f"store URI {uri!r}: expected s3://<bucket>[/<prefix>] (or gs://, az://)")
-    if not _BUCKET.fullmatch(parts.netloc):
-        raise ValueError(
-            f"store URI {uri!r}: bucket {parts.netloc!r} must be 3+ lowercase letters, digits, '.', '_' or '-' "
-            "(credentials never go in the URI: use AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY)"
-        )
-    prefix = parts.path.strip("/")
-    if prefix:
-        check_key(prefix)
-    query = parse_qs(parts.query, keep_blank_values=True, strict_parsing=False)
-    unknown = sorted(set(query) - {"endpoint"})
-    if unknown:
-        raise ValueError(f"store URI {uri!r}: unknown query parameters {unknown}; only endpoint= is known")
-    endpoint = query.get("endpoint", [None])[-1]
-    if endpoint is not None and scheme != "s3":
-        raise ValueError(f"store URI {uri!r}: endpoint= applies to s3:// URIs only")
-    if endpoint:
-        _check_endpoint(endpoint)
-    return scheme, parts.netloc, prefix, endpoint or None
-
-
-def _check_endpoint(endpoint: str) -> str:
-    parts = urlsplit(endpoint)
-    if parts.scheme not in ("http", "https") or not parts.hostname or parts.username or parts.password:
-        raise ValueError(
-            f"S3 endpoint {endpoint!r} must be an http:// or https:// URL with a host and no credentials in it"
-        )
-    return endpoint
-
-
-def with_s3_endpoint(uri: str, endpoint: str) -> str:
-    """``uri`` (an ``s3://`` URI) with its endpoint set to ``endpoint`` (what ``--s3-endpoint`` does).
-
-    Raises:
-        ValueError: ``uri`` is not an ``s3://`` URI, or already names another endpoint.
-    """
-    if not uri.lower().startswith("s3://"):
-        raise ValueError(f"store URI {uri!r}: --s3-endpoint applies to s3:// URIs only")
-    scheme, bucket, prefix, current = parse_bucket_uri(uri)
-    _check_endpoint(endpoint)
-    if current is not None and current != endpoint:
-        raise ValueError(f"store URI {uri!r} names endpoint {current!r}, but --s3-endpoint is {endpoint!r}")
-    return _format_uri(scheme, bucket, prefix, endpoint)
-
-
-def _format_uri(scheme: str, bucket: str, prefix: str, endpoint: str | None) -> str:
-    uri = f"{scheme}://{bucket}" + (f"/{prefix}" if prefix else "")
-    return uri + (f"?endpoint={quote(endpoint, safe=':/')}" if endpoint else "")
 
 
 class _Truncated(Exception):
@@ -203,8 +139,8 @@ class S3Store:
         if endpoint is not None and scheme != "s3":
             raise ValueError(f"endpoint applies to s3 only, got scheme {scheme!r}")
         if endpoint is not None:
-            _check_endpoint(endpoint)
-        if not _BUCKET.fullmatch(bucket):
+            check_endpoint(endpoint)
+        if not BUCKET_NAME.fullmatch(bucket):
             raise ValueError(f"bucket {bucket!r} must be 3+ lowercase letters, digits, '.', '_' or '-'")
         for name, value in (("retries", retries), ("max_concurrency", max_concurrency - 1)):
             if value < 0:
@@ -266,7 +202,7 @@ class S3Store:
     @property
     def uri(self) -> str:
         """``s3://bucket/prefix`` (with ``?endpoint=`` when the endpoint was given explicitly)."""
-        return _format_uri(self.scheme, self.bucket, self.prefix, self.endpoint)
+        return format_uri(self.scheme, self.bucket, self.prefix, self.endpoint)
 
     @staticmethod
     def _path(key: str) -> str:
