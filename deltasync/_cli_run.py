@@ -14,7 +14,7 @@ import sys
 import threading
 from typing import Any
 
-__all__ = ["add_agent_parser", "add_coordinator_parser"]
+__all__ = ["add_agent_parser", "add_coordinator_parser", "add_s3_endpoint"]
 
 logger = logging.getLogger("deltasync.cli")
 
@@ -25,6 +25,15 @@ def _raise_nofile() -> int:
     if soft < hard:
         resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
     return hard
+
+
+def add_s3_endpoint(parser: Any) -> None:
+    """``--s3-endpoint``, for every command that opens a store."""
+    parser.add_argument(
+        "--s3-endpoint",
+        help="endpoint of an S3-compatible service (MinIO, R2, ...) for an s3:// store "
+        "(default: AWS_ENDPOINT_URL_S3, AWS_ENDPOINT_URL, else AWS)",
+    )
 
 
 def _cmd_coordinator(args: argparse.Namespace) -> int:
@@ -91,6 +100,7 @@ def add_coordinator_parser(sub: Any) -> None:
     )
     coord.add_argument("--db", help="SQLite file (default deltasync-coordinator.db)")
     coord.add_argument("--store", help="store URI, needed for garbage collection")
+    add_s3_endpoint(coord)
     coord.add_argument("--host", help="interface to bind (default 127.0.0.1)")
     coord.add_argument("--port", type=int, help="port to bind (default 8600)")
     coord.add_argument("--insecure", action="store_true", default=None, help="run without credentials (never shared)")
@@ -131,7 +141,12 @@ def _cmd_agent(args: argparse.Namespace) -> int:
     target = HttpVllmTarget(args.vllm_url, pause_mode=config.pause_mode)
     token = os.environ.get("DELTASYNC_AGENT_TOKEN")
     with CoordinatorClient(args.coordinator, token=token, ca_bundle=args.ca_bundle) as coordinator:
-        agent = Agent(store=open_store(args.store), coordinator=coordinator, target=target, config=config)
+        agent = Agent(
+            store=open_store(args.store, s3_endpoint=args.s3_endpoint),
+            coordinator=coordinator,
+            target=target,
+            config=config,
+        )
         logger.info("agent %s: %s -> %s", config.agent_id, args.store, args.vllm_url)
         try:
             agent.run(stop)
@@ -155,6 +170,7 @@ def add_agent_parser(sub: Any) -> None:
     )
     agent.add_argument("--ca-bundle", help="CA certificates (PEM) for an https coordinator")
     agent.add_argument("--store", required=True, help="store URI or path")
+    add_s3_endpoint(agent)
     agent.add_argument("--agent-id", help="name shown by the coordinator, bound to its token (default agent-0)")
     agent.add_argument("--poll-wait-s", type=float, help="long-poll wait (default 30)")
     agent.add_argument("--max-lag", type=int, help="stop serving while more than N versions behind")

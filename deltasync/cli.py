@@ -75,7 +75,7 @@ def _print_rows(rows: list[dict[str, Any]]) -> None:
 
 
 def _cmd_ls(args: argparse.Namespace) -> int:
-    store = open_store(args.store)
+    store = open_store(args.store, s3_endpoint=args.s3_endpoint)
     out = []
     for listing in list_versions(store):
         pairs: tuple[tuple[Kind, bool], ...] = (("delta", listing.delta), ("anchor", listing.anchor))
@@ -122,7 +122,7 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
             raise ObjectNotFound(f"{args.target}: no such shard file (to inspect a store, pass --version N)")
         shards.append((path.read_bytes(), str(path)))
     else:
-        store = open_store(args.target)
+        store = open_store(args.target, s3_endpoint=args.s3_endpoint)
         kind: Kind = "anchor" if args.anchor else "delta"
         manifest = read_manifest(store, args.version, kind)
         prefix = object_prefix(args.version, kind)
@@ -150,7 +150,7 @@ def _client(url: str, token_env: str, ca_bundle: str | None) -> Any:
 
 
 def _cmd_verify(args: argparse.Namespace) -> int:
-    store = open_store(args.store)
+    store = open_store(args.store, s3_endpoint=args.s3_endpoint)
     verify_key = VerifyKey.from_file(args.public_key) if args.public_key else None
     client = _client(args.coordinator, "DELTASYNC_TOKEN", args.ca_bundle) if args.coordinator else None
     trust = Trust(verify_key=verify_key, ledger=None if client is None else client.registered_digest)
@@ -234,18 +234,22 @@ def _cmd_token(args: argparse.Namespace) -> int:
 
 
 def _parser() -> argparse.ArgumentParser:
+    from ._cli_run import add_agent_parser, add_coordinator_parser, add_s3_endpoint
+
     parser = argparse.ArgumentParser(prog="deltasync", description=__doc__)
     parser.add_argument("--debug", action="store_true", help="show tracebacks and debug logs")
     sub = parser.add_subparsers(dest="command", required=True)
     ls = sub.add_parser("ls", help="list the committed versions of a store")
     ls.add_argument("store", help="store URI or path")
     ls.add_argument("--json", action="store_true", help="print JSON")
+    add_s3_endpoint(ls)
     ls.set_defaults(func=_cmd_ls)
     inspect = sub.add_parser("inspect", help="tensors, nnz, density and bytes of a shard file or a store version")
     inspect.add_argument("target", help="a shard file, or a store URI with --version")
     inspect.add_argument("--version", type=int, help="version to inspect in a store")
     inspect.add_argument("--anchor", action="store_true", help="inspect the version's anchor, not its delta")
     inspect.add_argument("--json", action="store_true", help="print JSON")
+    add_s3_endpoint(inspect)
     inspect.set_defaults(func=_cmd_inspect)
     verify = sub.add_parser("verify", help="rebuild a version and check every checksum (and its authenticity)")
     verify.add_argument("store", help="store URI or path")
@@ -258,6 +262,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     verify.add_argument("--ca-bundle", help="CA certificates (PEM) for an https coordinator")
     verify.add_argument("--json", action="store_true", help="print JSON")
+    add_s3_endpoint(verify)
     verify.set_defaults(func=_cmd_verify)
     gc = sub.add_parser("gc", help="garbage collection through the coordinator (token: DELTASYNC_PUBLISHER_TOKEN)")
     gc.add_argument(
@@ -273,8 +278,6 @@ def _parser() -> argparse.ArgumentParser:
     token = sub.add_parser("token", help="print an agent's token (needs DELTASYNC_AGENT_SECRET)")
     token.add_argument("--agent-id", required=True, help="the agent id the token is bound to")
     token.set_defaults(func=_cmd_token)
-    from ._cli_run import add_agent_parser, add_coordinator_parser
-
     add_coordinator_parser(sub)
     add_agent_parser(sub)
     return parser

@@ -38,21 +38,43 @@ def _open_hub_uri(uri: str) -> Store:
     return HubBucketStore(bucket_id, prefix)
 
 
+def _open_bucket_uri(uri: str) -> Store:
+    from ._s3_uri import parse_bucket_uri
+    from .s3 import S3Store
+
+    scheme, bucket, prefix, endpoint = parse_bucket_uri(uri)
+    return S3Store(bucket, prefix, endpoint=endpoint, scheme=scheme)
+
+
 register_store_scheme("file", _open_file_uri)
 register_store_scheme("hf", _open_hub_uri)
+for _scheme in ("s3", "gs", "az"):
+    register_store_scheme(_scheme, _open_bucket_uri)
 
 
-def open_store(uri: str) -> Store:
+def open_store(uri: str, *, s3_endpoint: str | None = None) -> Store:
     """Open the store a URI names.
 
     * a plain path or ``file:///path``: :class:`LocalStore`;
     * ``hf://buckets/<namespace>/<name>[/<prefix>]``: a Hugging Face Hub bucket
       (:class:`~deltasync.store.hub.HubBucketStore`);
+    * ``s3://<bucket>[/<prefix>][?endpoint=<url>]``, ``gs://<bucket>[/<prefix>]``,
+      ``az://<container>[/<prefix>]``: an object store (:class:`~deltasync.store.s3.S3Store`);
     * any scheme added with :func:`register_store_scheme`.
 
+    Args:
+        uri: the URI, or a local path.
+        s3_endpoint: the endpoint of an S3-compatible service (MinIO, R2, ...) for an ``s3://`` URI; the
+            same as ``?endpoint=`` in the URI (default: ``AWS_ENDPOINT_URL_S3``, ``AWS_ENDPOINT_URL``, AWS).
+
     Raises:
-        ValueError: the URI has a scheme no store is registered for.
+        ValueError: the URI has a scheme no store is registered for, or ``s3_endpoint`` is given for a URI
+            that is not ``s3://`` (or that names another endpoint).
     """
+    if s3_endpoint:
+        from ._s3_uri import with_s3_endpoint
+
+        uri = with_s3_endpoint(uri, s3_endpoint)
     if "://" not in uri:
         return LocalStore(uri)
     scheme = uri.split("://", 1)[0].lower()

@@ -198,7 +198,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         db.open()  # reopened if an earlier lifespan of this app closed it
         tasks = [asyncio.create_task(_probe(db, health)), asyncio.create_task(_expire(fleet, settings))]
         if settings.store is not None:
-            tasks.append(asyncio.create_task(_check_store(settings.store, registry, fleet)))
+            tasks.append(asyncio.create_task(_check_store(settings.store, settings.s3_endpoint, registry, fleet)))
         try:
             yield
         finally:
@@ -303,10 +303,10 @@ async def _expire(fleet: Fleet, settings: Settings) -> None:
         await asyncio.sleep(min(_EXPIRE_EVERY_S, max(0.5, settings.agent_expire_after_s / 4)))
 
 
-async def _check_store(uri: str, registry: Registry, fleet: Fleet) -> None:
+async def _check_store(uri: str, s3_endpoint: str | None, registry: Registry, fleet: Fleet) -> None:
     """A ledger behind its store (copied without its WAL, restored from a backup) is degraded, not healthy."""
     try:
-        committed = await run_in_threadpool(lambda: list_versions(open_store(uri)))
+        committed = await run_in_threadpool(lambda: list_versions(open_store(uri, s3_endpoint=s3_endpoint)))
     except ObjectNotFound:  # a new run: nothing published yet
         return
     except Exception as exc:  # noqa: BLE001 - a store we cannot list is reported, the service runs on

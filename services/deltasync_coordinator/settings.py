@@ -28,6 +28,7 @@ class Settings(BaseSettings):
 
     db: Path = Field(Path("deltasync-coordinator.db"), description="SQLite file (created; WAL mode; one coordinator)")
     store: str | None = Field(None, description="store URI, needed for garbage collection")
+    s3_endpoint: str | None = Field(None, description="endpoint of an S3-compatible service, for an s3:// store")
     publisher_token: SecretStr | None = Field(None, description="bearer token to publish, lease and collect garbage")
     agent_secret: SecretStr | None = Field(
         None, description="HMAC key of the per-agent tokens (`deltasync token --agent-id ID`)"

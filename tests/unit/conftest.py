@@ -1,13 +1,18 @@
-"""Unit-test fixtures: a coordinator app over httpx.ASGITransport."""
+"""Unit-test fixtures: a coordinator app over httpx.ASGITransport; moto's S3 server on 127.0.0.1."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+import uuid
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import pytest
 
+from deltasync.store.s3 import S3Store
 from tests.support.asgi import Coordinator, make_settings, open_coordinator
+from tests.support.s3 import CREDENTIALS_ENV, ENDPOINT_ENV, MotoServer
+
+S3_BUCKET = "deltasync-test"
 
 
 @pytest.fixture
@@ -16,3 +21,26 @@ async def coord(tmp_path: Path) -> AsyncIterator[Coordinator]:
     async with http:
         yield Coordinator(app, http)
     app.state.db.close()
+
+
+@pytest.fixture(scope="session")
+def moto_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MotoServer]:
+    """moto's S3 server on 127.0.0.1 (one process for the session) with a bucket ``deltasync-test``."""
+    with MotoServer(log=tmp_path_factory.mktemp("moto") / "moto.log") as server:
+        server.create_bucket(S3_BUCKET)
+        yield server
+
+
+@pytest.fixture
+def s3_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    """moto's credentials in the environment, and no endpoint or region from the caller's."""
+    for name in ENDPOINT_ENV:
+        monkeypatch.delenv(name, raising=False)
+    for name, value in CREDENTIALS_ENV.items():
+        monkeypatch.setenv(name, value)
+
+
+@pytest.fixture
+def s3_store(moto_server: MotoServer, s3_env: None) -> S3Store:
+    """An S3Store under a fresh prefix of the session's bucket, straight to moto."""
+    return S3Store(S3_BUCKET, f"t-{uuid.uuid4().hex[:12]}", endpoint=moto_server.url, backoff_s=0.001)

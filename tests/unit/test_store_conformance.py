@@ -1,4 +1,5 @@
-"""One Store conformance suite for LocalStore and HubBucketStore (over an in-process fake of the Hub API)."""
+"""One Store conformance suite for LocalStore, HubBucketStore (over an in-process fake of the Hub API) and
+S3Store (over moto's real S3 server on 127.0.0.1)."""
 
 from __future__ import annotations
 
@@ -27,15 +28,17 @@ from tests.conftest import assert_bit_equal
 from tests.fakes import FakeBucketApi
 from tests.support.stream import UpdateStream
 
-KINDS = ["local", "hub"]
+KINDS = ["local", "hub", "s3"]
 
 
 @pytest.fixture(params=KINDS)
 def store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Store]:
     if request.param == "local":
         yield LocalStore(tmp_path / "local")
-    else:
+    elif request.param == "hub":
         yield HubBucketStore("me/run1", "exp", api=FakeBucketApi(), cache_dir=tmp_path / "cache", backoff_s=0.001)
+    else:
+        yield request.getfixturevalue("s3_store")
 
 
 def test_is_a_store(store: Store) -> None:

@@ -39,7 +39,7 @@ async def collect_garbage(
     """Prove the kept anchor intact, then delete every candidate (manifest first), recording each deletion."""
     if settings.store is None:
         raise HTTPException(409, "the coordinator has no store configured (DELTASYNC_STORE / --store); cannot delete")
-    store = open_store(settings.store)
+    store = open_store(settings.store, s3_endpoint=settings.s3_endpoint)
     result = await run_in_threadpool(retention.collect, store, dry_run=dry_run)
     if result.deleted:  # shared long-poll answers may list deleted objects
         request.app.state.notifier.notify(request.app.state.registry.latest_version())
