@@ -49,20 +49,35 @@ def test_module_publishing_with_fp32_master_weights(local_store: LocalStore) -> 
 
 
 def test_back_pressure_blocks_and_keeps_exactness(tmp_path: Path, update_stream: UpdateStream) -> None:
-    class SlowStore(LocalStore):
+    gate = threading.Event()
+
+    class GatedStore(LocalStore):  # the first write waits for the test: the worker is busy until then
         def put(self, key, data):
-            time.sleep(0.05)
+            gate.wait(10)
             super().put(key, data)
 
-    store = SlowStore(tmp_path / "slow")
+    store = GatedStore(tmp_path / "gated")
     truth = {}
     with Publisher(store, config=PublisherConfig(queue_size=1)) as pub:
-        blocked = []
-        for step in range(6):
+        for step in range(2):  # one being written, one queued
             weights = update_stream.step()
             truth[pub.publish(weights, step)] = weights
-            blocked.append(pub.last_blocked_s)
-    assert max(blocked) > 0.04  # the queue was full: publish waited for the worker
+        third = update_stream.step()
+        done = threading.Event()
+
+        def publish_third() -> None:
+            truth[pub.publish(third, 2)] = third
+            done.set()
+
+        t = threading.Thread(target=publish_third)
+        t.start()
+        assert not done.wait(0.3)  # the queue is full: publish waits for the worker
+        gate.set()
+        t.join(10)
+        assert done.is_set() and pub.last_blocked_s > 0.25
+        for step in range(3, 6):
+            weights = update_stream.step()
+            truth[pub.publish(weights, step)] = weights
     for version, weights in truth.items():
         assert_bit_equal(read_weights(store, version), weights)
 
