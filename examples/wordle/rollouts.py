@@ -186,7 +186,8 @@ class Positions:
     """Game positions to play from, handed out in a seeded random order, forever."""
 
     def __init__(self, rows: list[tuple[list[int], str]], seed: int) -> None:
-        self.rows, self._rng, self._lock, self._order = rows, random.Random(seed), threading.Lock(), []  # type: ignore[var-annotated]
+        self.rows, self._rng, self._lock = rows, random.Random(seed), threading.Lock()
+        self._order: list[int] = []
         self.count = 0
 
     def next(self) -> tuple[list[int], str, int]:
