@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import sqlite3
 import time
 from collections.abc import AsyncIterator, Iterator, MutableMapping
 from typing import Any
@@ -27,9 +26,9 @@ from deltasync.reader import list_versions
 from deltasync.schemas import RUN_HEADER
 from deltasync.store import open_store
 
-from .db import Busy, Database
+from .db import Busy, LedgerDatabase, database_errors, open_database
 from .fleet import LAG_BUCKETS, Fleet
-from .registry import MIGRATIONS, Registry
+from .registry import LEDGER_MIGRATIONS, Registry
 from .retention import Retention
 from .routes import agents, gc, lease, ops, versions
 from .settings import Settings, check_credentials
@@ -100,6 +99,7 @@ class _Observe:
     def __init__(self, app: ASGIApp, run_id: str, latency: Histogram, health: _Health) -> None:
         self.app, self.latency, self.health = app, latency, health
         self.header = (RUN_HEADER.lower().encode(), run_id.encode())
+        self.db_errors = database_errors()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -117,7 +117,7 @@ class _Observe:
         try:
             await self.app(scope, receive, send_with_header)
         except Exception as exc:  # noqa: BLE001 - answered here; the traceback goes to the log
-            if isinstance(exc, sqlite3.DatabaseError):
+            if isinstance(exc, self.db_errors):
                 code, detail = 503, f"the ledger database fails ({exc}); restore it from a backup (docs/RELIABILITY.md)"
                 self.health.db_problem = detail
             else:
@@ -174,8 +174,9 @@ def _metrics(registry: Registry, fleet: Fleet, settings: Settings) -> tuple[Coll
 
 
 def create_app(settings: Settings | None = None) -> FastAPI:
-    """Build the coordinator app. Opens the SQLite ledger now: takes its one-coordinator lock, checks its
-    integrity, migrates it.
+    """Build the coordinator app. Opens the ledger now: a SQLite file (takes its one-coordinator lock, checks
+    its integrity, migrates it) or a PostgreSQL database (connects, refuses a foreign or newer schema, migrates
+    it; other coordinators may share it, and their registrations wake this one's long-polls).
 
     Args:
         settings: defaults to reading ``DELTASYNC_*`` environment variables.
@@ -183,12 +184,13 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     Raises:
         InsecureConfiguration: no credentials and not ``insecure``.
         LedgerLocked: another coordinator holds the database.
-        DamagedLedger: the database fails its integrity check.
+        DamagedLedger: the database fails its integrity check, or holds a foreign or newer schema.
+        Busy: the PostgreSQL server does not answer.
     """
     settings = settings or Settings()
     check_credentials(settings)
     setup_logging()
-    db = Database(settings.db, MIGRATIONS, timeout_s=settings.db_timeout_s)
+    db = open_database(settings.db, LEDGER_MIGRATIONS, timeout_s=settings.db_timeout_s)
     registry = Registry(db)
     fleet = Fleet(db, registry)
     health = _Health(fleet)
@@ -196,6 +198,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         db.open()  # reopened if an earlier lifespan of this app closed it
+        _follow_other_coordinators(app, db, registry)
         tasks = [asyncio.create_task(_probe(db, health)), asyncio.create_task(_expire(fleet, settings))]
         if settings.store is not None:
             tasks.append(asyncio.create_task(_check_store(settings.store, registry, fleet)))
@@ -204,12 +207,12 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         finally:
             for task in tasks:
                 task.cancel()
-            db.close()  # checkpoint the WAL into the main file and release the lock
+            db.close()  # SQLite: checkpoint the WAL into the main file and release the lock
             if db.checkpointed:
-                logger.info("coordinator stopped: ledger %s checkpointed and closed", settings.db)
+                logger.info("coordinator stopped: ledger %s checkpointed and closed", db.describe)
             else:
                 logger.error(
-                    "coordinator stopped: ledger %s closed WITHOUT a complete checkpoint (see above)", settings.db
+                    "coordinator stopped: ledger %s closed WITHOUT a complete checkpoint (see above)", db.describe
                 )
 
     app = FastAPI(
@@ -272,7 +275,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         )
     logger.info(
         "coordinator ready: db=%s run=%s schema=%d latest=%s",
-        settings.db,
+        db.describe,
         registry.run_id,
         db.schema_version,
         app.state.notifier.latest,
@@ -280,7 +283,24 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     return app
 
 
-async def _probe(db: Database, health: _Health) -> None:
+def _follow_other_coordinators(app: FastAPI, db: LedgerDatabase, registry: Registry) -> None:
+    """On a shared (PostgreSQL) ledger, another coordinator's registration wakes this one's long-polls: the
+    database's notification moves the in-memory latest and the notifier, on the event loop."""
+    if not db.shared:
+        return
+    loop = asyncio.get_running_loop()
+
+    def on_latest(latest: int | None) -> None:
+        registry._latest = latest
+        try:
+            loop.call_soon_threadsafe(app.state.notifier.notify, latest)
+        except RuntimeError:  # the loop is closing: nobody is waiting any more
+            pass
+
+    db.listen(on_latest)
+
+
+async def _probe(db: LedgerDatabase, health: _Health) -> None:
     """Watch the database from a thread, so ``/healthz`` answers from memory and says when it is busy."""
     while True:
         t0 = time.monotonic()
