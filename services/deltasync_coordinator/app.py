@@ -26,7 +26,7 @@ from deltasync.reader import list_versions
 from deltasync.schemas import RUN_HEADER
 from deltasync.store import open_store
 
-from .db import Busy, LedgerDatabase, database_errors, open_database
+from .db import Busy, LedgerDatabase, open_database
 from .fleet import LAG_BUCKETS, Fleet
 from .registry import LEDGER_MIGRATIONS, Registry
 from .retention import Retention
@@ -96,10 +96,11 @@ class _Observe:
     turns an exception that escaped a route into a JSON answer on a connection that stays open: 503 for a
     failing ledger database (recorded for ``/healthz``), else 500 naming the error (the log has the traceback)."""
 
-    def __init__(self, app: ASGIApp, run_id: str, latency: Histogram, health: _Health) -> None:
-        self.app, self.latency, self.health = app, latency, health
+    def __init__(
+        self, app: ASGIApp, run_id: str, latency: Histogram, health: _Health, db_errors: tuple[type[BaseException], ...]
+    ) -> None:
+        self.app, self.latency, self.health, self.db_errors = app, latency, health, db_errors
         self.header = (RUN_HEADER.lower().encode(), run_id.encode())
-        self.db_errors = database_errors()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -264,7 +265,9 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         return JSONResponse({"detail": f"{exc}; retry"}, status_code=503, headers={"Retry-After": "1"})
 
     app.add_middleware(_SizeLimits, max_bytes=settings.max_body_bytes, max_header_bytes=settings.max_header_bytes)
-    app.add_middleware(_Observe, run_id=registry.run_id, latency=latency, health=health)  # the outermost
+    app.add_middleware(  # the outermost
+        _Observe, run_id=registry.run_id, latency=latency, health=health, db_errors=db.errors
+    )
     if settings.insecure:
         logger.warning(
             "INSECURE: the coordinator runs without credentials (--insecure): anyone who reaches %s:%d can "

@@ -38,7 +38,6 @@ __all__ = [
     "LedgerLocked",
     "Replaced",
     "backup",
-    "database_errors",
     "open_database",
 ]
 
@@ -164,6 +163,8 @@ class Database:
 
     shared = False
     """One coordinator owns a SQLite ledger: its in-memory latest version is the truth."""
+    errors: tuple[type[BaseException], ...] = (sqlite3.DatabaseError,)
+    """A failing database raises these (answered 503 and shown in ``/healthz``, never 500)."""
 
     def __init__(
         self,
@@ -413,6 +414,8 @@ class LedgerDatabase(Protocol):
     """Whether other coordinators may write the same ledger (then the in-memory latest follows :meth:`listen`)."""
     describe: str
     """The ledger's name for logs and messages (a URL without its password)."""
+    errors: tuple[type[BaseException], ...]
+    """The exceptions of a failing database (answered 503 and shown in ``/healthz``, never 500)."""
     run_id: str
     schema_version: int
     timeout_s: float
@@ -449,15 +452,6 @@ def open_database(
             raise ImportError(f"a PostgreSQL ledger needs psycopg: pip install 'deltasync[postgres]' ({exc})") from None
         return PgDatabase(db, migrations["postgres"], timeout_s=timeout_s)
     return Database(db, migrations["sqlite"], timeout_s=timeout_s)
-
-
-def database_errors() -> tuple[type[BaseException], ...]:
-    """The exceptions of a failing ledger database (answered 503 and shown in ``/healthz``, never 500)."""
-    try:
-        import psycopg
-    except ImportError:
-        return (sqlite3.DatabaseError,)
-    return (sqlite3.DatabaseError, psycopg.DatabaseError, psycopg.OperationalError)
 
 
 def backup(source: str | os.PathLike[str], dest: str | os.PathLike[str]) -> int:

@@ -118,6 +118,8 @@ class PgDatabase:
 
     shared = True
     """Several coordinators may share this ledger: the in-memory latest version follows NOTIFY."""
+    errors: tuple[type[BaseException], ...] = (psycopg.DatabaseError, psycopg.OperationalError)
+    """A failing database raises these (answered 503 and shown in ``/healthz``, never 500)."""
 
     def __init__(
         self,
@@ -331,7 +333,7 @@ class PgDatabase:
 
     def listen(self, on_latest: Callable[[int | None], None]) -> None:
         """Call ``on_latest(latest)`` (from a daemon thread) whenever another coordinator changes the latest
-        version, and once after each reconnection (with the latest read anew: nothing is missed)."""
+        version, and once after each (re)connection with the latest read anew (nothing is missed)."""
         if self._listener is not None and self._listener.is_alive():
             return
         self._listener = threading.Thread(
@@ -350,9 +352,11 @@ class PgDatabase:
                 continue
             try:
                 conn.execute(f"LISTEN {CHANNEL}")
-                if not first:  # what happened while the connection was lost
-                    row = conn.execute("SELECT MAX(version) FROM versions WHERE deleted_at IS NULL").fetchone()
-                    on_latest(row[0] if row else None)
+                # what happened before we listened (at start: since the registry read it; later: while the
+                # connection was lost), read once we listen, so that nothing falls between the two
+                row = conn.execute("SELECT MAX(version) FROM versions WHERE deleted_at IS NULL").fetchone()
+                on_latest(row[0] if row else None)
+                if not first:
                     logger.info("ledger notifications: reconnected to %s", self.describe)
                 first = False
                 while not self._stop.is_set():
