@@ -293,7 +293,11 @@ def _follow_other_coordinators(app: FastAPI, db: LedgerDatabase, registry: Regis
         return
     loop = asyncio.get_running_loop()
 
-    def on_latest(latest: int | None) -> None:
+    def on_latest(latest: int | None, exact: bool) -> None:
+        # a registration's news may arrive after this coordinator registered a newer one itself: never go back
+        # for it; a deletion (exact) may lower the latest
+        if not exact and registry._latest is not None and (latest is None or latest < registry._latest):
+            return
         registry._latest = latest
         try:
             loop.call_soon_threadsafe(app.state.notifier.notify, latest)

@@ -341,10 +341,10 @@ class Database:
         """A read transaction: on SQLite the same as :meth:`tx` (one connection, one turn at a time)."""
         return self.tx()
 
-    def notify_versions(self, c: Any, latest: int | None) -> None:
+    def notify_versions(self, c: Any, latest: int | None, *, exact: bool = False) -> None:
         """Nothing to do: no other coordinator shares this file (long-polls are woken in process)."""
 
-    def listen(self, on_latest: Callable[[int | None], None]) -> None:
+    def listen(self, on_latest: Callable[[int | None, bool], None]) -> None:
         """Nothing to listen to: no other coordinator writes this file."""
 
     def probe(self, timeout_s: float = 1.0) -> str | None:
@@ -429,8 +429,8 @@ class LedgerDatabase(Protocol):
     def read(self) -> AbstractContextManager[Any]: ...
     def probe(self, timeout_s: float = 1.0) -> str | None: ...
     def file_replaced(self) -> str | None: ...
-    def notify_versions(self, c: Any, latest: int | None) -> None: ...
-    def listen(self, on_latest: Callable[[int | None], None]) -> None: ...
+    def notify_versions(self, c: Any, latest: int | None, *, exact: bool = False) -> None: ...
+    def listen(self, on_latest: Callable[[int | None, bool], None]) -> None: ...
 
 
 def open_database(

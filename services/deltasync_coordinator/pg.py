@@ -38,7 +38,8 @@ __all__ = ["CHANNEL", "PgDatabase", "is_postgres_url", "redact"]
 logger = logging.getLogger("deltasync.coordinator")
 
 CHANNEL = "deltasync_versions"
-"""The NOTIFY channel of version changes; the payload is ``<coordinator instance> <latest or empty>``."""
+"""The NOTIFY channel of version changes; the payload is ``<coordinator instance> <latest or empty> <+ or =>``
+(``+``: a registration, the latest is at least this; ``=``: a deletion, the latest is exactly this)."""
 _WRITE_LOCK = 0x64656C74  # "delt": the advisory lock every durable write transaction takes
 _MIGRATE_LOCK = 0x64656C75  # held (session-level) while one coordinator migrates
 _POOL_SIZE = 8
@@ -278,7 +279,12 @@ class PgDatabase:
         conn = self._take()
         try:
             try:
-                conn.execute(begin)
+                try:
+                    conn.execute(begin)
+                except psycopg.OperationalError:  # a pooled connection the server dropped (restarted?): nothing
+                    conn.close()  # ran on it, so one fresh connection may try again
+                    conn = self._connect()
+                    conn.execute(begin)
                 if lock:
                     conn.execute("SELECT pg_advisory_xact_lock(%s)", (_WRITE_LOCK,))
             except psycopg.Error as exc:
@@ -302,9 +308,12 @@ class PgDatabase:
         finally:
             self._release(conn, slot=True)
 
-    def notify_versions(self, c: _Tx, latest: int | None) -> None:
-        """Tell every coordinator on this database that the latest version is now ``latest`` (at commit)."""
-        c.execute("SELECT pg_notify(?, ?)", (CHANNEL, f"{self.instance} {'' if latest is None else latest}"))
+    def notify_versions(self, c: _Tx, latest: int | None, *, exact: bool = False) -> None:
+        """Tell every coordinator on this database, at commit, that the latest version is now ``latest``: at least
+        (a registration: notifications may arrive after a newer registration of the receiver's own), or
+        ``exact`` (a deletion lowered it)."""
+        payload = f"{self.instance} {'' if latest is None else latest} {'=' if exact else '+'}"
+        c.execute("SELECT pg_notify(?, ?)", (CHANNEL, payload))
 
     def file_replaced(self) -> str | None:
         """Never: there is no file (SQLite's check that its file is still the one at its path)."""
@@ -331,9 +340,10 @@ class PgDatabase:
 
     # ------------------------------------------------------------------ notifications
 
-    def listen(self, on_latest: Callable[[int | None], None]) -> None:
-        """Call ``on_latest(latest)`` (from a daemon thread) whenever another coordinator changes the latest
-        version, and once after each (re)connection with the latest read anew (nothing is missed)."""
+    def listen(self, on_latest: Callable[[int | None, bool], None]) -> None:
+        """Call ``on_latest(latest, exact)`` (from a daemon thread) whenever another coordinator changes the latest
+        version (``exact``: it is this, else at least this), and once after each (re)connection with the latest
+        read anew (nothing is missed)."""
         if self._listener is not None and self._listener.is_alive():
             return
         self._listener = threading.Thread(
@@ -341,7 +351,7 @@ class PgDatabase:
         )
         self._listener.start()
 
-    def _listen(self, on_latest: Callable[[int | None], None]) -> None:
+    def _listen(self, on_latest: Callable[[int | None, bool], None]) -> None:
         first = True
         while not self._stop.is_set():
             try:
@@ -355,15 +365,15 @@ class PgDatabase:
                 # what happened before we listened (at start: since the registry read it; later: while the
                 # connection was lost), read once we listen, so that nothing falls between the two
                 row = conn.execute("SELECT MAX(version) FROM versions WHERE deleted_at IS NULL").fetchone()
-                on_latest(row[0] if row else None)
+                on_latest(row[0] if row else None, False)
                 if not first:
                     logger.info("ledger notifications: reconnected to %s", self.describe)
                 first = False
                 while not self._stop.is_set():
                     for note in conn.notifies(timeout=0.5):
-                        instance, _, latest = note.payload.partition(" ")
+                        instance, latest, how = (note.payload.split(" ") + ["", ""])[:3]
                         if instance != self.instance:
-                            on_latest(int(latest) if latest else None)
+                            on_latest(int(latest) if latest else None, how == "=")
             except psycopg.Error as exc:  # the server restarted or the network broke: reconnect and catch up
                 if not self._stop.is_set():
                     logger.warning("ledger notifications lost (%s); reconnecting", _first_line(exc))

@@ -147,7 +147,7 @@ class Retention:
             )
             latest = c.execute("SELECT MAX(version) FROM versions WHERE deleted_at IS NULL").fetchone()[0]
             self.registry._latest = latest
-            self.db.notify_versions(c, latest)
+            self.db.notify_versions(c, latest, exact=True)
 
     def deletions(self) -> list[dict[str, object]]:
         with self.db.read() as c:

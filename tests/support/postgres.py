@@ -106,11 +106,10 @@ class PostgresServer:
         if (self.root / "data" / "postmaster.pid").exists():
             self._run("pg_ctl", "-D", str(self.root / "data"), "-m", mode, "-w", "-t", "60", "stop")
 
-    def restart(self) -> None:
-        """Stop (fast) and start again on the same port with the same data."""
+    def start_again(self) -> None:
+        """Start a server :meth:`stop` stopped, on the same port with the same data."""
         if self.external is not None:
             raise RuntimeError(f"cannot restart the server of {URL_ENV}")
-        self.stop()
         self._pg_ctl_start()
 
     def close(self) -> None:
