@@ -33,7 +33,7 @@ from .retention import Retention
 from .routes import agents, gc, lease, ops, versions
 from .settings import Settings, check_credentials
 
-__all__ = ["create_app"]
+__all__ = ["create_app", "follow_latest"]
 
 logger = logging.getLogger("deltasync.coordinator")
 
@@ -286,6 +286,16 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     return app
 
 
+def follow_latest(registry: Registry, latest: int | None, exact: bool) -> bool:
+    """Another coordinator's news of the latest version, into this one's memory; whether it moved. A
+    registration's news (``exact`` false: the latest is at least this) may arrive after this coordinator
+    registered a newer one itself: it never moves the latest back. A deletion's (``exact``) may lower it."""
+    if not exact and registry._latest is not None and (latest is None or latest < registry._latest):
+        return False
+    registry._latest = latest
+    return True
+
+
 def _follow_other_coordinators(app: FastAPI, db: LedgerDatabase, registry: Registry) -> None:
     """On a shared (PostgreSQL) ledger, another coordinator's registration wakes this one's long-polls: the
     database's notification moves the in-memory latest and the notifier, on the event loop."""
@@ -294,11 +304,8 @@ def _follow_other_coordinators(app: FastAPI, db: LedgerDatabase, registry: Regis
     loop = asyncio.get_running_loop()
 
     def on_latest(latest: int | None, exact: bool) -> None:
-        # a registration's news may arrive after this coordinator registered a newer one itself: never go back
-        # for it; a deletion (exact) may lower the latest
-        if not exact and registry._latest is not None and (latest is None or latest < registry._latest):
+        if not follow_latest(registry, latest, exact):
             return
-        registry._latest = latest
         try:
             loop.call_soon_threadsafe(app.state.notifier.notify, latest)
         except RuntimeError:  # the loop is closing: nobody is waiting any more

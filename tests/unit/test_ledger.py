@@ -485,3 +485,22 @@ def test_the_password_never_appears_in_messages(pg_url: str) -> None:
     with pytest.raises(Busy, match=r"is unreachable") as info:
         PgDatabase(bad, PG_MIGRATIONS, timeout_s=1)
     assert "s3cret" not in str(info.value) and "***" in str(info.value)
+
+
+@pytest.mark.postgres
+def test_late_news_of_another_registration_never_moves_the_latest_back(pg_url: str, clock: Clock) -> None:
+    """A's NOTIFY of v1 reaches B after B registered v2 itself: B stays at v2; a GC deletion's news is exact."""
+    from deltasync_coordinator.app import follow_latest
+
+    a, b = open_ledger(pg_url, clock), open_ledger(pg_url, clock)
+    try:
+        reg(a.registry, 0, "anchor")
+        reg(a.registry, 1)
+        reg(b.registry, 2)
+        assert b.registry.latest_version() == 2
+        assert not follow_latest(b.registry, 1, exact=False) and b.registry.latest_version() == 2
+        assert follow_latest(b.registry, 3, exact=False) and b.registry.latest_version() == 3
+        assert follow_latest(b.registry, 2, exact=True) and b.registry.latest_version() == 2
+    finally:
+        a.close()
+        b.close()
