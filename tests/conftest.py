@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import atexit
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -18,6 +20,7 @@ from tests.support.credentials import (  # noqa: F401 - re-exported for the test
     agent_token,
 )
 from tests.support.models import TINY_QWEN3_CONFIG, build_tiny_model, qwen3_shapes
+from tests.support.postgres import URL_ENV, PostgresServer
 from tests.support.stream import UpdateStream
 
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
@@ -75,6 +78,35 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture
 def local_store(tmp_path: Path) -> LocalStore:
     return LocalStore(tmp_path / "store")
+
+
+@pytest.fixture(scope="session")
+def postgres() -> Iterator[PostgresServer]:
+    """One PostgreSQL server for the session: ``DELTASYNC_TEST_POSTGRES_URL``'s, else a throwaway one (initdb
+    in a temporary directory, a free 127.0.0.1 port), stopped and removed at the end."""
+    server = PostgresServer(os.environ.get(URL_ENV))
+    atexit.register(server.close)  # even if the session dies before its fixtures are torn down
+    try:
+        yield server.start()
+    finally:
+        server.close()
+
+
+@pytest.fixture
+def pg_url(postgres: PostgresServer) -> Iterator[str]:
+    """An empty PostgreSQL database of one test (emptied afterwards for the next one)."""
+    url = postgres.create_database()
+    yield url
+    postgres.give_back(url)
+
+
+@pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
+def ledger_db(request: pytest.FixtureRequest, tmp_path: Path) -> Path | str:
+    """The ledger of a backend-neutral test, once per backend: a SQLite file, then a PostgreSQL database."""
+    if request.param == "sqlite":
+        return tmp_path / "ledger.db"
+    url: str = request.getfixturevalue("pg_url")
+    return url
 
 
 @pytest.fixture

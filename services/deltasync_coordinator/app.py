@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import sqlite3
 import time
 from collections.abc import AsyncIterator, Iterator, MutableMapping
 from typing import Any
@@ -27,14 +26,14 @@ from deltasync.reader import list_versions
 from deltasync.schemas import RUN_HEADER
 from deltasync.store import open_store
 
-from .db import Busy, Database
+from .db import Busy, LedgerDatabase, open_database
 from .fleet import LAG_BUCKETS, Fleet
-from .registry import MIGRATIONS, Registry
+from .registry import LEDGER_MIGRATIONS, Registry
 from .retention import Retention
 from .routes import agents, gc, lease, ops, versions
 from .settings import Settings, check_credentials
 
-__all__ = ["create_app"]
+__all__ = ["create_app", "follow_latest"]
 
 logger = logging.getLogger("deltasync.coordinator")
 
@@ -97,8 +96,10 @@ class _Observe:
     turns an exception that escaped a route into a JSON answer on a connection that stays open: 503 for a
     failing ledger database (recorded for ``/healthz``), else 500 naming the error (the log has the traceback)."""
 
-    def __init__(self, app: ASGIApp, run_id: str, latency: Histogram, health: _Health) -> None:
-        self.app, self.latency, self.health = app, latency, health
+    def __init__(
+        self, app: ASGIApp, run_id: str, latency: Histogram, health: _Health, db_errors: tuple[type[BaseException], ...]
+    ) -> None:
+        self.app, self.latency, self.health, self.db_errors = app, latency, health, db_errors
         self.header = (RUN_HEADER.lower().encode(), run_id.encode())
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -117,7 +118,7 @@ class _Observe:
         try:
             await self.app(scope, receive, send_with_header)
         except Exception as exc:  # noqa: BLE001 - answered here; the traceback goes to the log
-            if isinstance(exc, sqlite3.DatabaseError):
+            if isinstance(exc, self.db_errors):
                 code, detail = 503, f"the ledger database fails ({exc}); restore it from a backup (docs/RELIABILITY.md)"
                 self.health.db_problem = detail
             else:
@@ -174,8 +175,9 @@ def _metrics(registry: Registry, fleet: Fleet, settings: Settings) -> tuple[Coll
 
 
 def create_app(settings: Settings | None = None) -> FastAPI:
-    """Build the coordinator app. Opens the SQLite ledger now: takes its one-coordinator lock, checks its
-    integrity, migrates it.
+    """Build the coordinator app. Opens the ledger now: a SQLite file (takes its one-coordinator lock, checks
+    its integrity, migrates it) or a PostgreSQL database (connects, refuses a foreign or newer schema, migrates
+    it; other coordinators may share it, and their registrations wake this one's long-polls).
 
     Args:
         settings: defaults to reading ``DELTASYNC_*`` environment variables.
@@ -183,12 +185,13 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     Raises:
         InsecureConfiguration: no credentials and not ``insecure``.
         LedgerLocked: another coordinator holds the database.
-        DamagedLedger: the database fails its integrity check.
+        DamagedLedger: the database fails its integrity check, or holds a foreign or newer schema.
+        Busy: the PostgreSQL server does not answer.
     """
     settings = settings or Settings()
     check_credentials(settings)
     setup_logging()
-    db = Database(settings.db, MIGRATIONS, timeout_s=settings.db_timeout_s)
+    db = open_database(settings.db, LEDGER_MIGRATIONS, timeout_s=settings.db_timeout_s)
     registry = Registry(db)
     fleet = Fleet(db, registry)
     health = _Health(fleet)
@@ -196,6 +199,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         db.open()  # reopened if an earlier lifespan of this app closed it
+        _follow_other_coordinators(app, db, registry)
         tasks = [asyncio.create_task(_probe(db, health)), asyncio.create_task(_expire(fleet, settings))]
         if settings.store is not None:
             tasks.append(asyncio.create_task(_check_store(settings.store, settings.s3_endpoint, registry, fleet)))
@@ -204,12 +208,12 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         finally:
             for task in tasks:
                 task.cancel()
-            db.close()  # checkpoint the WAL into the main file and release the lock
+            db.close()  # SQLite: checkpoint the WAL into the main file and release the lock
             if db.checkpointed:
-                logger.info("coordinator stopped: ledger %s checkpointed and closed", settings.db)
+                logger.info("coordinator stopped: ledger %s checkpointed and closed", db.describe)
             else:
                 logger.error(
-                    "coordinator stopped: ledger %s closed WITHOUT a complete checkpoint (see above)", settings.db
+                    "coordinator stopped: ledger %s closed WITHOUT a complete checkpoint (see above)", db.describe
                 )
 
     app = FastAPI(
@@ -261,7 +265,9 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         return JSONResponse({"detail": f"{exc}; retry"}, status_code=503, headers={"Retry-After": "1"})
 
     app.add_middleware(_SizeLimits, max_bytes=settings.max_body_bytes, max_header_bytes=settings.max_header_bytes)
-    app.add_middleware(_Observe, run_id=registry.run_id, latency=latency, health=health)  # the outermost
+    app.add_middleware(  # the outermost
+        _Observe, run_id=registry.run_id, latency=latency, health=health, db_errors=db.errors
+    )
     if settings.insecure:
         logger.warning(
             "INSECURE: the coordinator runs without credentials (--insecure): anyone who reaches %s:%d can "
@@ -272,7 +278,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         )
     logger.info(
         "coordinator ready: db=%s run=%s schema=%d latest=%s",
-        settings.db,
+        db.describe,
         registry.run_id,
         db.schema_version,
         app.state.notifier.latest,
@@ -280,7 +286,35 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     return app
 
 
-async def _probe(db: Database, health: _Health) -> None:
+def follow_latest(registry: Registry, latest: int | None, exact: bool) -> bool:
+    """Another coordinator's news of the latest version, into this one's memory; whether it moved. A
+    registration's news (``exact`` false: the latest is at least this) may arrive after this coordinator
+    registered a newer one itself: it never moves the latest back. A deletion's (``exact``) may lower it."""
+    if not exact and registry._latest is not None and (latest is None or latest < registry._latest):
+        return False
+    registry._latest = latest
+    return True
+
+
+def _follow_other_coordinators(app: FastAPI, db: LedgerDatabase, registry: Registry) -> None:
+    """On a shared (PostgreSQL) ledger, another coordinator's registration wakes this one's long-polls: the
+    database's notification moves the in-memory latest and the notifier, on the event loop."""
+    if not db.shared:
+        return
+    loop = asyncio.get_running_loop()
+
+    def on_latest(latest: int | None, exact: bool) -> None:
+        if not follow_latest(registry, latest, exact):
+            return
+        try:
+            loop.call_soon_threadsafe(app.state.notifier.notify, latest)
+        except RuntimeError:  # the loop is closing: nobody is waiting any more
+            pass
+
+    db.listen(on_latest)
+
+
+async def _probe(db: LedgerDatabase, health: _Health) -> None:
     """Watch the database from a thread, so ``/healthz`` answers from memory and says when it is busy."""
     while True:
         t0 = time.monotonic()

@@ -1,4 +1,5 @@
-"""The coordinator's SQLite file: one owner, checked at start, closed cleanly, backed up online.
+"""The coordinator's SQLite file: one owner, checked at start, closed cleanly, backed up online; and
+:func:`open_database`, which opens the ledger ``--db`` names (a SQLite path, or a PostgreSQL URL: ``pg.py``).
 
 * **One coordinator per database.** An exclusive ``flock`` on ``<db>.lock`` (holder: pid, host, start time);
   a second coordinator exits naming the holder.
@@ -23,12 +24,22 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
+from typing import Any, Protocol, runtime_checkable
 
 logger = logging.getLogger("deltasync.coordinator")
 
-__all__ = ["Busy", "DamagedLedger", "Database", "LedgerLocked", "Replaced", "backup"]
+__all__ = [
+    "Busy",
+    "DamagedLedger",
+    "Database",
+    "LedgerDatabase",
+    "LedgerLocked",
+    "Replaced",
+    "backup",
+    "open_database",
+]
 
 
 class Busy(Exception):
@@ -150,6 +161,11 @@ class Database:
         exclusive: take the one-coordinator lock (tools that only read or back up pass False).
     """
 
+    shared = False
+    """One coordinator owns a SQLite ledger: its in-memory latest version is the truth."""
+    errors: tuple[type[BaseException], ...] = (sqlite3.DatabaseError,)
+    """A failing database raises these (answered 503 and shown in ``/healthz``, never 500)."""
+
     def __init__(
         self,
         path: str | os.PathLike[str],
@@ -162,7 +178,8 @@ class Database:
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.real_path = _check_path(self.path)
-        self.timeout_s, self._clock = timeout_s, clock
+        self.timeout_s, self._clock, self.clock = timeout_s, clock, clock
+        self.describe = str(self.path)
         self._migrations, self._exclusive = migrations, exclusive
         self._lock = threading.Lock()
         self._probe: sqlite3.Connection | None = None
@@ -320,6 +337,16 @@ class Database:
         finally:
             self._lock.release()
 
+    def read(self) -> AbstractContextManager[sqlite3.Connection]:
+        """A read transaction: on SQLite the same as :meth:`tx` (one connection, one turn at a time)."""
+        return self.tx()
+
+    def notify_versions(self, c: Any, latest: int | None, *, exact: bool = False) -> None:
+        """Nothing to do: no other coordinator shares this file (long-polls are woken in process)."""
+
+    def listen(self, on_latest: Callable[[int | None, bool], None]) -> None:
+        """Nothing to listen to: no other coordinator writes this file."""
+
     def probe(self, timeout_s: float = 1.0) -> str | None:
         """Whether a write could start now: ``None`` if so, else why not (its own connection, short timeout)."""
         try:
@@ -375,6 +402,56 @@ class Database:
             if self._lockfile is not None:
                 self._lockfile.release()
                 self._lockfile = None
+
+
+@runtime_checkable
+class LedgerDatabase(Protocol):
+    """What the registry, fleet and retention need of a ledger database: :class:`Database` (SQLite) and
+    ``pg.PgDatabase`` (PostgreSQL). A transaction's body runs ``execute``/``executemany`` with ``?`` placeholders
+    and reads rows by column name or position."""
+
+    shared: bool
+    """Whether other coordinators may write the same ledger (then the in-memory latest follows :meth:`listen`)."""
+    describe: str
+    """The ledger's name for logs and messages (a URL without its password)."""
+    errors: tuple[type[BaseException], ...]
+    """The exceptions of a failing database (answered 503 and shown in ``/healthz``, never 500)."""
+    run_id: str
+    schema_version: int
+    timeout_s: float
+    closed: bool
+    checkpointed: bool
+    clock: Callable[[], float]
+
+    def open(self) -> None: ...
+    def close(self) -> None: ...
+    def tx(self, *, durable: bool = True) -> AbstractContextManager[Any]: ...
+    def read(self) -> AbstractContextManager[Any]: ...
+    def probe(self, timeout_s: float = 1.0) -> str | None: ...
+    def file_replaced(self) -> str | None: ...
+    def notify_versions(self, c: Any, latest: int | None, *, exact: bool = False) -> None: ...
+    def listen(self, on_latest: Callable[[int | None, bool], None]) -> None: ...
+
+
+def open_database(
+    db: str | os.PathLike[str], migrations: dict[str, list[str]], *, timeout_s: float = 5.0
+) -> LedgerDatabase:
+    """The ledger ``db`` names: a PostgreSQL URL (``postgresql://user:pw@host:port/dbname``) or a SQLite path.
+
+    Args:
+        migrations: each backend's numbered migrations, by name (``sqlite``, ``postgres``).
+
+    Raises:
+        LedgerLocked, DamagedLedger: as :class:`Database` (SQLite) or ``PgDatabase`` (foreign or newer schema).
+        Busy: the PostgreSQL server did not answer.
+    """
+    if isinstance(db, str) and db.startswith(("postgresql://", "postgres://")):
+        try:
+            from .pg import PgDatabase
+        except ImportError as exc:
+            raise ImportError(f"a PostgreSQL ledger needs psycopg: pip install 'deltasync[postgres]' ({exc})") from None
+        return PgDatabase(db, migrations["postgres"], timeout_s=timeout_s)
+    return Database(db, migrations["sqlite"], timeout_s=timeout_s)
 
 
 def backup(source: str | os.PathLike[str], dest: str | os.PathLike[str]) -> int:

@@ -5,13 +5,12 @@ from __future__ import annotations
 
 import json
 import logging
-import sqlite3
 from datetime import UTC, datetime
 
 from deltasync.schemas import AgentHeartbeat, AgentPublic, AgentsPublic
 
-from .db import Database
-from .registry import Invalid, Registry
+from .db import LedgerDatabase
+from .registry import Invalid, Registry, Row
 
 __all__ = ["LAG_BUCKETS", "Fleet"]
 
@@ -28,10 +27,10 @@ def _dt(ts: float) -> datetime:
 class Fleet:
     """Agents and alerts, over the registry's database."""
 
-    def __init__(self, db: Database, registry: Registry) -> None:
+    def __init__(self, db: LedgerDatabase, registry: Registry) -> None:
         self.db, self.registry = db, registry
-        self._clock = db._clock
-        with db.tx() as c:
+        self._clock = db.clock
+        with db.read() as c:
             self._alerts: dict[str, tuple[int | None, str]] = {
                 r["key"]: (r["version"], r["detail"]) for r in c.execute("SELECT * FROM alerts ORDER BY at")
             }
@@ -44,7 +43,7 @@ class Fleet:
                 degraded: restored from an old backup, or copied without its WAL?) and refused.
         """
         now = self._clock()
-        latest = self.registry.latest_version()
+        latest = self.registry._latest_checked(hb.applied_version)  # read again on a shared ledger before refusing
         if hb.applied_version is not None and (latest is None or hb.applied_version > latest):
             detail = (
                 f"agent {agent_id} reports v{hb.applied_version}, above the ledger's latest "
@@ -69,7 +68,7 @@ class Fleet:
         return self._agent(row, latest, now, stale_after_s)
 
     @staticmethod
-    def _agent(row: sqlite3.Row, latest: int | None, now: float, stale_after_s: float) -> AgentPublic:
+    def _agent(row: Row, latest: int | None, now: float, stale_after_s: float) -> AgentPublic:
         applied = row["applied_version"]
         return AgentPublic(
             agent_id=row["agent_id"],
@@ -85,7 +84,7 @@ class Fleet:
     def agents(self, stale_after_s: float, *, limit: int = 100, after: str | None = None) -> AgentsPublic:
         """One page of the fleet, by agent id (``after``: the last id of the previous page)."""
         now = self._clock()
-        with self.db.tx() as c:
+        with self.db.read() as c:
             rows = c.execute(
                 "SELECT * FROM agents WHERE agent_id > ? ORDER BY agent_id LIMIT ?", (after or "", limit + 1)
             ).fetchall()
@@ -99,7 +98,7 @@ class Fleet:
     def live_applied(self, stale_after_s: float) -> list[int]:
         """The applied versions of live (not stale) agents."""
         now = self._clock()
-        with self.db.tx() as c:
+        with self.db.read() as c:
             rows = c.execute(
                 "SELECT applied_version FROM agents WHERE last_seen >= ? AND applied_version IS NOT NULL",
                 (now - stale_after_s,),
@@ -111,7 +110,7 @@ class Fleet:
         then +Inf): aggregates only, never one series per agent."""
         now = self._clock()
         latest = self.registry.latest_version()
-        with self.db.tx() as c:
+        with self.db.read() as c:
             rows = c.execute("SELECT state, applied_version, last_seen FROM agents").fetchall()
         states: dict[str, int] = {}
         lags = [0] * (len(LAG_BUCKETS) + 1)
@@ -158,4 +157,8 @@ class Fleet:
         """Record (or refresh) an alert, in memory and in the ledger (it survives a restart)."""
         self._alerts[key] = (version, detail)
         with self.db.tx(durable=False) as c:
-            c.execute("INSERT OR REPLACE INTO alerts VALUES (?, ?, ?, ?)", (key, version, detail, self._clock()))
+            c.execute(
+                "INSERT INTO alerts VALUES (?, ?, ?, ?) ON CONFLICT (key) DO UPDATE SET "
+                "version=excluded.version, detail=excluded.detail, at=excluded.at",
+                (key, version, detail, self._clock()),
+            )

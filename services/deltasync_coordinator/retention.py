@@ -12,7 +12,6 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import sqlite3
 
 from deltasync.errors import ObjectNotFound
 from deltasync.layout import object_prefix
@@ -21,9 +20,9 @@ from deltasync.reader import prove_object
 from deltasync.schemas import GcPublic, VersionPublic
 from deltasync.store import Store
 
-from .db import Database
+from .db import LedgerDatabase
 from .fleet import Fleet
-from .registry import Registry, public
+from .registry import Registry, Row, public
 
 __all__ = ["Retention"]
 
@@ -33,13 +32,18 @@ logger = logging.getLogger("deltasync.coordinator.gc")
 class Retention:
     """Garbage collection over the ledger and a store."""
 
-    def __init__(self, db: Database, registry: Registry, fleet: Fleet, *, stale_after_s: float, plan_lease_s: float):
+    def __init__(
+        self, db: LedgerDatabase, registry: Registry, fleet: Fleet, *, stale_after_s: float, plan_lease_s: float
+    ):
         self.db, self.registry, self.fleet = db, registry, fleet
         self.stale_after_s, self.plan_lease_s = stale_after_s, plan_lease_s
 
-    def _rows(self) -> list[sqlite3.Row]:
-        with self.db.tx() as c:
-            return c.execute("SELECT * FROM versions WHERE deleted_at IS NULL ORDER BY version, kind DESC").fetchall()
+    def _rows(self) -> list[Row]:
+        with self.db.read() as c:
+            rows: list[Row] = c.execute(
+                "SELECT * FROM versions WHERE deleted_at IS NULL ORDER BY version, kind DESC"
+            ).fetchall()
+        return rows
 
     def candidates(self, kept_anchor: int | None = None) -> GcPublic:
         """What would go if ``kept_anchor`` (default: the newest anchor) is the anchor kept. A dry run."""
@@ -65,7 +69,7 @@ class Retention:
         ]
         return GcPublic(candidates=candidates, keep_from=keep_from, kept_anchor=kept_anchor)
 
-    def _prove(self, store: Store, row: sqlite3.Row) -> str | None:
+    def _prove(self, store: Store, row: Row) -> str | None:
         """``None`` if the anchor is present and intact in the store, else what is wrong."""
         name = f"anchor v{row['version']}"
         try:
@@ -134,18 +138,18 @@ class Retention:
         return None
 
     def _mark_deleted(self, obj: VersionPublic, keys: list[str], reason: str) -> None:
-        now = self.db._clock()
+        now = self.db.clock()
         with self.db.tx() as c:
             c.execute("UPDATE versions SET deleted_at=? WHERE version=? AND kind=?", (now, obj.version, obj.kind))
             c.execute(
                 "INSERT INTO deletions (version, kind, keys, reason, deleted_at) VALUES (?, ?, ?, ?, ?)",
                 (obj.version, obj.kind, json.dumps(keys), reason, now),
             )
-            self.registry._latest = c.execute("SELECT MAX(version) FROM versions WHERE deleted_at IS NULL").fetchone()[
-                0
-            ]
+            latest = c.execute("SELECT MAX(version) FROM versions WHERE deleted_at IS NULL").fetchone()[0]
+            self.registry._latest = latest
+            self.db.notify_versions(c, latest, exact=True)
 
     def deletions(self) -> list[dict[str, object]]:
-        with self.db.tx() as c:
+        with self.db.read() as c:
             rows = c.execute("SELECT * FROM deletions ORDER BY id").fetchall()
         return [dict(r) | {"keys": json.loads(r["keys"])} for r in rows]

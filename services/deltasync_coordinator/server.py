@@ -31,7 +31,7 @@ class Coordinator:
     mints an agent's own token.
 
     Args:
-        db: the SQLite ledger.
+        db: the SQLite ledger, or a PostgreSQL URL (``postgresql://user:pw@host:port/dbname``).
         store: the store URI (for garbage collection).
         publisher_token: the publisher's token (default: random).
         agent_secret: the HMAC key of agent tokens (default: random).
@@ -58,7 +58,7 @@ class Coordinator:
                 sock.bind(("127.0.0.1", 0))
                 port = int(sock.getsockname()[1])
         self.settings = Settings(
-            db=Path(db),
+            db=db if isinstance(db, str) and db.startswith(("postgresql://", "postgres://")) else Path(db),
             store=store,
             publisher_token=self.publisher_token,
             agent_secret=self._agent_secret,

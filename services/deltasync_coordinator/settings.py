@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pydantic import Field, SecretStr, model_validator
+from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 __all__ = ["InsecureConfiguration", "Settings", "check_credentials"]
@@ -26,7 +26,11 @@ class Settings(BaseSettings):
 
     model_config = SettingsConfigDict(env_prefix="DELTASYNC_", frozen=True)
 
-    db: Path = Field(Path("deltasync-coordinator.db"), description="SQLite file (created; WAL mode; one coordinator)")
+    db: Path | str = Field(
+        Path("deltasync-coordinator.db"),
+        description="SQLite file (created; WAL mode; one coordinator), or a PostgreSQL URL "
+        "postgresql://user:password@host:port/dbname (several coordinators may share it)",
+    )
     store: str | None = Field(None, description="store URI, needed for garbage collection")
     s3_endpoint: str | None = Field(None, description="endpoint of an S3-compatible service, for an s3:// store")
     publisher_token: SecretStr | None = Field(None, description="bearer token to publish, lease and collect garbage")
@@ -48,6 +52,14 @@ class Settings(BaseSettings):
     port: int = Field(8600, ge=0, le=65535, description="port `deltasync coordinator` binds")
     ssl_certfile: Path | None = Field(None, description="serve HTTPS with this certificate (PEM)")
     ssl_keyfile: Path | None = Field(None, description="the certificate's private key (PEM)")
+
+    @field_validator("db", mode="before")
+    @classmethod
+    def _db_kind(cls, value: object) -> object:
+        """A PostgreSQL URL stays a string (a ``Path`` would fold its ``//``); anything else is a SQLite path."""
+        if isinstance(value, str) and value.startswith(("postgresql://", "postgres://")):
+            return value
+        return Path(value) if isinstance(value, str) else value
 
     @model_validator(mode="after")
     def _tls_pair(self) -> Settings:

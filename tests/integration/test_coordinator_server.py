@@ -1,10 +1,12 @@
-"""The coordinator as a real process (uvicorn, SQLite file): restarts, races, long-pollers, and the operator's
-failure modes of issue 12 (no credentials, SIGTERM and copies, two coordinators, a damaged or locked file,
-file-descriptor limits, TLS)."""
+"""The coordinator as a real process (uvicorn; a SQLite file, or PostgreSQL where marked): restarts, races,
+long-pollers, and the operator's failure modes of issue 12 (no credentials, SIGTERM and copies, two
+coordinators, a damaged or locked file, file-descriptor limits, TLS); on PostgreSQL, several coordinators on one
+database (issue 14) and a database server restarted under them."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import shutil
 import sqlite3
 import statistics
@@ -35,6 +37,14 @@ def server(tmp_path: Path) -> Iterator[CoordinatorProcess]:
         yield proc
 
 
+@pytest.fixture
+def any_server(tmp_path: Path, ledger_db: Path | str) -> Iterator[CoordinatorProcess]:
+    """A coordinator process on each backend (SQLite, then PostgreSQL)."""
+    log = tmp_path / "coordinator.log"
+    with CoordinatorProcess(ledger_db, env=TOKENS_ENV, args=["--max-wait-s", "20"], log=log) as proc:
+        yield proc
+
+
 class Publishing(CoordinatorClient):
     def register(self, body: dict):
         return self.register_version(VersionCreate(**body), lease=self.lease)
@@ -46,7 +56,8 @@ def publishing(url: str, **kw) -> Publishing:
     return client
 
 
-def test_kill_9_and_restart_mid_stream_loses_nothing(server: CoordinatorProcess) -> None:
+def test_kill_9_and_restart_mid_stream_loses_nothing(any_server: CoordinatorProcess) -> None:
+    server = any_server
     publisher = publishing(server.url, retries=30, backoff_s=0.05, timeout_s=5)
     agent = CoordinatorClient(server.url, token=agent_token("follower"), retries=30, backoff_s=0.05, timeout_s=5)
     last = 60
@@ -95,7 +106,8 @@ def test_kill_9_and_restart_mid_stream_loses_nothing(server: CoordinatorProcess)
     assert [a.applied_version for a in fleet] == [last]
 
 
-def test_racing_registrations_exactly_one_wins(server: CoordinatorProcess) -> None:
+def test_racing_registrations_exactly_one_wins(any_server: CoordinatorProcess) -> None:
+    server = any_server
     first = publishing(server.url)
     second = Publishing(server.url, token=PUBLISHER_TOKEN)
     second.lease = first.lease  # two threads of one publisher, racing with conflicting bodies
@@ -125,7 +137,8 @@ def test_racing_registrations_exactly_one_wins(server: CoordinatorProcess) -> No
 
 
 @pytest.mark.anyio
-async def test_100_long_pollers_are_all_woken_by_one_publish(server: CoordinatorProcess) -> None:
+async def test_100_long_pollers_are_all_woken_by_one_publish(any_server: CoordinatorProcess) -> None:
+    server = any_server
     with publishing(server.url) as pub:
         pub.register(version_body(0, "anchor"))
         limits = httpx.Limits(max_connections=200, max_keepalive_connections=200)
@@ -169,6 +182,7 @@ def test_without_credentials_the_process_refuses_to_start(tmp_path: Path) -> Non
     assert not (tmp_path / "l.db").exists()
 
 
+@pytest.mark.sqlite
 def test_sigterm_checkpoints_so_the_db_file_alone_is_complete(tmp_path: Path) -> None:
     """Issue 12 row 5 (observed): after SIGTERM the connection was never closed (a 323 KB ledger.db beside a
     4.1 MB -wal); copying only ledger.db lost 145 of 2000 versions silently."""
@@ -185,6 +199,7 @@ def test_sigterm_checkpoints_so_the_db_file_alone_is_complete(tmp_path: Path) ->
     assert "checkpointed and closed" in proc.log_path.read_text()
 
 
+@pytest.mark.sqlite
 def test_a_second_coordinator_on_one_database_exits_naming_the_holder(server: CoordinatorProcess) -> None:
     proc = _coordinator(server.db, env=TOKENS_ENV)
     assert proc.returncode == 1
@@ -193,6 +208,7 @@ def test_a_second_coordinator_on_one_database_exits_naming_the_holder(server: Co
     assert httpx.get(server.url + "/healthz").json()["status"] == "ok"  # the first one serves on
 
 
+@pytest.mark.sqlite
 def test_a_damaged_database_is_refused_at_start(tmp_path: Path) -> None:
     with CoordinatorProcess(tmp_path / "ledger.db", env=TOKENS_ENV) as proc, publishing(proc.url) as pub:
         pub.register(version_body(0, "anchor"))
@@ -205,6 +221,7 @@ def test_a_damaged_database_is_refused_at_start(tmp_path: Path) -> None:
     assert proc.returncode == 1 and "restore it from a backup" in proc.stderr, proc.stderr[-2000:]
 
 
+@pytest.mark.sqlite
 def test_backup_of_a_running_coordinator_restores(tmp_path: Path, server: CoordinatorProcess) -> None:
     with publishing(server.url) as pub:
         pub.register(version_body(0, "anchor"))
@@ -234,6 +251,7 @@ def test_backup_of_a_running_coordinator_restores(tmp_path: Path, server: Coordi
         assert health["latest"] == 49 and health["run_id"] == run  # a backup keeps the run's identity
 
 
+@pytest.mark.sqlite
 def test_health_answers_fast_and_requests_get_503_while_the_database_is_locked(tmp_path: Path) -> None:
     """Issue 12 row 6 (observed): a database held locked for 40 s stalled every request, and /healthz returned
     a bare 500 after 31 s."""
@@ -363,6 +381,7 @@ async def test_abandoned_long_polls_give_their_slots_back(tmp_path: Path) -> Non
         assert r.status_code == 200, r.text
 
 
+@pytest.mark.sqlite
 def test_a_second_coordinator_through_a_hard_link_exits_naming_the_holder(server: CoordinatorProcess) -> None:
     """Found by the adversarial review of 0374e40: a coordinator on a hard link of the ledger started beside
     the first (the lock file was named after the path; SQLite's WAL is too): both granted lease epoch 1, both
@@ -378,3 +397,162 @@ def test_a_second_coordinator_through_a_hard_link_exits_naming_the_holder(server
     )
     assert out.returncode == 1
     assert "is in use by another coordinator" in out.stderr and '"pid": ' in out.stderr, out.stderr
+
+
+# ------------------------------------------------------------------ PostgreSQL: several coordinators, one ledger
+
+
+@contextlib.contextmanager
+def _two_coordinators(
+    db: str, tmp_path: Path, args: list[str]
+) -> Iterator[tuple[CoordinatorProcess, CoordinatorProcess]]:
+    """Coordinators A and B on one database, started side by side (an interpreter start each: seconds)."""
+    a, b = (CoordinatorProcess(db, env=TOKENS_ENV, args=args, log=tmp_path / f"{n}.log") for n in "ab")
+    try:
+        starts = [threading.Thread(target=p.start) for p in (a, b)]
+        for t in starts:
+            t.start()
+        for t in starts:
+            t.join(60)
+        for p in (a, b):
+            assert p.proc is not None and p.proc.poll() is None, p.log_path.read_text()[-2000:]
+        yield a, b
+    finally:
+        a.stop()
+        b.stop()
+
+
+def _poll_wake_ms(url: str, after: int, n: int, publish) -> list[float]:
+    """``n`` long-polls on ``url`` waiting above ``after``; ``publish()`` (elsewhere); each poll's wake-up in ms."""
+
+    async def run() -> list[float]:
+        headers = {"Authorization": f"Bearer {agent_token('poller')}"}
+        limits = httpx.Limits(max_connections=n + 10, max_keepalive_connections=n + 10)
+        async with httpx.AsyncClient(base_url=url, limits=limits, timeout=30, headers=headers) as http:
+            done: list[float] = []
+
+            async def poll() -> list[int]:
+                r = await http.get("/v1/versions", params={"after": after, "wait_s": 15})
+                done.append(time.perf_counter())
+                return [v["version"] for v in r.json()["versions"]]
+
+            pollers = [asyncio.create_task(poll()) for _ in range(n)]
+            await asyncio.sleep(1.0)  # every poll reaches the server and waits
+            assert not done, "a long-poll answered before anything was published"
+            t0 = time.perf_counter()
+            await asyncio.to_thread(publish)
+            results = await asyncio.gather(*pollers)
+        assert all(r == [after + 1] for r in results), results[:3]
+        return [(t - t0) * 1e3 for t in done]
+
+    return asyncio.run(run())
+
+
+@pytest.mark.postgres
+def test_two_coordinators_on_one_postgres_share_the_run_wake_each_other_and_fence(tmp_path: Path, pg_url: str) -> None:
+    """Issue 14: a version registered through A is listed by B and wakes B's long-polls (< 1 s, median over 5
+    publishes of 50 pollers); a second publisher through B is refused while A's holds the lease; racing
+    registrations of one version through A and B: exactly one row."""
+    with _two_coordinators(pg_url, tmp_path, ["--max-wait-s", "20"]) as (a, b), publishing(a.url) as pub:
+        assert httpx.get(a.url + "/healthz").json()["run_id"] == httpx.get(b.url + "/healthz").json()["run_id"]
+        pub.register(version_body(0, "anchor"))
+        wake: list[float] = []
+        for v in range(1, 6):
+            wake += _poll_wake_ms(b.url, v - 1, 50, lambda v=v: pub.register(version_body(v)))
+        median = statistics.median(wake)
+        print(f"\nRELIABILITY woken on B by a registration through A: median {median:.1f} ms, max {max(wake):.1f} ms")
+        assert median < 1000 and max(wake) < 5000
+        assert httpx.get(b.url + "/healthz").json()["latest"] == 5
+        with CoordinatorClient(b.url, token=PUBLISHER_TOKEN, retries=0) as other:
+            with pytest.raises(CoordinatorError, match="409.*the run is being published by 'test'"):
+                other.acquire_lease("intruder", ttl_s=60)
+            r = httpx.post(b.url + "/v1/versions", json=version_body(6), headers=PUB, timeout=10)
+            assert r.status_code == 409 and "registering needs the run's publisher lease" in r.json()["detail"]
+            r = httpx.post(
+                b.url + "/v1/versions", json=version_body(6), headers=PUB | {"Deltasync-Lease": "0" * 32}, timeout=10
+            )
+            assert r.status_code == 409 and "held by 'test' (epoch 1)" in r.json()["detail"]
+        through_b = Publishing(b.url, token=PUBLISHER_TOKEN)
+        through_b.lease = pub.lease  # the publisher's own threads, one through each coordinator
+        for v in range(6, 16):
+            barrier = threading.Barrier(2)
+            outcomes: list[str] = []
+
+            def race(c: Publishing, i: int, v: int = v, barrier=barrier, outcomes=outcomes) -> None:
+                barrier.wait()
+                try:
+                    outcomes.append("created" if c.register(version_body(v, nbytes=100 + i))[1] else "known")
+                except CoordinatorError as exc:
+                    outcomes.append(str(exc.status_code))
+
+            threads = [threading.Thread(target=race, args=(c, i)) for i, c in enumerate((pub, through_b))]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(30)
+            assert sorted(outcomes) == ["409", "created"], (v, outcomes)
+        through_b.close()
+        with CoordinatorClient(b.url, token=PUBLISHER_TOKEN) as reader:
+            listed = reader.wait_for_versions(None, wait_s=0)
+    assert [(x.version, x.kind) for x in listed] == [(0, "anchor")] + [(v, "delta") for v in range(1, 16)]
+
+
+@pytest.mark.postgres
+def test_a_postgres_restart_mid_run_gives_503s_then_recovers(tmp_path: Path, pg_url: str, postgres) -> None:
+    """The database server stops under two running coordinators: requests get 503 with Retry-After (never 500),
+    /healthz says degraded; once it is back every acknowledged version is there, registrations go on, and B's
+    long-polls are woken by A's registrations again (its listener reconnected)."""
+    if postgres.external is not None:
+        pytest.skip("the test session does not own the PostgreSQL server of DELTASYNC_TEST_POSTGRES_URL")
+    args = ["--max-wait-s", "20", "--db-timeout-s", "2"]
+    with (
+        _two_coordinators(pg_url, tmp_path, args) as (a, b),
+        publishing(a.url, retries=40, backoff_s=0.25, timeout_s=10) as pub,
+    ):
+        pub.register(version_body(0, "anchor"))
+        for v in range(1, 10):
+            pub.register(version_body(v))
+        postgres.stop("fast")
+        try:
+            fenced = PUB | {"Deltasync-Lease": pub.lease.lease_id}
+            codes = set()
+            for url in (a.url, b.url):
+                r = httpx.post(url + "/v1/versions", json=version_body(10), headers=fenced, timeout=30)
+                codes.add(r.status_code)
+                assert r.status_code == 503 and r.headers["retry-after"] == "1", r.text
+                assert "unreachable" in r.json()["detail"] or "fails" in r.json()["detail"], r.text
+                r = httpx.get(url + "/v1/versions", params={"after": -1}, headers=PUB, timeout=30)
+                assert r.status_code == 503, r.text
+            time.sleep(1.5)  # the probes notice
+            health = httpx.get(b.url + "/healthz", timeout=5).json()
+            assert health["status"] == "degraded", health
+        finally:
+            postgres.start_again()
+        t0 = time.monotonic()
+        pub.register(version_body(10))  # the client retries its 503s
+        print(f"\nRELIABILITY PostgreSQL restarted: the next registration took {time.monotonic() - t0:.2f} s")
+        time.sleep(1.0)  # B's listener reconnects (it retries every 0.5-1 s)
+        wake = _poll_wake_ms(b.url, 10, 10, lambda: pub.register(version_body(11)))
+        assert max(wake) < 5000, wake
+        with CoordinatorClient(b.url, token=PUBLISHER_TOKEN) as reader:
+            listed = reader.wait_for_versions(None, wait_s=0)
+        assert [x.version for x in listed] == list(range(0, 12))
+        deadline = time.monotonic() + 10
+        while httpx.get(a.url + "/healthz").json()["status"] != "ok" and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert httpx.get(a.url + "/healthz").json()["status"] == "ok"
+    assert "Traceback" not in (tmp_path / "a.log").read_text() + (tmp_path / "b.log").read_text()
+
+
+@pytest.mark.postgres
+def test_a_newer_schema_on_postgres_is_refused_at_start(pg_url: str) -> None:
+    import psycopg
+    from deltasync_coordinator.pg import PgDatabase
+    from deltasync_coordinator.registry import PG_MIGRATIONS
+
+    PgDatabase(pg_url, PG_MIGRATIONS).close()  # a ledger, migrated
+    with psycopg.connect(pg_url, autocommit=True) as con:
+        con.execute("INSERT INTO schema_migrations VALUES (99, 0)")
+    proc = _coordinator(pg_url, env=TOKENS_ENV)  # type: ignore[arg-type]
+    assert proc.returncode == 1
+    assert "schema version 99 was written by a newer deltasync (this one knows 2)" in proc.stderr, proc.stderr[-2000:]

@@ -109,7 +109,7 @@ class CoordinatorProcess:
     the environment, as in production. Use as a context manager; the process is always stopped.
 
     Args:
-        db: SQLite file.
+        db: SQLite file, or a PostgreSQL URL (then give ``log``, or it goes to the temporary directory).
         store: store URI (for garbage collection).
         env: extra environment, e.g. ``{"DELTASYNC_PUBLISHER_TOKEN": "..."}``.
         args: extra command-line flags (``--ssl-certfile`` makes the URL ``https``).
@@ -129,13 +129,21 @@ class CoordinatorProcess:
         prefix: list[str] | None = None,
         ca_bundle: str | Path | None = None,
     ) -> None:
-        self.db = Path(db)
+        self.db: Path | str = db if isinstance(db, str) and db.startswith("postgres") else Path(db)
         self.port = free_port()
         self.store, self.env, self.args = store, dict(env or {}), list(args or [])
         self.prefix, self.ca_bundle = list(prefix or []), ca_bundle
         scheme = "https" if "--ssl-certfile" in self.args else "http"
         self.url = f"{scheme}://127.0.0.1:{self.port}"
-        self.log_path = Path(log) if log is not None else self.db.with_name("coordinator.log")
+        if log is None:
+            import tempfile
+
+            log = (
+                self.db.with_name("coordinator.log")
+                if isinstance(self.db, Path)
+                else Path(tempfile.gettempdir(), f"deltasync-coordinator-{self.port}.log")
+            )
+        self.log_path = Path(log)
         self.proc: subprocess.Popen[bytes] | None = None
         self._log: IO[bytes] | None = None
 

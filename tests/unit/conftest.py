@@ -16,7 +16,8 @@ S3_BUCKET = "deltasync-test"
 
 
 @pytest.fixture
-async def coord(tmp_path: Path) -> AsyncIterator[Coordinator]:
+async def sqlite_coord(tmp_path: Path) -> AsyncIterator[Coordinator]:
+    """A coordinator app on a SQLite file (for the cases about the file itself)."""
     app, http = await open_coordinator(make_settings(tmp_path))
     async with http:
         yield Coordinator(app, http)
@@ -44,3 +45,12 @@ def s3_env(monkeypatch: pytest.MonkeyPatch) -> None:
 def s3_store(moto_server: MotoServer, s3_env: None) -> S3Store:
     """An S3Store under a fresh prefix of the session's bucket, straight to moto."""
     return S3Store(S3_BUCKET, f"t-{uuid.uuid4().hex[:12]}", endpoint=moto_server.url, backoff_s=0.001)
+
+
+@pytest.fixture
+async def coord(tmp_path: Path, ledger_db: Path | str) -> AsyncIterator[Coordinator]:
+    """A coordinator app on each backend (SQLite, then PostgreSQL)."""
+    app, http = await open_coordinator(make_settings(tmp_path, db=ledger_db))
+    async with http:
+        yield Coordinator(app, http)
+    app.state.db.close()

@@ -20,6 +20,7 @@ from deltasync.schemas import RUN_HEADER
 from deltasync.vocab import MAX_INT
 from tests.conftest import coordinator_settings
 from tests.support.asgi import PUB, Coordinator, auth, make_settings, open_coordinator
+from tests.support.postgres import hold_write_lock
 
 pytestmark = pytest.mark.anyio
 
@@ -31,6 +32,7 @@ def _db(path: Path) -> Database:
 # ---------------------------------------------------------------------------------------------- one owner per file
 
 
+@pytest.mark.sqlite
 @pytest.mark.parametrize("route", ["hardlink", "symlink", "dotdot"])
 def test_a_second_coordinator_cannot_reach_the_file_by_another_path(tmp_path: Path, route: str) -> None:
     """Before: the lock was a file named after the path, so a hard link (worst: each process kept its own WAL,
@@ -54,6 +56,7 @@ def test_a_second_coordinator_cannot_reach_the_file_by_another_path(tmp_path: Pa
         first.close()
 
 
+@pytest.mark.sqlite
 def test_the_lock_holds_without_any_lock_file(tmp_path: Path) -> None:
     first = _db(tmp_path / "ledger.db")
     try:
@@ -66,6 +69,7 @@ def test_the_lock_holds_without_any_lock_file(tmp_path: Path) -> None:
     _db(tmp_path / "ledger.db").close()  # free once the first is gone
 
 
+@pytest.mark.sqlite
 def test_a_planted_lock_symlink_never_truncates_its_target(tmp_path: Path) -> None:
     """Before: ``<db>.lock`` was opened following links and truncated: a planted link destroyed another ledger."""
     victim = tmp_path / "other-run.db"
@@ -75,6 +79,7 @@ def test_a_planted_lock_symlink_never_truncates_its_target(tmp_path: Path) -> No
     assert victim.stat().st_size == 65552
 
 
+@pytest.mark.sqlite
 @pytest.mark.parametrize("suffix", ["-wal", "-shm", "-journal"])
 def test_sqlites_side_files_are_not_ledgers(tmp_path: Path, suffix: str) -> None:
     """Before: a coordinator started on ``ledger.db-wal`` wrote a whole database into a live WAL file."""
@@ -82,6 +87,7 @@ def test_sqlites_side_files_are_not_ledgers(tmp_path: Path, suffix: str) -> None
         _db(tmp_path / f"ledger.db{suffix}")
 
 
+@pytest.mark.sqlite
 def test_a_removed_or_replaced_file_stops_acknowledging(tmp_path: Path) -> None:
     """Before: with ``ledger.db*`` deleted under a running coordinator, v6 still got 201 and health said ok;
     after a restart v0..v6 were gone."""
@@ -98,6 +104,7 @@ def test_a_removed_or_replaced_file_stops_acknowledging(tmp_path: Path) -> None:
         db.close()
 
 
+@pytest.mark.sqlite
 def test_close_says_when_another_process_blocks_the_checkpoint(tmp_path: Path, caplog) -> None:
     """Before: with a reader holding a read transaction, SIGTERM logged "checkpointed and closed" while a 185 KB
     ``-wal`` remained, and the ``.db`` alone was malformed."""
@@ -123,6 +130,7 @@ def test_close_says_when_another_process_blocks_the_checkpoint(tmp_path: Path, c
 # ------------------------------------------------------------------------------------ start-up: clear refusals
 
 
+@pytest.mark.sqlite
 def test_files_that_are_not_this_ledger_are_refused_clearly(tmp_path: Path) -> None:
     """Before: these exited with a traceback, and a newer schema was accepted silently."""
     foreign = sqlite3.connect(tmp_path / "app.db")
@@ -151,6 +159,31 @@ def test_files_that_are_not_this_ledger_are_refused_clearly(tmp_path: Path) -> N
     _db(tmp_path / "ok.db").close()
     with pytest.raises(FileNotFoundError, match="no such directory for the backup; create it first"):
         backup(tmp_path / "ok.db", tmp_path / "missing" / "dir" / "x.db")
+
+
+@pytest.mark.postgres
+def test_databases_that_are_not_this_ledger_are_refused_clearly_on_postgres(pg_url: str) -> None:
+    """The PostgreSQL ledger refuses what the SQLite one refuses: a foreign schema, a newer one, a lost table."""
+    import psycopg
+    from deltasync_coordinator.pg import PgDatabase
+    from deltasync_coordinator.registry import PG_MIGRATIONS
+
+    with psycopg.connect(pg_url, autocommit=True) as con:
+        con.execute("CREATE TABLE users (id INTEGER)")
+    with pytest.raises(DamagedLedger, match=r"a database of something else \(tables \['users'\]\)"):
+        PgDatabase(pg_url, PG_MIGRATIONS)
+    with psycopg.connect(pg_url, autocommit=True) as con:
+        con.execute("DROP TABLE users")
+    PgDatabase(pg_url, PG_MIGRATIONS).close()
+    with psycopg.connect(pg_url, autocommit=True) as con:
+        con.execute("INSERT INTO schema_migrations VALUES (3, 0)")
+    with pytest.raises(DamagedLedger, match="schema version 3 was written by a newer deltasync"):
+        PgDatabase(pg_url, PG_MIGRATIONS)
+    with psycopg.connect(pg_url, autocommit=True) as con:
+        con.execute("DELETE FROM schema_migrations WHERE version = 3")
+        con.execute("DROP TABLE agents")
+    with pytest.raises(DamagedLedger, match=r"migrations are recorded but tables \['agents'\] are missing"):
+        PgDatabase(pg_url, PG_MIGRATIONS)
 
 
 @pytest.mark.parametrize(
@@ -186,12 +219,13 @@ async def test_one_forged_report_does_not_degrade_the_ledger_for_good(coord: Coo
     assert r.status_code == 200
     health = (await coord.http.get("/healthz")).json()
     assert health["status"] == "ok", health
-    rows = coord.app.state.db._db.execute("SELECT COUNT(*) FROM alerts").fetchone()[0]
+    with coord.app.state.db.read() as c:
+        rows = c.execute("SELECT COUNT(*) FROM alerts").fetchone()[0]
     assert rows == 0  # forgotten in the ledger too: a restart does not bring it back
 
 
-async def test_an_expired_agent_takes_its_alert_with_it(tmp_path: Path) -> None:
-    app, http = await open_coordinator(make_settings(tmp_path))
+async def test_an_expired_agent_takes_its_alert_with_it(tmp_path: Path, ledger_db: Path | str) -> None:
+    app, http = await open_coordinator(make_settings(tmp_path, db=ledger_db))
     async with http:
         c = Coordinator(app, http)
         await c.publish(0, "anchor")
@@ -217,23 +251,21 @@ async def test_health_never_touches_a_locked_database(coord: Coordinator, tmp_pa
     await coord.publish(0, "anchor")
     await coord.http.post("/v1/agents/a1/heartbeat", headers=auth("a1"), json={"applied_version": 1, "state": "idle"})
     await coord.publish(1)  # clears the alert's condition: the next /healthz used to write
-    holder = sqlite3.connect(coord.app.state.db.real_path, isolation_level=None)
-    holder.execute("BEGIN EXCLUSIVE")
-    try:
+    with hold_write_lock(coord.app.state.db):  # another process holds the database (SQLite) or the write lock (PG)
         t0 = time.perf_counter()
         r = await coord.http.get("/healthz")
         assert time.perf_counter() - t0 < 0.5 and r.status_code == 200 and r.json()["status"] == "ok"
-    finally:
-        holder.close()
 
 
 # ------------------------------------------------------------------------------------------- plans and GC pins
 
 
-async def test_readers_cannot_pin_what_gc_deletes_and_agents_pin_one_plan(tmp_path: Path) -> None:
+async def test_readers_cannot_pin_what_gc_deletes_and_agents_pin_one_plan(
+    tmp_path: Path, ledger_db: Path | str
+) -> None:
     """Before: every ``GET /v1/plan`` (a read token's too) was recorded and pinned its objects for the plan
     lease: 4,417 rows in 15 s, and repeating it kept deltas 1-9 from GC forever."""
-    app, http = await open_coordinator(make_settings(tmp_path, read_token="reader-token-0123456789"))
+    app, http = await open_coordinator(make_settings(tmp_path, read_token="reader-token-0123456789", db=ledger_db))
     async with http:
         c = Coordinator(app, http)
         await c.publish(0, "anchor")
@@ -242,7 +274,11 @@ async def test_readers_cannot_pin_what_gc_deletes_and_agents_pin_one_plan(tmp_pa
         reader = {"Authorization": "Bearer reader-token-0123456789"}
         for to in range(10):
             assert (await http.get(f"/v1/plan?from=0&to={to}", headers=reader)).status_code == 200
-        count = lambda: app.state.db._db.execute("SELECT COUNT(*) FROM plans").fetchone()[0]  # noqa: E731
+
+        def count() -> int:
+            with app.state.db.read() as c:
+                return c.execute("SELECT COUNT(*) FROM plans").fetchone()[0]
+
         assert count() == 0
         for to in range(10):
             assert (await http.get(f"/v1/plan?from=0&to={to}", headers=auth("a1"))).status_code == 200
@@ -312,7 +348,8 @@ async def test_size_refusals_and_internal_errors_name_the_run_and_say_why(coord:
     assert r.status_code == 431 and r.headers[RUN_HEADER] == run
     await coord.publish(0, "anchor")
     await coord.http.post("/v1/agents/a1/heartbeat", headers=auth("a1"), json={"applied_version": 0, "state": "idle"})
-    coord.app.state.db._db.execute("UPDATE agents SET timings='{not json' WHERE agent_id='a1'")  # damage in a row
+    with coord.app.state.db.tx() as c:
+        c.execute("UPDATE agents SET timings='{not json' WHERE agent_id='a1'")  # damage in a row
     r = await coord.http.get("/v1/agents", headers=PUB)
     assert r.status_code == 500 and r.headers[RUN_HEADER] == run
     assert r.json()["detail"].startswith("internal error (JSONDecodeError:")

@@ -211,10 +211,10 @@ async def test_long_poll_wakes_on_publish_and_times_out(coord: Coordinator) -> N
     assert all([v["version"] for v in a.json()["versions"]] == [1] for a in answers)
 
 
-async def test_long_polls_beyond_the_cap_get_503_with_retry_after(tmp_path: Path) -> None:
+async def test_long_polls_beyond_the_cap_get_503_with_retry_after(tmp_path: Path, ledger_db: Path | str) -> None:
     """Issue 12 row 6: 1,100 long-polls at nofile 1024 reset 94 connections; beyond a cap they are told to
     come back instead."""
-    app, http = await open_coordinator(make_settings(tmp_path, max_long_polls=5))
+    app, http = await open_coordinator(make_settings(tmp_path, max_long_polls=5, db=ledger_db))
     async with http:
         waiting = [
             asyncio.create_task(http.get("/v1/versions", params={"after": 0, "wait_s": 2}, headers=AGT))
@@ -324,8 +324,8 @@ async def test_metrics_are_aggregates_without_a_series_per_agent(coord: Coordina
     assert 'deltasync_request_seconds_count{method="POST",route="/v1/versions",status="201"} 2.0' in text
 
 
-async def test_a_metrics_token_scrapes_but_reads_nothing_else(tmp_path: Path) -> None:
-    app, http = await open_coordinator(make_settings(tmp_path, metrics_token="scrape-me-0123456789"))
+async def test_a_metrics_token_scrapes_but_reads_nothing_else(tmp_path: Path, ledger_db: Path | str) -> None:
+    app, http = await open_coordinator(make_settings(tmp_path, metrics_token="scrape-me-0123456789", db=ledger_db))
     async with http:
         scrape = {"Authorization": "Bearer scrape-me-0123456789"}
         assert (await http.get("/metrics", headers=scrape)).status_code == 200
@@ -373,8 +373,8 @@ async def test_gc_deletes_through_the_store(coord: Coordinator, tmp_path: Path) 
     assert [(s["version"], s["kind"]) for s in plan["steps"]] == [(5, "anchor")]
 
 
-async def test_gc_without_a_store_is_409(tmp_path: Path) -> None:
-    app, http = await open_coordinator(make_settings(tmp_path, store=None))
+async def test_gc_without_a_store_is_409(tmp_path: Path, ledger_db: Path | str) -> None:
+    app, http = await open_coordinator(make_settings(tmp_path, store=None, db=ledger_db))
     async with http:
         r = await http.post("/v1/gc", headers=PUB)
         assert r.status_code == 409 and "no store configured" in r.json()["detail"]

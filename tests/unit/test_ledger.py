@@ -1,5 +1,7 @@
 """The ledger alone (no HTTP): registration rules, plans, retention, migrations, restarts, and the database
-file itself (one owner, integrity, clean close, online backup)."""
+file itself (one owner, integrity, clean close, online backup). The backend-neutral cases run on SQLite and on
+PostgreSQL (``ledger_db``); ``sqlite``-marked ones are about the file; ``postgres``-marked ones about several
+coordinators sharing one database."""
 
 from __future__ import annotations
 
@@ -12,11 +14,12 @@ from pathlib import Path
 import pytest
 from deltasync_coordinator.db import Busy, DamagedLedger, Database, LedgerLocked, backup
 from deltasync_coordinator.fleet import Fleet
-from deltasync_coordinator.registry import MIGRATIONS, Conflict, Fenced, Invalid, NotFound, Registry
+from deltasync_coordinator.registry import MIGRATIONS, PG_MIGRATIONS, Conflict, Fenced, Invalid, NotFound, Registry
 from deltasync_coordinator.retention import Retention
 
 from deltasync.schemas import AgentHeartbeat, VersionCreate
 from tests.conftest import version_body
+from tests.support.postgres import hold_write_lock
 
 
 @dataclasses.dataclass
@@ -31,8 +34,13 @@ class Ledger:
         self.db.close()
 
 
-def open_ledger(path: Path, clock) -> Ledger:
-    db = Database(path, MIGRATIONS, clock=clock, timeout_s=1)
+def open_ledger(path: Path | str, clock, timeout_s: float = 1) -> Ledger:
+    if isinstance(path, str):  # a PostgreSQL URL
+        from deltasync_coordinator.pg import PgDatabase
+
+        db = PgDatabase(path, PG_MIGRATIONS, clock=clock, timeout_s=timeout_s)
+    else:
+        db = Database(path, MIGRATIONS, clock=clock, timeout_s=timeout_s)
     registry = Registry(db)
     fleet = Fleet(db, registry)
     try:
@@ -57,7 +65,14 @@ def clock() -> Clock:
 
 
 @pytest.fixture
-def ledger(tmp_path: Path, clock: Clock):
+def ledger(ledger_db: Path | str, clock: Clock):
+    ledger = open_ledger(ledger_db, clock)
+    yield ledger
+    ledger.close()
+
+
+@pytest.fixture
+def sqlite_ledger(tmp_path: Path, clock: Clock):
     ledger = open_ledger(tmp_path / "ledger.db", clock)
     yield ledger
     ledger.close()
@@ -209,6 +224,7 @@ def test_registration_needs_the_live_lease(ledger: Ledger, clock: Clock) -> None
     assert ledger.registry.register(body, None) == (record, False)  # an identical retry needs no lease
 
 
+@pytest.mark.sqlite
 def test_state_survives_a_restart_and_migrations_are_recorded(tmp_path: Path, clock: Clock) -> None:
     first = open_ledger(tmp_path / "l.db", clock)
     reg(first.registry, 0, "anchor")
@@ -226,13 +242,16 @@ def test_state_survives_a_restart_and_migrations_are_recorded(tmp_path: Path, cl
     again.close()
 
 
-def test_a_closed_ledger_raises_instead_of_deadlocking(ledger: Ledger) -> None:
+@pytest.mark.sqlite
+def test_a_closed_ledger_raises_instead_of_deadlocking(sqlite_ledger: Ledger) -> None:
+    ledger = sqlite_ledger
     ledger.close()
     for _ in range(2):  # the second call would hang if the first had leaked the lock
         with pytest.raises(sqlite3.ProgrammingError, match="closed database"):
             ledger.registry.counts()
 
 
+@pytest.mark.sqlite
 def test_one_coordinator_per_database(tmp_path: Path, clock: Clock) -> None:
     """Issue 12 row 5: two coordinators ran happily on one database file; the second answered "no version
     registered" and its long-poll missed versions."""
@@ -243,6 +262,7 @@ def test_one_coordinator_per_database(tmp_path: Path, clock: Clock) -> None:
     Database(tmp_path / "l.db", MIGRATIONS, clock=clock).close()  # free again once the first is gone
 
 
+@pytest.mark.sqlite
 def test_a_damaged_file_is_refused_at_start(tmp_path: Path, clock: Clock) -> None:
     """Issue 12 row 5: a zeroed page went unnoticed until list and GC returned 500."""
     ledger = open_ledger(tmp_path / "l.db", clock)
@@ -263,6 +283,7 @@ def test_a_damaged_file_is_refused_at_start(tmp_path: Path, clock: Clock) -> Non
         Database(tmp_path / "junk.db", MIGRATIONS, clock=clock)
 
 
+@pytest.mark.sqlite
 def test_an_online_backup_is_consistent_and_never_overwrites(tmp_path: Path, clock: Clock) -> None:
     """Issue 12 row 5: copying only ledger.db of a running coordinator lost 145 versions silently; the backup
     command copies a live ledger consistently (SQLite's backup API)."""
@@ -299,28 +320,25 @@ def test_an_online_backup_is_consistent_and_never_overwrites(tmp_path: Path, clo
     restored.close()
 
 
-def test_a_locked_database_is_busy_after_the_timeout_not_a_stall(ledger: Ledger, tmp_path: Path) -> None:
-    """Issue 12 row 6: a database held locked for 40 s stalled every request."""
+def test_a_locked_database_is_busy_after_the_timeout_not_a_stall(ledger: Ledger) -> None:
+    """Issue 12 row 6: a database held locked for 40 s stalled every request (PostgreSQL: another session
+    holding the coordinators' write lock)."""
     reg(ledger.registry, 0, "anchor")
-    other = sqlite3.connect(tmp_path / "ledger.db", isolation_level=None)
-    other.execute("BEGIN EXCLUSIVE")
-    try:
+    with hold_write_lock(ledger.db):
         t0 = time.monotonic()
-        with pytest.raises(Busy, match="locked by another process"):
+        with pytest.raises(Busy, match="locked by another (process|coordinator or session)"):
             reg(ledger.registry, 1)
         assert time.monotonic() - t0 < 5
         assert "locked" in (ledger.db.probe(timeout_s=0.1) or "")
-    finally:
-        other.execute("ROLLBACK")
-        other.close()
     assert ledger.db.probe() is None
     reg(ledger.registry, 1)
 
 
-def test_plan_cost_grows_with_the_plan_not_the_ledger(ledger: Ledger) -> None:
+@pytest.mark.sqlite
+def test_plan_cost_grows_with_the_plan_not_the_ledger(sqlite_ledger: Ledger) -> None:
     """Issue 12 row 6: a 1-step plan over 100k rows took 0.375 s (every plan read every row). The walk
     touches one indexed row per step: count the statements SQLite runs."""
-    registry = ledger.registry
+    registry = sqlite_ledger.registry
     reg(registry, 0, "anchor")
     for v in range(1, 3000):
         reg(registry, v)
@@ -332,3 +350,157 @@ def test_plan_cost_grows_with_the_plan_not_the_ledger(ledger: Ledger) -> None:
         registry.db._db.set_trace_callback(None)
     assert [s.version for s in plan.steps] == [2999]
     assert len([s for s in statements if s.startswith("SELECT")]) <= 3
+
+
+# ------------------------------------------------------------------ PostgreSQL: several coordinators, one ledger
+
+
+@pytest.mark.postgres
+def test_state_survives_a_restart_and_the_run_is_created_once_on_postgres(pg_url: str, clock: Clock) -> None:
+    """Two coordinators opening a new database at once: one migration, one run id, seen by both."""
+    import psycopg
+
+    opened: list[Ledger] = []
+    barrier = threading.Barrier(4)
+
+    def start() -> None:
+        barrier.wait()
+        opened.append(open_ledger(pg_url, clock))
+
+    threads = [threading.Thread(target=start) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert len(opened) == 4 and len({o.registry.run_id for o in opened}) == 1
+    assert len({o.lease for o in opened}) == 1  # one lease granted, the others read it (open_ledger)
+    reg(opened[0].registry, 0, "anchor")
+    reg(opened[1].registry, 1)
+    run = opened[0].registry.run_id
+    for o in opened:
+        o.close()
+    again = open_ledger(pg_url, clock)
+    assert again.registry.latest_version() == 1 and again.registry.run_id == run
+    assert again.db.schema_version == len(PG_MIGRATIONS)
+    again.close()
+    with psycopg.connect(pg_url) as con:
+        rows = [r[0] for r in con.execute("SELECT version FROM schema_migrations ORDER BY version")]
+        assert rows == list(range(1, len(PG_MIGRATIONS) + 1))
+        assert con.execute("SELECT COUNT(*) FROM meta WHERE key='run_id'").fetchone()[0] == 1  # type: ignore[index]
+
+
+@pytest.mark.postgres
+def test_two_coordinators_racing_register_each_version_exactly_once(pg_url: str, clock: Clock) -> None:
+    """Every registration of a version through two coordinators at once: exactly one row; the other gets the
+    idempotent answer (same body) or 409 (another body), never a second row, never a 500."""
+    a, b = open_ledger(pg_url, clock), open_ledger(pg_url, clock)
+    try:
+        reg(a.registry, 0, "anchor")
+        for v in range(1, 25):
+            barrier = threading.Barrier(4)
+            outcomes: list[str] = []
+
+            def race(registry: Registry, nbytes: int, v: int = v, barrier=barrier, outcomes=outcomes) -> None:
+                barrier.wait()
+                try:
+                    outcomes.append("created" if reg(registry, v, nbytes=nbytes)[1] else "known")
+                except Conflict as exc:
+                    outcomes.append("409" if "already registered" in str(exc) or "stale" in str(exc) else str(exc))
+
+            same = v % 2 == 0  # even versions: the same body four times (a retried request); odd: four bodies
+            threads = [
+                threading.Thread(target=race, args=(r, 100 if same else 100 + i))
+                for i, r in enumerate((a.registry, b.registry, a.registry, b.registry))
+            ]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(30)
+            assert outcomes.count("created") == 1, (v, outcomes)
+            assert sorted(outcomes) == sorted(["created"] + (["known"] * 3 if same else ["409"] * 3)), (v, outcomes)
+        with a.db.read() as c:
+            rows = c.execute("SELECT version, kind FROM versions ORDER BY version").fetchall()
+        assert [tuple(r) for r in rows] == [(0, "anchor")] + [(v, "delta") for v in range(1, 25)]
+        assert b.registry.refresh_latest() == 24
+    finally:
+        a.close()
+        b.close()
+
+
+@pytest.mark.postgres
+def test_the_lease_fences_across_coordinators(pg_url: str, clock: Clock) -> None:
+    """A publisher holding the lease through A; a second publisher through B is refused, and once the lease has
+    passed to B (A's expired), A's publisher is fenced through either coordinator."""
+    a = open_ledger(pg_url, clock)  # takes the lease (holder "test")
+    b = open_ledger(pg_url, clock)
+    try:
+        reg(a.registry, 0, "anchor")
+        with pytest.raises(Conflict, match="the run is being published by 'test' .lease epoch 1"):
+            b.registry.acquire_lease("second", 60, None)
+        with pytest.raises(Fenced, match="registering needs the run's publisher lease"):
+            b.registry.register(VersionCreate(**version_body(1)), "f" * 32)
+        record, created = b.registry.register(VersionCreate(**version_body(1)), a.lease)  # A's lease through B
+        assert created and record.version == 1
+        clock.now += 7200  # A's publisher stalls past its lease; B's takes the run
+        second = b.registry.acquire_lease("second", 60, None)
+        assert second.epoch == 2 and second.next_version == 2
+        for registry in (a.registry, b.registry):
+            with pytest.raises(Fenced, match="held by 'second' .epoch 2."):
+                registry.register(VersionCreate(**version_body(2)), a.lease)
+            with pytest.raises(Fenced, match="is lost .'second' holds the run now."):
+                registry.acquire_lease("test", 60, a.lease)
+        assert a.registry.register(VersionCreate(**version_body(2)), second.lease_id)[1]
+        with a.db.read() as c:
+            epochs = [r[0] for r in c.execute("SELECT epoch FROM versions ORDER BY version")]
+        assert epochs == [1, 1, 2]
+    finally:
+        a.close()
+        b.close()
+
+
+@pytest.mark.postgres
+def test_a_lagging_coordinator_reads_the_database_before_refusing(pg_url: str, clock: Clock) -> None:
+    """B has not yet heard of A's registration: a heartbeat or a plan at that version is still accepted (B reads
+    the database before calling the agent ahead of the ledger)."""
+    a, b = open_ledger(pg_url, clock), open_ledger(pg_url, clock)
+    try:
+        reg(a.registry, 0, "anchor")
+        reg(a.registry, 1)
+        assert b.registry.latest_version() is None  # no listener here: B's memory is behind
+        assert b.fleet.heartbeat("x", AgentHeartbeat(applied_version=1, state="idle"), 60).lag == 0
+        assert b.registry.plan(0, 1).route == "deltas"
+        assert b.fleet.alerts() == []
+    finally:
+        a.close()
+        b.close()
+
+
+@pytest.mark.postgres
+def test_the_password_never_appears_in_messages(pg_url: str) -> None:
+    from deltasync_coordinator.pg import PgDatabase, redact
+
+    assert redact("postgresql://user:s3cret@host:5432/db") == "postgresql://user:***@host:5432/db"
+    assert redact("postgres://user@host/db") == "postgres://user@host/db"
+    bad = pg_url.replace("postgres@", "postgres:s3cret@").rsplit(":", 1)[0] + ":1/db"  # nothing listens on port 1
+    with pytest.raises(Busy, match=r"is unreachable") as info:
+        PgDatabase(bad, PG_MIGRATIONS, timeout_s=1)
+    assert "s3cret" not in str(info.value) and "***" in str(info.value)
+
+
+@pytest.mark.postgres
+def test_late_news_of_another_registration_never_moves_the_latest_back(pg_url: str, clock: Clock) -> None:
+    """A's NOTIFY of v1 reaches B after B registered v2 itself: B stays at v2; a GC deletion's news is exact."""
+    from deltasync_coordinator.app import follow_latest
+
+    a, b = open_ledger(pg_url, clock), open_ledger(pg_url, clock)
+    try:
+        reg(a.registry, 0, "anchor")
+        reg(a.registry, 1)
+        reg(b.registry, 2)
+        assert b.registry.latest_version() == 2
+        assert not follow_latest(b.registry, 1, exact=False) and b.registry.latest_version() == 2
+        assert follow_latest(b.registry, 3, exact=False) and b.registry.latest_version() == 3
+        assert follow_latest(b.registry, 2, exact=True) and b.registry.latest_version() == 2
+    finally:
+        a.close()
+        b.close()
