@@ -1,11 +1,11 @@
 """Several coordinator replicas of one ledger (issue 14), with real processes: the publisher and agents are
 configured with every replica's URL and go on through another when theirs dies.
 
-Today's ledger is a SQLite file that one coordinator at a time may serve (an ``flock`` on the file), so the
-realistic SQLite story is a **standby**: replica A serves ``ledger.db``; B's URL is configured but B is not
-running; A is killed (``kill -9``) mid-run and B is started on the same file (the lock died with A). With a
-shared ledger (PostgreSQL) the same test runs with every replica started at once: only
-:func:`replica` (how to start replica i) and ``STANDBY`` change.
+On SQLite one coordinator at a time may serve the file (an ``flock``), so the SQLite story is a **standby**:
+replica A serves ``ledger.db``; B's URL is configured but B is not running; A is killed (``kill -9``) mid-run and
+B is started on the same file (the lock died with A). On PostgreSQL both replicas run from the start on one
+database and A is killed under load. Only :class:`Replicas` (how to start replica i, how to read the ledger back)
+differs.
 """
 
 from __future__ import annotations
@@ -14,7 +14,9 @@ import sqlite3
 import threading
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -33,22 +35,27 @@ from tests.support.stream import UpdateStream
 
 pytestmark = pytest.mark.slow
 
-STANDBY = True
-"""SQLite: one replica runs at a time, the others are standbys started when it dies. A shared ledger: False
-(every replica runs from the start)."""
 
-ReplicaFactory = Callable[[int], CoordinatorProcess]
+@dataclass
+class Replicas:
+    """How to start replica i of the run's one ledger, and how to read that ledger back.
+
+    SQLite (``standby``): one replica runs at a time, on ``tmp/ledger.db``; the others are standbys started when it
+    dies (the ``flock`` dies with it). PostgreSQL: every replica runs from the start, on one database."""
+
+    make: Callable[[int], CoordinatorProcess]
+    standby: bool
+    query: Callable[[str], list[tuple[Any, ...]]]
 
 
-@pytest.fixture
-def replica(tmp_path: Path) -> Iterator[ReplicaFactory]:
-    """``replica(i)``: replica i of the run's one ledger, not started (its URL is known before it runs). Here:
-    a coordinator process on ``tmp/ledger.db``; for PostgreSQL, give each the same database URL instead."""
+@pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
+def replicas(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Replicas]:
     made: list[CoordinatorProcess] = []
+    db: Path | str = tmp_path / "ledger.db" if request.param == "sqlite" else request.getfixturevalue("pg_url")
 
     def make(i: int) -> CoordinatorProcess:
         proc = CoordinatorProcess(
-            tmp_path / "ledger.db",
+            db,
             store=str(tmp_path / "store"),
             env=TOKENS_ENV,
             args=["--max-wait-s", "5"],
@@ -57,7 +64,16 @@ def replica(tmp_path: Path) -> Iterator[ReplicaFactory]:
         made.append(proc)
         return proc
 
-    yield make
+    def query(sql: str) -> list[tuple[Any, ...]]:
+        if isinstance(db, Path):
+            with sqlite3.connect(db) as conn:
+                return conn.execute(sql).fetchall()
+        import psycopg
+
+        with psycopg.connect(db) as conn:
+            return [tuple(row) for row in conn.execute(sql).fetchall()]
+
+    yield Replicas(make, standby=isinstance(db, Path), query=query)
     for proc in made:
         proc.stop()
 
@@ -67,11 +83,11 @@ def _client(urls: list[str], token: str) -> CoordinatorClient:
 
 
 def test_a_replica_killed_mid_run_the_publisher_and_agents_go_on_through_the_next(
-    tmp_path: Path, replica: ReplicaFactory
+    tmp_path: Path, replicas: Replicas
 ) -> None:
-    a, b = replica(0), replica(1)
+    a, b = replicas.make(0), replicas.make(1)
     a.start()
-    if not STANDBY:
+    if not replicas.standby:
         b.start()
     urls = [a.url, b.url]
     store = LocalStore(tmp_path / "store")
@@ -102,7 +118,7 @@ def test_a_replica_killed_mid_run_the_publisher_and_agents_go_on_through_the_nex
             for step in range(40):
                 if step == 15:  # A dies mid-run (agents are long-polling it); the standby takes the file over
                     a.kill()
-                    if STANDBY:
+                    if replicas.standby:
                         takeover = threading.Timer(0.5, b.start)
                         takeover.start()
                 weights = stream.step()
@@ -126,26 +142,28 @@ def test_a_replica_killed_mid_run_the_publisher_and_agents_go_on_through_the_nex
     b.stop()  # checkpoints the WAL: the file alone is the ledger
     deltas = [v.version for v in ledger if v.kind == "delta"]
     assert deltas == list(range(1, 40))
-    with sqlite3.connect(tmp_path / "ledger.db") as db:  # every version registered exactly once, in the ledger
-        rows = db.execute("SELECT version, kind, COUNT(*) FROM versions GROUP BY version, kind").fetchall()
+    rows = replicas.query("SELECT version, kind, COUNT(*) FROM versions GROUP BY version, kind")  # each once
     assert all(n == 1 for _, _, n in rows) and sorted(v for v, k, _ in rows if k == "delta") == list(range(1, 40))
     for agent in agents:
         assert agent.target.version == 39 and agent.target.applied == sorted(set(agent.target.applied))
         assert_bit_equal(agent.target.weights, truth[39])
     print(
-        f"\nRELIABILITY replica A kill -9 at v15, standby B on the same ledger: 40 versions in {took:.1f} s, "
+        f"\nRELIABILITY replica A kill -9 at v15, {'standby' if replicas.standby else 'running'} B on the same "
+        f"ledger: 40 versions in {took:.1f} s, "
         "registered once each, lost 0; the publisher (one lease) and 3 agents at v39 bit-exact through B"
     )
 
 
 def test_a_registration_that_committed_on_a_replica_killed_before_answering_is_idempotent_on_the_next(
-    tmp_path: Path, replica: ReplicaFactory
+    tmp_path: Path, replicas: Replicas
 ) -> None:
     """v5's registration reaches A's ledger; A is killed before its answer leaves (a stub in front of A cuts
     the connection); the retry on B, over the same ledger, is the identical-digest answer: 200, not new, never
     409; the lease taken on A goes on registering on B; every version is in the ledger once."""
-    a, b = replica(0), replica(1)
+    a, b = replicas.make(0), replicas.make(1)
     a.start()
+    if not replicas.standby:
+        b.start()
     with ReplicaStub(a.url) as front:
         with _client([front.url, b.url], PUBLISHER_TOKEN) as c:
             lease = c.acquire_lease("pub", ttl_s=30)
@@ -153,7 +171,7 @@ def test_a_registration_that_committed_on_a_replica_killed_before_answering_is_i
             for v in range(1, 5):
                 assert c.register_version(VersionCreate(**version_body(v)), lease=lease)[1]
 
-            takeover = threading.Timer(0.3, b.start)
+            takeover = threading.Timer(0.3, b.start if replicas.standby else lambda: None)
 
             def die(method: str, path: str) -> None:  # after A committed v5, before its answer is passed on
                 if (method, path) == ("POST", "/v1/versions"):
@@ -168,6 +186,5 @@ def test_a_registration_that_committed_on_a_replica_killed_before_answering_is_i
             assert [v.version for v in c.wait_for_versions(0, wait_s=0)] == [1, 2, 3, 4, 5, 6]
     takeover.join()
     b.stop()
-    with sqlite3.connect(tmp_path / "ledger.db") as db:
-        rows = db.execute("SELECT version, kind, epoch FROM versions ORDER BY version, kind").fetchall()
+    rows = replicas.query("SELECT version, kind, epoch FROM versions ORDER BY version, kind")
     assert rows == [(0, "anchor", 1), *((v, "delta", 1) for v in range(1, 7))]
