@@ -49,6 +49,25 @@ def build_model(path: Path) -> Path:
     return build_tiny_model(path, seed=0, config=MODEL_CONFIG, corpus=corpus)
 
 
+def warm_start(model_dir: Path, steps: int, seed: int) -> None:
+    """The supervised warm-up on the scripted solver's games, written over the model: the checkpoint vLLM starts
+    from and the trainer trains from. It runs before any other process, so nothing competes with it (with vLLM up,
+    its CPU worker holds about one of the two cores)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from .train import warmup
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    t0 = time.perf_counter()
+    losses = warmup(model, tok, steps, seed=seed)
+    model.to(torch.bfloat16).save_pretrained(model_dir)
+    print(
+        f"[demo] warm-up: {steps} steps in {time.perf_counter() - t0:.0f} s, loss {losses[0]:.2f} -> {losses[-1]:.2f}"
+    )
+
+
 class Processes:
     """Child processes, each in its own process group, all stopped by :meth:`stop_all`."""
 
@@ -295,7 +314,7 @@ def run_once(out: Path, model: Path, args: argparse.Namespace, *, sync: bool) ->
         procs.start("agent", [py, "-m", "deltasync.cli", "agent", *agent_args], agent_env)
         train_args = ["--model", str(model), "--vllm-url", vllm.url, "--env-url", env_url, "--coordinator", coord_url]
         train_args += ["--store", str(store), "--out", str(out / "run"), "--steps", str(args.steps)]
-        train_args += ["--warmup-steps", str(args.warmup_steps), "--learning-rate", str(args.learning_rate)]
+        train_args += ["--warmup-steps", "0", "--learning-rate", str(args.learning_rate)]  # warm-started already
         train_args += ["--max-staleness", str(args.max_staleness), "--seed", str(args.seed)] + (
             ["--sync"] if sync else []
         )
@@ -335,6 +354,8 @@ def main() -> int:
     try:
         print(f"[demo] building the tiny Qwen3 and its Wordle tokenizer in {out / 'model'}", flush=True)
         model = build_model(out / "model")
+        if args.warmup_steps > 0:
+            warm_start(model, args.warmup_steps, args.seed)
         if not args.compare:
             result = run_once(out, model, args, sync=args.sync)
             return 0 if result["final"]["bit_exact"] else 1
