@@ -222,6 +222,7 @@ class S3Store:
         )
 
         for attempt in range(self.retries + 1):
+            error: BaseException
             try:
                 return fn()
             except (NotFoundError, FileNotFoundError):  # obstore raises either
@@ -230,8 +231,12 @@ class S3Store:
                         f"{self.uri}: {what} {key!r}: the bucket {self.bucket!r} does not exist; create it first"
                     ) from None
                 raise ObjectNotFound(f"{self.uri}: no object {key!r}") from None
-            except (AlreadyExistsError, FileExistsError):
-                raise ObjectExists(f"{self.uri}: {key!r} exists; objects are create-only (another writer?)") from None
+            except (AlreadyExistsError, FileExistsError) as exc:
+                if not _is_conflict(exc):  # a 412: the key is taken
+                    raise ObjectExists(
+                        f"{self.uri}: {key!r} exists; objects are create-only (another writer?)"
+                    ) from None
+                error = exc  # obstore maps S3's 409 ConditionalRequestConflict here too: retried
             except PreconditionError as exc:
                 raise StoreError(
                     f"{self.uri}: {key!r} changed while it was read (its ETag is not the one its HEAD gave); "
@@ -243,30 +248,37 @@ class S3Store:
                     "(AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY) and the bucket policy"
                 ) from exc
             except (GenericError, _Truncated, ConnectionError, TimeoutError) as exc:
+                if "non-partial response" in str(exc):  # a 200 to a ranged GET: retrying cannot help
+                    raise StoreError(
+                        f"{self.uri}: {what} {key!r}: asked for a byte range, the service answered with the whole "
+                        "object (it, or something between here and it, ignores Range); not read"
+                    ) from exc
                 status = _status(exc)
                 if status is not None and status not in _RETRY_STATUS:
                     raise StoreError(f"{self.uri}: {what} {key!r} failed: HTTP {status} ({_first_line(exc)})") from exc
-                if attempt == self.retries:
-                    raise StoreError(
-                        f"{self.uri}: {what} {key!r} failed after {attempt + 1} attempts "
-                        f"({'HTTP ' + str(status) if status else 'transport error'}: {_first_line(exc)}); "
-                        f"the service at {self._resolved_endpoint() or 'AWS'} is throttling or unreachable: "
-                        "retry later, or raise retries/backoff_s"
-                    ) from exc
-                delay = min(self.backoff_s * 2**attempt, 20.0) * (0.5 + _JITTER.random() / 2)
-                logger.warning(
-                    "%s: %s %r failed (%s; attempt %d/%d); retrying in %.2f s",
-                    self.uri,
-                    what,
-                    key,
-                    f"HTTP {status}" if status else "transport error",
-                    attempt + 1,
-                    self.retries + 1,
-                    delay,
-                )
-                time.sleep(delay)
-                if on_retry is not None:
-                    on_retry()
+                error = exc
+            status = _status(error)
+            if attempt == self.retries:
+                raise StoreError(
+                    f"{self.uri}: {what} {key!r} failed after {attempt + 1} attempts "
+                    f"({'HTTP ' + str(status) if status else 'transport error'}: {_first_line(error)}); "
+                    f"the service at {self._resolved_endpoint() or 'AWS'} is throttling or unreachable: "
+                    "retry later, or raise retries/backoff_s"
+                ) from error
+            delay = min(self.backoff_s * 2**attempt, 20.0) * (0.5 + _JITTER.random() / 2)
+            logger.warning(
+                "%s: %s %r failed (%s; attempt %d/%d); retrying in %.2f s",
+                self.uri,
+                what,
+                key,
+                f"HTTP {status}" if status else "transport error",
+                attempt + 1,
+                self.retries + 1,
+                delay,
+            )
+            time.sleep(delay)
+            if on_retry is not None:
+                on_retry()
         raise AssertionError("unreachable")
 
     # ------------------------------------------------------------------ writes
@@ -279,13 +291,28 @@ class S3Store:
             return self._conditional
 
     def _probe(self) -> bool:
-        import obstore
         from obstore.exceptions import AlreadyExistsError, NotSupportedError
 
-        probe = f"{_PROBE}/{uuid.uuid4().hex}"
+        # Each attempt of the first PUT writes a fresh key: a retry after a lost answer must not meet its own
+        # first attempt (a 412 there would say nothing about the service, and name a hidden key).
+        keys: builtins.list[str] = []
+
+        def first() -> None:
+            keys.append(f"{_PROBE}/{uuid.uuid4().hex}")
+            self._store.put(keys[-1], b"", mode="create", use_multipart=False)
+
+        def second() -> bool:
+            try:
+                self._store.put(keys[-1], b"", mode="create", use_multipart=False)
+                return False
+            except AlreadyExistsError as exc:
+                if _is_conflict(exc):
+                    raise  # a 409: retried by _call
+                return True
+
         try:
             # a failure here (credentials, an outage) is raised, not cached: the write would fail anyway
-            self._call("probe", probe, lambda: self._store.put(probe, b"", mode="create", use_multipart=False))
+            self._call("probe", _PROBE, first)
         except StoreError as exc:
             if _status(exc.__cause__ or exc) not in (400, 501):
                 raise
@@ -293,15 +320,9 @@ class S3Store:
         except NotSupportedError:
             honoured = False
         else:
-            try:
-                self._store.put(probe, b"", mode="create", use_multipart=False)
-                honoured = False
-            except AlreadyExistsError:
-                honoured = True
-            try:
-                obstore.delete(self._store, probe)
-            except Exception as exc:  # a probe left behind is harmless (hidden, never listed): say so, go on
-                logger.warning("%s: could not delete the probe object %s (%s)", self.uri, probe, _first_line(exc))
+            honoured = self._call("probe", keys[-1], second)
+        finally:
+            self._delete_probes(keys)
         if not honoured:
             logger.warning(
                 "%s: the service ignores If-None-Match: writes fall back to HEAD-then-PUT, and two writers racing "
@@ -309,6 +330,16 @@ class S3Store:
                 self.uri,
             )
         return honoured
+
+    def _delete_probes(self, keys: builtins.list[str]) -> None:
+        import obstore
+
+        if not keys:
+            return
+        try:
+            obstore.delete(self._store, keys)  # S3 deletes of absent keys succeed
+        except Exception as exc:  # a probe left behind is harmless (hidden, never listed): say so, go on
+            logger.warning("%s: could not delete the probe objects %s (%s)", self.uri, keys, _first_line(exc))
 
     def _conditional_copies(self) -> bool:
         """Whether the service honours ``If-None-Match`` on ``CompleteMultipartUpload`` (the create-only copy
@@ -323,21 +354,29 @@ class S3Store:
         from obstore.exceptions import AlreadyExistsError, NotSupportedError
 
         probe = f"{_PROBE}/{uuid.uuid4().hex}"
-        self._call("probe", probe, lambda: self._store.put(probe, b"", use_multipart=False))
-        try:
-            self._call("probe", probe, lambda: obstore.copy(self._store, probe, probe + ".copy", overwrite=False))
+        keys = [probe]
+
+        def first() -> None:  # a fresh target per attempt, as in _probe
+            keys.append(f"{probe}.copy-{uuid.uuid4().hex[:8]}")
+            obstore.copy(self._store, probe, keys[-1], overwrite=False)
+
+        def second() -> bool:
             try:
-                obstore.copy(self._store, probe, probe + ".copy", overwrite=False)
-                honoured = False
-            except AlreadyExistsError:
-                honoured = True
+                obstore.copy(self._store, probe, keys[-1], overwrite=False)
+                return False
+            except AlreadyExistsError as exc:
+                if _is_conflict(exc):
+                    raise  # a 409: retried by _call
+                return True
+
+        try:
+            self._call("probe", probe, lambda: self._store.put(probe, b"", use_multipart=False))
+            self._call("probe", probe, first)
+            honoured = self._call("probe", keys[-1], second)
         except NotSupportedError:
             honoured = False
         finally:
-            try:
-                obstore.delete(self._store, [probe, probe + ".copy"])
-            except Exception as exc:  # a probe left behind is harmless (hidden, never listed): say so, go on
-                logger.warning("%s: could not delete the probe objects %s* (%s)", self.uri, probe, _first_line(exc))
+            self._delete_probes(keys)
         if not honoured:
             logger.warning(
                 "%s: the service ignores If-None-Match on CompleteMultipartUpload: objects of %d bytes or more fall "
@@ -662,6 +701,12 @@ class _RangeReader(io.RawIOBase):
 
 def _reader(source: bytes | memoryview | Path) -> BinaryIO:
     return open(source, "rb") if isinstance(source, Path) else io.BytesIO(source)  # noqa: SIM115
+
+
+def _is_conflict(exc: BaseException) -> bool:
+    """Whether an obstore ``AlreadyExistsError`` is S3's 409 ``ConditionalRequestConflict`` (two conditional
+    writes in flight: retry) rather than a 412 ``PreconditionFailed`` (the key is taken)."""
+    return _status(exc) == 409 or "ConditionalRequestConflict" in str(exc)
 
 
 def _status(exc: BaseException) -> int | None:

@@ -84,8 +84,9 @@ class Fault:
     forwarded and their response cut ``cut_after`` bytes in, head included (then the client connection is
     closed; 0: the request lands, its answer is lost), or have
     their ``Content-Length`` answer replaced by ``content_length`` (a lying HEAD), or lose the request header
-    ``drop_header`` on the way (a service that ignores it). ``times``: how many requests the rule takes
-    (``None``: every one)."""
+    ``drop_header`` on the way (a service that ignores it), or lose the response header ``drop_response_header``
+    on the way back (a service, or something in between, that strips it). ``skip``: how many matching requests
+    pass untouched first. ``times``: how many requests the rule takes after those (``None``: every one)."""
 
     method: str = "*"
     path_contains: str = ""
@@ -93,13 +94,20 @@ class Fault:
     cut_after: int | None = None
     content_length: int | None = None
     drop_header: str | None = None
+    drop_response_header: str | None = None
     times: int | None = 1
+    skip: int = 0
     hits: int = 0
 
 
 _S3_ERRORS = {
     503: ("SlowDown", "Please reduce your request rate."),
     500: ("InternalError", "We encountered an internal error. Please try again."),
+    409: (
+        "ConditionalRequestConflict",
+        "A conflicting conditional operation is currently in progress against this resource. Please try again.",
+    ),
+    412: ("PreconditionFailed", "At least one of the pre-conditions you specified did not hold"),
 }
 
 
@@ -160,10 +168,11 @@ class FaultProxy:
             self.requests.append((method, path))
             for rule in self.rules:
                 if rule.method in ("*", method) and rule.path_contains in path:
-                    if rule.times is not None and rule.hits >= rule.times:
+                    if rule.times is not None and rule.hits >= rule.skip + rule.times:
                         continue
                     rule.hits += 1
-                    return rule
+                    if rule.hits > rule.skip:
+                        return rule
         return None
 
     def _serve(self) -> None:
@@ -248,6 +257,9 @@ class FaultProxy:
                 if rule is not None and rule.content_length is not None:
                     lines = [ln for ln in rhead[:-4].split(b"\r\n") if not ln.lower().startswith(b"content-length:")]
                     rhead = b"\r\n".join([*lines, b"Content-Length: %d" % rule.content_length]) + b"\r\n\r\n"
+                if rule is not None and rule.drop_response_header is not None:
+                    drop = rule.drop_response_header.lower().encode() + b":"
+                    rhead = b"\r\n".join(ln for ln in rhead.split(b"\r\n") if not ln.lower().startswith(drop))
                 if rule is not None and rule.cut_after is not None:
                     client.sendall((rhead + rbody)[: rule.cut_after])
                     return

@@ -305,3 +305,37 @@ def test_every_method_checks_its_key(s3_store: S3Store, tmp_path: Path, key: str
         with pytest.raises(ValueError, match="store key|prefix"):
             call()
     assert not s3_store.exists("ok")  # a batch with one bad key writes none
+
+
+def test_a_lost_answer_to_the_probe_never_surfaces_as_objectexists(proxy: FaultProxy, s3_env: None) -> None:
+    """Review M1: the probe's first PUT lands but its answer is lost; its retry must not meet its own probe."""
+    proxy.add(method="PUT", path_contains=".deltasync-probe", cut_after=0, times=1)
+    store = through(proxy)
+    store.put("k", b"new")
+    assert store.get("k") == b"new" and store.list() == ["k"]
+    assert store._conditional is True  # the service was found to honour If-None-Match
+
+
+def test_faults_on_the_probes_are_retried_like_any_request(proxy: FaultProxy, s3_env: None) -> None:
+    """Review M2: a 503 on the probe's second PUT, or on either probe copy, is retried, not raised raw."""
+    proxy.add(method="PUT", path_contains=".deltasync-probe", status=503, skip=1, times=1)
+    proxy.add(method="POST", path_contains=".copy-", status=503, times=1)  # the first copy's first request
+    proxy.add(method="POST", path_contains=".copy-", status=503, skip=3, times=1)  # the second copy's
+    store = through(proxy, multipart_bytes=5 << 20)
+    store.put("small", b"1")
+    big = os.urandom(5 << 20)
+    store.put("big", big)
+    assert store._conditional is True and store._conditional_copy is True
+    assert all(rule.hits for rule in proxy.rules)
+    assert store.get("big") == big and store.list() == ["big", "small"]
+
+
+def test_a_409_conditional_conflict_is_retried_a_412_is_objectexists(proxy: FaultProxy, s3_env: None) -> None:
+    """Review M3: obstore maps both 409 and 412 to AlreadyExistsError; only the 412 means the key is taken."""
+    store = through(proxy, conditional_writes=True)
+    proxy.add(method="PUT", path_contains="/k", status=409, times=1)
+    store.put("k", b"mine")
+    assert store.get("k") == b"mine" and proxy.count("PUT", "/k") == 2
+    proxy.add(method="PUT", path_contains="/k2", status=412, times=1)
+    with pytest.raises(ObjectExists, match="'k2' exists"):
+        store.put("k2", b"x")
