@@ -34,10 +34,13 @@ Guarantees, and how:
   racing between the HEAD and the PUT can overwrite each other: the coordinator's publisher lease (one
   publisher per run) is what keeps them apart there. A retried put that meets a 412 reads the object back:
   if its bytes are ours (the first attempt landed, its answer was lost) the put succeeded.
-* **Never truncated.** Every read is a ranged ``GET`` pinned to the ETag of a ``HEAD``: the answer must be
-  exactly the bytes asked for, of an object of the size the ``HEAD`` gave, or it is retried (a cut connection)
-  or refused (a size that disagrees: the object changed, or something in between rewrites sizes).
-* **Bounded.** ``get(max_bytes=)`` checks the ``HEAD`` size first; a body is never read past the size asked.
+* **Never truncated, never mixed.** Every read is a ranged ``GET`` pinned to the ETag of a ``HEAD`` (a ``HEAD``
+  without one is refused): ``If-Match`` is sent, and each answer's ETag and total size (``Content-Range``) are
+  compared with the pinned ones, so a service or proxy that drops ``If-Match`` cannot hand back the bytes of an
+  object deleted and re-written mid-read. The answer must be exactly the bytes asked for, or it is retried (a
+  cut connection) or refused (a size or ETag that disagrees; a whole object sent for a range).
+* **Bounded.** ``get(max_bytes=)`` checks the ``HEAD`` size first; a body is never read past the size asked, and
+  no more than 64 MiB is allocated on a ``HEAD``'s word before the first ``GET`` confirms the size.
 * **Retries.** 408/429/5xx, 409 (S3's ``ConditionalRequestConflict``, two conditional writes at once: the
   retry gets the 412) and transport errors (reset, refused, timeout, cut mid-body) are retried with
   exponential backoff and jitter, ``retries`` times, then raise :class:`StoreError` naming the bucket and key.
@@ -81,6 +84,7 @@ logger = logging.getLogger(__name__)
 _RETRY_STATUS = frozenset({408, 409, 429, 500, 502, 503, 504})  # 409: S3's ConditionalRequestConflict
 _STATUS = re.compile(r"status code: (\d{3})")
 _JITTER = random.Random()  # private: never perturbs (or depends on) the process-wide `random` state
+_UNCONFIRMED_BYTES = 64 << 20  # the most get() allocates on a HEAD's word alone, before a GET confirms the size
 _STAGING = ".uploads"
 _PROBE = ".deltasync-probe"
 _T = TypeVar("_T")
@@ -496,6 +500,16 @@ class S3Store:
         meta = self._call("head", key, lambda: obstore.head(self._store, path))
         return int(meta["size"]), meta["e_tag"]
 
+    def _pin(self, key: str) -> tuple[int, str]:
+        """An object's size and ETag, for reads pinned to that one version of it."""
+        total, etag = self._head(key)
+        if not etag:
+            raise StoreError(
+                f"{self.uri}: {key!r}: its HEAD carries no ETag, so its reads cannot be pinned to one version of "
+                "it (the service, or something between here and it, strips ETags); not read"
+            )
+        return total, etag
+
     def exists(self, key: str) -> bool:
         """Whether an object is stored under ``key``."""
         try:
@@ -508,17 +522,26 @@ class S3Store:
         """An object's size in bytes (one HEAD). Raises ObjectNotFound if there is none."""
         return self._head(key)[0]
 
-    def _read_range(self, key: str, start: int, end: int, total: int, etag: str | None, out: memoryview) -> None:
-        """Bytes ``[start, end)`` of an object of ``total`` bytes into ``out``, exactly, or raise."""
+    def _read_range(self, key: str, start: int, end: int, total: int, etag: str, out: memoryview) -> None:
+        """Bytes ``[start, end)`` of the object of ``total`` bytes and ETag ``etag`` into ``out``, exactly, or raise.
+
+        Each answer's ETag and total size (``Content-Range``) must be the pinned ones: ``If-Match`` alone is not
+        enough, since a proxy or a service that drops it would hand back another version's bytes."""
         import obstore
 
         path = self._path(key)
 
         def once() -> None:
-            options: dict[str, Any] = {"if_match": etag} if etag else {}
+            options: dict[str, Any] = {"if_match": etag}
             if end > start:
                 options["range"] = (start, end)
             result = obstore.get(self._store, path, options=options)  # type: ignore[arg-type]
+            if result.meta["e_tag"] != etag:
+                raise StoreError(
+                    f"{self.uri}: {key!r} changed while it was read (its HEAD gave ETag {etag}, a GET answered "
+                    f"{result.meta['e_tag']}, so something between here and the store ignores If-Match); objects "
+                    "are create-only, so another writer deleted and re-wrote it: check who writes here"
+                )
             if int(result.meta["size"]) != total:
                 raise StoreError(
                     f"{self.uri}: {key!r}: its HEAD said {total} bytes but its GET says {result.meta['size']}; "
@@ -542,22 +565,39 @@ class S3Store:
         self._call("get", key, once)
 
     def get(self, key: str, *, max_bytes: int | None = None) -> bytes:
-        """Read a whole object; its size is checked (one HEAD) before a byte is read.
+        """Read a whole object; its size is checked (one HEAD) before a byte is read, and confirmed by the first
+        GET before more than 64 MiB is allocated. Every GET is pinned to the HEAD's ETag (and checked against it).
 
         Raises:
             ObjectNotFound: there is none.
             ObjectTooLarge: it is larger than ``max_bytes``.
             StoreError: retries ran out, or the object's size or ETag changed while read.
         """
-        total, etag = self._head(key)
+        total, etag = self._pin(key)
         if max_bytes is not None and total > max_bytes:
             raise ObjectTooLarge(f"{self.uri}: {key!r} is {total} bytes, more than the {max_bytes} allowed; not read")
-        buf = bytearray(total)
+        if total < self.parallel_bytes and total <= _UNCONFIRMED_BYTES:
+            buf = bytearray(total)
+            self._read_range(key, 0, total, total, etag, memoryview(buf))
+            return bytes(buf)
+        # A HEAD's size alone is not trusted with a large allocation: the first range's answer confirms it
+        # (its Content-Range carries the total) before the whole buffer is allocated.
+        first = bytearray(min(total, self.part_bytes, _UNCONFIRMED_BYTES))
+        self._read_range(key, 0, len(first), total, etag, memoryview(first))
+        if len(first) == total:
+            return bytes(first)
+        try:
+            buf = bytearray(total)
+        except MemoryError:
+            raise StoreError(
+                f"{self.uri}: {key!r} is {total} bytes, more than this process can hold; read it with open()"
+            ) from None
+        buf[: len(first)] = first
         view = memoryview(buf)
         if total < self.parallel_bytes:
-            self._read_range(key, 0, total, total, etag, view)
+            self._read_range(key, len(first), total, total, etag, view[len(first) :])
             return bytes(buf)
-        starts = range(0, total, self.part_bytes)
+        starts = range(len(first), total, self.part_bytes)
         with concurrent.futures.ThreadPoolExecutor(min(self.max_concurrency, len(starts))) as pool:
             _first_error(
                 list(
@@ -579,7 +619,7 @@ class S3Store:
         Raises:
             ObjectNotFound: there is none.
         """
-        total, etag = self._head(key)
+        total, etag = self._pin(key)
         return cast(BinaryIO, io.BufferedReader(_RangeReader(self, key, total, etag), buffer_size=self.part_bytes))
 
     def list(self, prefix: str = "") -> builtins.list[str]:
@@ -664,7 +704,7 @@ class S3Store:
 class _RangeReader(io.RawIOBase):
     """A raw reader over ranged GETs of one object version (the ETag its HEAD gave)."""
 
-    def __init__(self, store: S3Store, key: str, total: int, etag: str | None) -> None:
+    def __init__(self, store: S3Store, key: str, total: int, etag: str) -> None:
         self._store, self._key, self._total, self._etag, self._pos = store, key, total, etag, 0
 
     def readable(self) -> bool:
@@ -694,9 +734,12 @@ class _RangeReader(io.RawIOBase):
         return n
 
     def readall(self) -> bytes:
-        buf = bytearray(max(self._total - self._pos, 0))
-        n = self.readinto(buf) if buf else 0
-        return bytes(buf[:n])
+        # in parts, each confirmed by its answer: never one allocation of what the HEAD claimed
+        parts: list[bytes] = []
+        while self._pos < self._total:
+            buf = bytearray(min(self._total - self._pos, self._store.part_bytes))
+            parts.append(bytes(buf[: self.readinto(buf)]))
+        return b"".join(parts)
 
 
 def _reader(source: bytes | memoryview | Path) -> BinaryIO:

@@ -339,3 +339,54 @@ def test_a_409_conditional_conflict_is_retried_a_412_is_objectexists(proxy: Faul
     proxy.add(method="PUT", path_contains="/k2", status=412, times=1)
     with pytest.raises(ObjectExists, match="'k2' exists"):
         store.put("k2", b"x")
+
+
+def test_an_object_rewritten_mid_read_is_refused_even_if_if_match_is_dropped(
+    proxy: FaultProxy, moto_server: MotoServer, s3_env: None
+) -> None:
+    """Review H1: deleted and re-written between two ranged GETs, behind a proxy that drops If-Match: the
+    second answer's ETag is not the pinned one, so no A-then-B bytes come back."""
+    store = through(proxy, part_bytes=5 << 20)
+    store.put("k", b"A" * (6 << 20))
+    proxy.add(method="GET", path_contains="/k", drop_header="If-Match", times=None)
+    with store.open("k") as f:
+        assert f.read(5 << 20) == b"A" * (5 << 20)
+        client = moto_server.boto3()
+        client.delete_object(Bucket=S3_BUCKET, Key=f"{store.prefix}/k")
+        client.put_object(Bucket=S3_BUCKET, Key=f"{store.prefix}/k", Body=b"B" * (6 << 20))
+        with pytest.raises(StoreError, match=r"'k' changed while it was read \(its HEAD gave ETag"):
+            f.read()
+
+
+def test_reads_need_an_etag_on_head_and_on_every_get(proxy: FaultProxy, s3_env: None) -> None:
+    """Review H1: without an ETag a read cannot be pinned to one version; it is refused, not read unpinned."""
+    store = through(proxy)
+    store.put("k", b"x" * 100)
+    proxy.add(method="HEAD", path_contains="/k", drop_response_header="ETag", times=None)
+    for read in (lambda: store.get("k"), lambda: store.open("k")):
+        with pytest.raises(StoreError, match="'k': its HEAD carries no ETag"):
+            read()
+    proxy.clear()
+    proxy.add(method="GET", path_contains="/k", drop_response_header="ETag", times=None)
+    with pytest.raises(StoreError, match="'k' changed while it was read"):
+        store.get("k")
+
+
+def test_a_huge_head_claim_is_confirmed_before_it_is_allocated(proxy: FaultProxy, s3_env: None) -> None:
+    """Review M5: a HEAD claiming 10**15 bytes gives a StoreError from the first GET, not a MemoryError."""
+    store = through(proxy)
+    store.put("k", b"x" * 1000)
+    proxy.add(method="HEAD", path_contains="/k", content_length=10**15, times=None)
+    for read in (lambda: store.get("k"), lambda: store.open("k").read()):
+        with pytest.raises(StoreError, match=r"its HEAD said 1000000000000000 bytes but its GET says 1000"):
+            read()
+
+
+def test_a_service_that_ignores_range_is_a_permanent_error(proxy: FaultProxy, s3_env: None) -> None:
+    """Review L2: a 200 with the whole object to a ranged GET is refused at once, not retried as throttling."""
+    store = through(proxy)
+    store.put("k", b"x" * 1000)
+    proxy.add(method="GET", path_contains="/k", drop_header="Range", times=None)
+    with pytest.raises(StoreError, match="ignores Range"):
+        store.get("k")
+    assert proxy.count("GET", "/k") == 1
