@@ -75,7 +75,7 @@ from typing import Any, BinaryIO, TypeVar, cast
 
 from ..errors import ObjectExists, ObjectNotFound, ObjectTooLarge, StoreError
 from ._s3_uri import BUCKET_NAME, SCHEMES, check_endpoint, format_uri, parse_bucket_uri, with_s3_endpoint
-from .base import check_key
+from .base import check_key, check_unique_keys
 
 __all__ = ["S3Store", "parse_bucket_uri", "with_s3_endpoint"]
 
@@ -464,6 +464,7 @@ class S3Store:
         Not transactional: an error mid-batch can leave some objects written (a manifest, written last, is
         what commits a version)."""
         pairs = [(self._path(key), data) for key, data in items]
+        check_unique_keys(k for k, _ in pairs)
         if not pairs:
             return
         with concurrent.futures.ThreadPoolExecutor(min(self.max_concurrency, len(pairs))) as pool:
