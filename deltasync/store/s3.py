@@ -60,20 +60,22 @@ from __future__ import annotations
 
 import builtins
 import concurrent.futures
+import contextlib
 import io
 import logging
 import os
 import random
 import re
+import stat
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, BinaryIO, TypeVar, cast
 
-from ..errors import ObjectExists, ObjectNotFound, ObjectTooLarge, StoreError
+from ..errors import ObjectExists, ObjectNotFound, ObjectTooLarge, StoreError, UnsafeObject
 from ._s3_uri import BUCKET_NAME, SCHEMES, check_endpoint, format_uri, parse_bucket_uri, with_s3_endpoint
 from .base import check_key, check_unique_keys
 
@@ -481,8 +483,18 @@ class S3Store:
 
         Raises:
             ObjectExists: the key is taken.
+            UnsafeObject: ``path`` is not a regular file (a device, a FIFO, a directory): nothing is read.
         """
-        self._create(key, Path(path))
+        self._path(key)
+        file = Path(path)
+        with _open_regular(file) as (f, size):
+            if size >= self.multipart_bytes:
+                data = None  # streamed below, by _put_multipart, at most `size` bytes
+            else:
+                data = f.read(size + 1)
+                if len(data) != size:
+                    raise StoreError(f"{file}: it changed while it was read ({size} bytes, then {len(data)}); not put")
+        self._create(key, file if data is None else data)
 
     def delete(self, key: str) -> None:
         """Delete one object. Raises ObjectNotFound if there is none."""
@@ -744,7 +756,55 @@ class _RangeReader(io.RawIOBase):
 
 
 def _reader(source: bytes | memoryview | Path) -> BinaryIO:
-    return open(source, "rb") if isinstance(source, Path) else io.BytesIO(source)  # noqa: SIM115
+    if not isinstance(source, Path):
+        return io.BytesIO(source)
+    with _open_regular(source) as (f, size):
+        return cast(BinaryIO, io.BufferedReader(_BoundedFile(source, os.dup(f.fileno()), size), 1 << 20))
+
+
+@contextlib.contextmanager
+def _open_regular(path: Path) -> Iterator[tuple[BinaryIO, int]]:
+    """``path`` opened for reading, and its size, if it is a regular file, else UnsafeObject: a device
+    (``/dev/zero``) or a FIFO would be read without end. Opened non-blocking, so a FIFO does not wait for a
+    writer before it is refused."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise UnsafeObject(f"{path}: not a regular file (mode {stat.filemode(st.st_mode)}); only files are put")
+        os.set_blocking(fd, True)
+    except BaseException:
+        os.close(fd)
+        raise
+    with open(fd, "rb") as f:
+        yield f, st.st_size
+
+
+class _BoundedFile(io.RawIOBase):
+    """Exactly ``size`` bytes of an open file: never more (a file that grows), and an error if fewer arrive."""
+
+    def __init__(self, path: Path, fd: int, size: int) -> None:
+        self._path, self._fd, self._left, self._size = path, fd, size, size
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, b: Any) -> int:
+        view = memoryview(b).cast("B")[: self._left]
+        if not view:
+            return 0
+        n = os.readv(self._fd, [view])
+        if n == 0:
+            raise StoreError(
+                f"{self._path}: it shrank while it was read (ended {self._left} bytes short of {self._size})"
+            )
+        self._left -= n
+        return n
+
+    def close(self) -> None:
+        if not self.closed:
+            os.close(self._fd)
+        super().close()
 
 
 def _is_conflict(exc: BaseException) -> bool:

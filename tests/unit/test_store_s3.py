@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from deltasync import ObjectExists, ObjectNotFound, ObjectTooLarge, StoreError, open_store
+from deltasync import ObjectExists, ObjectNotFound, ObjectTooLarge, StoreError, UnsafeObject, open_store
 from deltasync.cli import main
 from deltasync.publisher import Publisher
 from deltasync.store.s3 import S3Store, parse_bucket_uri, with_s3_endpoint
@@ -390,3 +390,22 @@ def test_a_service_that_ignores_range_is_a_permanent_error(proxy: FaultProxy, s3
     with pytest.raises(StoreError, match="ignores Range"):
         store.get("k")
     assert proxy.count("GET", "/k") == 1
+
+
+@pytest.mark.parametrize("kind", ["device", "fifo", "directory"])
+def test_put_file_refuses_what_is_not_a_regular_file(s3_store: S3Store, tmp_path: Path, kind: str) -> None:
+    """Review M4: /dev/zero or a FIFO would be read without end; they are refused before a byte is read."""
+    path = {"device": Path("/dev/zero"), "fifo": tmp_path / "fifo", "directory": tmp_path}[kind]
+    if kind == "fifo":
+        os.mkfifo(path)
+    with pytest.raises(UnsafeObject, match=f"{path}: not a regular file"):
+        s3_store.put_file("k", path)
+    assert not s3_store.exists("k")
+
+
+def test_put_file_streams_a_large_file_bounded_to_its_size(s3_store: S3Store, tmp_path: Path) -> None:
+    src = tmp_path / "big.bin"
+    src.write_bytes(os.urandom(6 << 20))
+    store = S3Store(s3_store.bucket, s3_store.prefix, endpoint=s3_store.endpoint, multipart_bytes=5 << 20)
+    store.put_file("big", src)
+    assert store.get("big") == src.read_bytes()
