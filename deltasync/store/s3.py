@@ -87,6 +87,7 @@ _RETRY_STATUS = frozenset({408, 409, 429, 500, 502, 503, 504})  # 409: S3's Cond
 _STATUS = re.compile(r"status code: (\d{3})")
 _JITTER = random.Random()  # private: never perturbs (or depends on) the process-wide `random` state
 _UNCONFIRMED_BYTES = 64 << 20  # the most get() allocates on a HEAD's word alone, before a GET confirms the size
+_MAX_S3_KEY_BYTES = 1024  # S3's limit on a whole key, prefix included
 _STAGING = ".uploads"
 _PROBE = ".deltasync-probe"
 _T = TypeVar("_T")
@@ -210,9 +211,15 @@ class S3Store:
         """``s3://bucket/prefix`` (with ``?endpoint=`` when the endpoint was given explicitly)."""
         return format_uri(self.scheme, self.bucket, self.prefix, self.endpoint)
 
-    @staticmethod
-    def _path(key: str) -> str:
-        return check_key(key)  # relative to the prefix: obstore adds it
+    def _path(self, key: str) -> str:
+        check_key(key)  # relative to the prefix: obstore adds it
+        full = f"{self.prefix}/{key}" if self.prefix else key
+        if len(full.encode()) > _MAX_S3_KEY_BYTES:
+            raise ValueError(
+                f"store key {key!r}: under the prefix {self.prefix!r} it is {len(full.encode())} bytes, more "
+                f"than the {_MAX_S3_KEY_BYTES} an S3 key may have; use a shorter prefix"
+            )
+        return key
 
     # ------------------------------------------------------------------ retries and errors
 
@@ -656,13 +663,16 @@ class S3Store:
         try:
             check_key(key)
         except ValueError:
-            with self._lock:
-                first = key not in self._skipped
-                self._skipped.add(key)
-            if first:  # once per key: a store is listed again and again
-                logger.warning("%s: skipping listed key %r: not a deltasync key", self.uri, key)
+            self._skip(key, "not a deltasync key")
             return False
         return True
+
+    def _skip(self, key: str, why: str) -> None:
+        with self._lock:
+            first = key not in self._skipped
+            self._skipped.add(key)
+        if first:  # once per key: a store is listed again and again
+            logger.warning("%s: skipping listed key %r: %s", self.uri, key, why)
 
     def _list_obstore(self, sub: str) -> builtins.list[str]:
         import obstore
@@ -698,11 +708,16 @@ class S3Store:
                     "s3", endpoint_url=self._resolved_endpoint(), region_name=region, config=config
                 )
             client = self._boto3
-        root = f"{self.prefix}/{sub}" if self.prefix else sub
+        base = f"{self.prefix}/" if self.prefix else ""
+        root = base + sub
         keys: builtins.list[str] = []
         try:
             for page in client.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=root):
-                keys.extend(obj["Key"][len(root) - len(sub) :] for obj in page.get("Contents", []))
+                for obj in page.get("Contents", []):
+                    if obj["Key"].startswith(root):
+                        keys.append(obj["Key"][len(base) :])
+                    else:  # a service (or proxy) that ignores Prefix: never strip characters blindly
+                        self._skip(obj["Key"], f"outside the prefix {root!r}")
         except Exception as exc:  # botocore's errors are their own tree: name the bucket and what it said
             code = getattr(exc, "response", {}).get("Error", {}).get("Code")
             if code == "NoSuchBucket":

@@ -85,7 +85,8 @@ class Fault:
     closed; 0: the request lands, its answer is lost), or have
     their ``Content-Length`` answer replaced by ``content_length`` (a lying HEAD), or lose the request header
     ``drop_header`` on the way (a service that ignores it), or lose the response header ``drop_response_header``
-    on the way back (a service, or something in between, that strips it). ``skip``: how many matching requests
+    on the way back (a service, or something in between, that strips it), or lose the query parameter
+    ``drop_query`` (a service that ignores it: ``prefix`` of a listing). ``skip``: how many matching requests
     pass untouched first. ``times``: how many requests the rule takes after those (``None``: every one)."""
 
     method: str = "*"
@@ -95,6 +96,7 @@ class Fault:
     content_length: int | None = None
     drop_header: str | None = None
     drop_response_header: str | None = None
+    drop_query: str | None = None
     times: int | None = 1
     skip: int = 0
     hits: int = 0
@@ -238,6 +240,13 @@ class FaultProxy:
                 if rule is not None and rule.drop_header is not None:
                     drop = rule.drop_header.lower().encode() + b":"
                     head = b"\r\n".join(ln for ln in head.split(b"\r\n") if not ln.lower().startswith(drop))
+                if rule is not None and rule.drop_query is not None:
+                    line, _, rest = head.partition(b"\r\n")
+                    verb, target, version = line.split(b" ", 2)
+                    url, _, query = target.partition(b"?")
+                    kept = [p for p in query.split(b"&") if p.split(b"=", 1)[0] != rule.drop_query.encode()]
+                    target = url + (b"?" + b"&".join(kept) if kept else b"")
+                    head = b" ".join([verb, target, version]) + b"\r\n" + rest
                 if upstream is None:
                     upstream = socket.create_connection(self.upstream)
                 serialize = self.serialize_writes and method in (b"PUT", b"POST")

@@ -409,3 +409,36 @@ def test_put_file_streams_a_large_file_bounded_to_its_size(s3_store: S3Store, tm
     store = S3Store(s3_store.bucket, s3_store.prefix, endpoint=s3_store.endpoint, multipart_bytes=5 << 20)
     store.put_file("big", src)
     assert store.get("big") == src.read_bytes()
+
+
+def test_a_listing_that_ignores_the_prefix_never_yields_other_runs_keys(
+    proxy: FaultProxy, s3_env: None, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Review M7: keys outside ``prefix/`` (a service that ignores ``prefix=``) are skipped, not cut blindly."""
+    other, store = through(proxy), through(proxy)
+    other.put("v00000009/manifest.json", b"{}")
+    store.put("v00000001/manifest.json", b"{}")
+    proxy.add(method="GET", path_contains="list-type=2", drop_query="prefix", times=None)
+    with caplog.at_level(logging.WARNING, "deltasync.store.s3"):
+        assert store.list() == ["v00000001/manifest.json"]
+        assert store.list("v00000001/") == ["v00000001/manifest.json"]
+    assert f"{other.prefix}/v00000009/manifest.json': outside the prefix" in caplog.text
+
+
+def test_endpoints_with_a_path_query_or_fragment_and_repeated_endpoints_are_refused() -> None:
+    """Review M6, L4: http://h/other would move every request into the bucket 'other'."""
+    for endpoint in ["http://127.0.0.1:9000/other", "http://h/a/b", "http://h?x=1", "http://h#f"]:
+        with pytest.raises(ValueError, match=r"must be scheme://host\[:port\] only, with no path"):
+            with_s3_endpoint("s3://bucket", endpoint)
+        with pytest.raises(ValueError, match="no path, query or fragment"):
+            S3Store("bucket", endpoint=endpoint)
+    assert with_s3_endpoint("s3://bucket", "http://h:9000/").endswith("?endpoint=http://h:9000/")
+    with pytest.raises(ValueError, match="endpoint= is given 2 times"):
+        parse_bucket_uri("s3://bucket?endpoint=http://a&endpoint=http://b")
+
+
+def test_a_key_longer_than_s3_allows_under_the_prefix_is_refused(s3_store: S3Store) -> None:
+    """Review L4: S3 keys are at most 1024 bytes, the prefix included."""
+    key = "/".join(["a" * 202] * 5)  # 1014 characters: a valid store key, too long under the prefix
+    with pytest.raises(ValueError, match="more than the 1024 an S3 key may have"):
+        s3_store.put(key, b"x")
