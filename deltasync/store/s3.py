@@ -34,6 +34,17 @@ Guarantees, and how:
   racing between the HEAD and the PUT can overwrite each other: the coordinator's publisher lease (one
   publisher per run) is what keeps them apart there. A retried put that meets a 412 reads the object back:
   if its bytes are ours (the first attempt landed, its answer was lost) the put succeeded.
+  Racing writers are only as safe as the service's conditional writes are atomic. S3 decides the condition and
+  the write in one step. moto (the test server) does not: its PUT and ``CompleteMultipartUpload`` check
+  ``If-None-Match`` and then write, with no lock between, so several concurrent create-only writes of one key
+  can all "succeed" there, the last one's bytes winning; the probe cannot see this (it writes twice in
+  sequence). The race tests therefore forward one write at a time (``FaultProxy(serialize_writes=True)``), as
+  S3 decides them. A check after the copy is not done: obstore's copy returns no ETag to compare with a HEAD,
+  and reading the object back would only narrow the window, not close it. On such a service, the coordinator's
+  publisher lease (one publisher per run) is what keeps writers apart.
+* **Not an authenticity boundary.** Anyone who can write to the bucket can plant a well-formed version; the
+  store only guarantees an object is not changed once written. Readers that must know who wrote a version
+  verify it against the coordinator (``--coordinator``) or a signature (``--public-key``).
 * **Never truncated, never mixed.** Every read is a ranged ``GET`` pinned to the ETag of a ``HEAD`` (a ``HEAD``
   without one is refused): ``If-Match`` is sent, and each answer's ETag and total size (``Content-Range``) are
   compared with the pinned ones, so a service or proxy that drops ``If-Match`` cannot hand back the bytes of an

@@ -110,8 +110,14 @@ def test_a_missing_key(s3_store: S3Store, moto_server: MotoServer) -> None:
 
 @pytest.mark.parametrize("multipart", [False, True])
 def test_writers_racing_on_one_key_exactly_one_wins(moto_server: MotoServer, s3_env: None, multipart: bool) -> None:
-    """Four writers, one key: one wins, three get ObjectExists. (moto's own conditional check is not atomic, so
-    the proxy forwards one write at a time, as S3 decides them; see FaultProxy.)"""
+    """Four writers, one key: one wins, three get ObjectExists.
+
+    moto's conditional PUT and CompleteMultipartUpload check If-None-Match and then write, with no lock between
+    (``moto/s3/responses.py``, ``moto/s3/models.py``): straight against moto, all four writers can "win" and the
+    last one's bytes stay (review H2). S3 makes the check and the write one step, so the proxy forwards one PUT or
+    POST at a time to model it. This test shows S3Store's side of the race (its retries and its reading back of
+    a 412 never turn another's win into its own); it does not show that a service without atomic conditional
+    writes is safe: see the S3Store module docstring."""
     with FaultProxy(moto_server.port, serialize_writes=True) as proxy:
         race(through(proxy, multipart_bytes=5 << 20), multipart)
 
