@@ -120,7 +120,8 @@ class FaultProxy:
     matching rule applied, and the response framed the same way (``HEAD``, 204 and 304 carry no body).
 
     ``serialize_writes``: forward one PUT or POST at a time. moto checks ``If-None-Match`` and then writes, with
-    no lock between (``moto/s3/responses.py``), so two concurrent conditional writes can both succeed there;
+    no lock between (``moto/s3/responses.py``), on a PUT and on ``CompleteMultipartUpload`` (a POST) alike, so
+    two concurrent conditional writes can both succeed there;
     S3 makes the check and the write one step. Serializing writes models S3, while the clients still race.
     """
 
