@@ -176,6 +176,7 @@ class S3Store:
         self._conditional_copy = True if scheme != "s3" else conditional_writes
         self._lock = threading.Lock()
         self._skipped: set[str] = set()
+        self._bucket_seen = False  # set once a listing has shown the bucket exists (see _check_bucket)
         self._boto3: Any = None
         self._store = self._open_backend(request_timeout_s)
 
@@ -528,8 +529,30 @@ class S3Store:
         import obstore
 
         path = self._path(key)
-        meta = self._call("head", key, lambda: obstore.head(self._store, path))
+        try:
+            meta = self._call("head", key, lambda: obstore.head(self._store, path))
+        except ObjectNotFound:
+            self._check_bucket()
+            raise
         return int(meta["size"]), meta["e_tag"]
+
+    def _check_bucket(self) -> None:
+        """After a 404 to a HEAD (which has no body to say why): raise StoreError if the bucket is missing.
+        One listing request, once per store: a bucket seen once is not asked about again."""
+        import obstore
+
+        if self._bucket_seen:
+            return
+        try:
+            self._call("list", "", lambda: next(iter(obstore.list(self._store, None, chunk_size=1)), None))
+        except StoreError as exc:  # obstore's listing says 404 (NoSuchBucket) as a GenericError
+            cause = exc.__cause__ or exc
+            if not isinstance(exc, ObjectNotFound) and _status(cause) != 404 and "NoSuchBucket" not in str(cause):
+                raise
+            raise StoreError(
+                f"{self.uri}: the bucket {self.bucket!r} does not exist; create it first (or check the endpoint)"
+            ) from None
+        self._bucket_seen = True
 
     def _pin(self, key: str) -> tuple[int, str]:
         """An object's size and ETag, for reads pinned to that one version of it."""
@@ -542,7 +565,7 @@ class S3Store:
         return total, etag
 
     def exists(self, key: str) -> bool:
-        """Whether an object is stored under ``key``."""
+        """Whether an object is stored under ``key``. Raises StoreError if the bucket does not exist."""
         try:
             self._head(key)
             return True

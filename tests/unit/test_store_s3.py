@@ -448,3 +448,12 @@ def test_a_key_longer_than_s3_allows_under_the_prefix_is_refused(s3_store: S3Sto
     key = "/".join(["a" * 202] * 5)  # 1014 characters: a valid store key, too long under the prefix
     with pytest.raises(ValueError, match="more than the 1024 an S3 key may have"):
         s3_store.put(key, b"x")
+
+
+def test_reads_from_a_missing_bucket_name_the_bucket(moto_server: MotoServer, s3_env: None) -> None:
+    """Review L5: a HEAD's 404 has no body; a missing bucket is told apart by one listing, not called 'no object'."""
+    nowhere = S3Store("no-such-bucket", endpoint=moto_server.url, backoff_s=0.001)
+    for call in (nowhere.get, nowhere.open, nowhere.size, nowhere.exists):
+        with pytest.raises(StoreError, match="the bucket 'no-such-bucket' does not exist") as info:
+            call("k")
+        assert not isinstance(info.value, ObjectNotFound)
