@@ -18,7 +18,7 @@ def parse_bucket_uri(uri: str) -> tuple[str, str, str, str | None]:
 
     Raises:
         ValueError: not ``s3://``, ``gs://`` or ``az://``, no bucket, a prefix that fails :func:`check_key`,
-            or an unknown query parameter.
+            an unknown or repeated query parameter, or an endpoint with a path, query or fragment.
     """
     parts = urlsplit(uri)
     scheme = parts.scheme.lower()
@@ -36,6 +36,8 @@ def parse_bucket_uri(uri: str) -> tuple[str, str, str, str | None]:
     unknown = sorted(set(query) - {"endpoint"})
     if unknown:
         raise ValueError(f"store URI {uri!r}: unknown query parameters {unknown}; only endpoint= is known")
+    if len(query.get("endpoint", [])) > 1:
+        raise ValueError(f"store URI {uri!r}: endpoint= is given {len(query['endpoint'])} times; give it once")
     endpoint = query.get("endpoint", [None])[-1]
     if endpoint is not None and scheme != "s3":
         raise ValueError(f"store URI {uri!r}: endpoint= applies to s3:// URIs only")
@@ -49,6 +51,12 @@ def check_endpoint(endpoint: str) -> str:
     if parts.scheme not in ("http", "https") or not parts.hostname or parts.username or parts.password:
         raise ValueError(
             f"S3 endpoint {endpoint!r} must be an http:// or https:// URL with a host and no credentials in it"
+        )
+    if parts.path not in ("", "/") or parts.query or parts.fragment or endpoint.endswith(("?", "#")):
+        # obstore would take a path as part of every request's path: http://h/other + bucket b -> bucket other
+        raise ValueError(
+            f"S3 endpoint {endpoint!r} must be scheme://host[:port] only, with no path, query or fragment; "
+            "the bucket goes in the URI (s3://<bucket>/<prefix>)"
         )
     return endpoint
 

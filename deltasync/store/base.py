@@ -7,7 +7,7 @@ import re
 from collections.abc import Iterable
 from typing import BinaryIO, Protocol, runtime_checkable
 
-__all__ = ["MAX_KEY_CHARS", "Store", "check_key"]
+__all__ = ["MAX_KEY_CHARS", "Store", "check_key", "check_unique_keys"]
 
 _KEY_SEGMENT = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,254}")
 MAX_KEY_CHARS = 1024
@@ -31,6 +31,16 @@ def check_key(key: str) -> str:
     return key
 
 
+def check_unique_keys(keys: Iterable[str]) -> None:
+    """Raise ``ValueError`` naming the first key that comes twice in one batch (``put_many`` writes none then:
+    the second write of a key would either fail after the first landed, or replace it)."""
+    seen: set[str] = set()
+    for key in keys:
+        if key in seen:
+            raise ValueError(f"store key {key!r} comes twice in one put_many batch; nothing was written")
+        seen.add(key)
+
+
 @runtime_checkable
 class Store(Protocol):
     """Object storage for published versions.
@@ -52,7 +62,8 @@ class Store(Protocol):
 
     def put_many(self, items: Iterable[tuple[str, bytes | bytearray | memoryview]]) -> None:
         """Create several objects (a version's shards): one batch where the store has batches. Raises
-        ObjectExists, before writing any, if a key is taken."""
+        ObjectExists, before writing any, if a key is taken, and ValueError, before writing any, if a key
+        comes twice in the batch."""
         ...
 
     def put_file(self, key: str, path: str | os.PathLike[str]) -> None:

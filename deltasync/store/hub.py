@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any, BinaryIO, TypeVar
 
 from ..errors import ObjectExists, ObjectNotFound, ObjectTooLarge, StoreError
-from .base import check_key
+from .base import check_key, check_unique_keys
 
 __all__ = ["HubBucketStore", "parse_hub_uri"]
 
@@ -202,6 +202,7 @@ class HubBucketStore:
         """Upload several objects in one batch (a version's shards). Raises ObjectExists, uploading nothing,
         if a key is taken."""
         pairs = [(key, bytes(data)) for key, data in items]
+        check_unique_keys(key for key, _ in pairs)
         add: list[tuple[str | Path | bytes, str]] = [(data, self._path(key)) for key, data in pairs]
         if not add:
             return

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import BinaryIO
 
 from ..errors import ObjectExists, ObjectNotFound, ObjectTooLarge, StoreError, UnsafeObject
-from .base import check_key
+from .base import check_key, check_unique_keys
 
 __all__ = ["MAX_DEPTH", "LocalStore"]
 
@@ -171,6 +171,7 @@ class LocalStore:
     def put_many(self, items: Iterable[tuple[str, bytes | bytearray | memoryview]]) -> None:
         """Create several objects, each atomically; refuses them all if one key is taken."""
         items = list(items)
+        check_unique_keys(key for key, _ in items)
         for key, _ in items:
             if self.exists(key) or self._is_link(key):
                 raise ObjectExists(f"{self.uri}: {key!r} exists; objects are create-only (another writer?)")

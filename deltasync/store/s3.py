@@ -34,10 +34,24 @@ Guarantees, and how:
   racing between the HEAD and the PUT can overwrite each other: the coordinator's publisher lease (one
   publisher per run) is what keeps them apart there. A retried put that meets a 412 reads the object back:
   if its bytes are ours (the first attempt landed, its answer was lost) the put succeeded.
-* **Never truncated.** Every read is a ranged ``GET`` pinned to the ETag of a ``HEAD``: the answer must be
-  exactly the bytes asked for, of an object of the size the ``HEAD`` gave, or it is retried (a cut connection)
-  or refused (a size that disagrees: the object changed, or something in between rewrites sizes).
-* **Bounded.** ``get(max_bytes=)`` checks the ``HEAD`` size first; a body is never read past the size asked.
+  Racing writers are only as safe as the service's conditional writes are atomic. S3 decides the condition and
+  the write in one step. moto (the test server) does not: its PUT and ``CompleteMultipartUpload`` check
+  ``If-None-Match`` and then write, with no lock between, so several concurrent create-only writes of one key
+  can all "succeed" there, the last one's bytes winning; the probe cannot see this (it writes twice in
+  sequence). The race tests therefore forward one write at a time (``FaultProxy(serialize_writes=True)``), as
+  S3 decides them. A check after the copy is not done: obstore's copy returns no ETag to compare with a HEAD,
+  and reading the object back would only narrow the window, not close it. On such a service, the coordinator's
+  publisher lease (one publisher per run) is what keeps writers apart.
+* **Not an authenticity boundary.** Anyone who can write to the bucket can plant a well-formed version; the
+  store only guarantees an object is not changed once written. Readers that must know who wrote a version
+  verify it against the coordinator (``--coordinator``) or a signature (``--public-key``).
+* **Never truncated, never mixed.** Every read is a ranged ``GET`` pinned to the ETag of a ``HEAD`` (a ``HEAD``
+  without one is refused): ``If-Match`` is sent, and each answer's ETag and total size (``Content-Range``) are
+  compared with the pinned ones, so a service or proxy that drops ``If-Match`` cannot hand back the bytes of an
+  object deleted and re-written mid-read. The answer must be exactly the bytes asked for, or it is retried (a
+  cut connection) or refused (a size or ETag that disagrees; a whole object sent for a range).
+* **Bounded.** ``get(max_bytes=)`` checks the ``HEAD`` size first; a body is never read past the size asked, and
+  no more than 64 MiB is allocated on a ``HEAD``'s word before the first ``GET`` confirms the size.
 * **Retries.** 408/429/5xx, 409 (S3's ``ConditionalRequestConflict``, two conditional writes at once: the
   retry gets the 412) and transport errors (reset, refused, timeout, cut mid-body) are retried with
   exponential backoff and jitter, ``retries`` times, then raise :class:`StoreError` naming the bucket and key.
@@ -57,22 +71,24 @@ from __future__ import annotations
 
 import builtins
 import concurrent.futures
+import contextlib
 import io
 import logging
 import os
 import random
 import re
+import stat
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, BinaryIO, TypeVar, cast
 
-from ..errors import ObjectExists, ObjectNotFound, ObjectTooLarge, StoreError
+from ..errors import ObjectExists, ObjectNotFound, ObjectTooLarge, StoreError, UnsafeObject
 from ._s3_uri import BUCKET_NAME, SCHEMES, check_endpoint, format_uri, parse_bucket_uri, with_s3_endpoint
-from .base import check_key
+from .base import check_key, check_unique_keys
 
 __all__ = ["S3Store", "parse_bucket_uri", "with_s3_endpoint"]
 
@@ -81,6 +97,8 @@ logger = logging.getLogger(__name__)
 _RETRY_STATUS = frozenset({408, 409, 429, 500, 502, 503, 504})  # 409: S3's ConditionalRequestConflict
 _STATUS = re.compile(r"status code: (\d{3})")
 _JITTER = random.Random()  # private: never perturbs (or depends on) the process-wide `random` state
+_UNCONFIRMED_BYTES = 64 << 20  # the most get() allocates on a HEAD's word alone, before a GET confirms the size
+_MAX_S3_KEY_BYTES = 1024  # S3's limit on a whole key, prefix included
 _STAGING = ".uploads"
 _PROBE = ".deltasync-probe"
 _T = TypeVar("_T")
@@ -158,6 +176,7 @@ class S3Store:
         self._conditional_copy = True if scheme != "s3" else conditional_writes
         self._lock = threading.Lock()
         self._skipped: set[str] = set()
+        self._bucket_seen = False  # set once a listing has shown the bucket exists (see _check_bucket)
         self._boto3: Any = None
         self._store = self._open_backend(request_timeout_s)
 
@@ -204,9 +223,15 @@ class S3Store:
         """``s3://bucket/prefix`` (with ``?endpoint=`` when the endpoint was given explicitly)."""
         return format_uri(self.scheme, self.bucket, self.prefix, self.endpoint)
 
-    @staticmethod
-    def _path(key: str) -> str:
-        return check_key(key)  # relative to the prefix: obstore adds it
+    def _path(self, key: str) -> str:
+        check_key(key)  # relative to the prefix: obstore adds it
+        full = f"{self.prefix}/{key}" if self.prefix else key
+        if len(full.encode()) > _MAX_S3_KEY_BYTES:
+            raise ValueError(
+                f"store key {key!r}: under the prefix {self.prefix!r} it is {len(full.encode())} bytes, more "
+                f"than the {_MAX_S3_KEY_BYTES} an S3 key may have; use a shorter prefix"
+            )
+        return key
 
     # ------------------------------------------------------------------ retries and errors
 
@@ -222,6 +247,7 @@ class S3Store:
         )
 
         for attempt in range(self.retries + 1):
+            error: BaseException
             try:
                 return fn()
             except (NotFoundError, FileNotFoundError):  # obstore raises either
@@ -230,8 +256,12 @@ class S3Store:
                         f"{self.uri}: {what} {key!r}: the bucket {self.bucket!r} does not exist; create it first"
                     ) from None
                 raise ObjectNotFound(f"{self.uri}: no object {key!r}") from None
-            except (AlreadyExistsError, FileExistsError):
-                raise ObjectExists(f"{self.uri}: {key!r} exists; objects are create-only (another writer?)") from None
+            except (AlreadyExistsError, FileExistsError) as exc:
+                if not _is_conflict(exc):  # a 412: the key is taken
+                    raise ObjectExists(
+                        f"{self.uri}: {key!r} exists; objects are create-only (another writer?)"
+                    ) from None
+                error = exc  # obstore maps S3's 409 ConditionalRequestConflict here too: retried
             except PreconditionError as exc:
                 raise StoreError(
                     f"{self.uri}: {key!r} changed while it was read (its ETag is not the one its HEAD gave); "
@@ -243,30 +273,37 @@ class S3Store:
                     "(AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY) and the bucket policy"
                 ) from exc
             except (GenericError, _Truncated, ConnectionError, TimeoutError) as exc:
+                if "non-partial response" in str(exc):  # a 200 to a ranged GET: retrying cannot help
+                    raise StoreError(
+                        f"{self.uri}: {what} {key!r}: asked for a byte range, the service answered with the whole "
+                        "object (it, or something between here and it, ignores Range); not read"
+                    ) from exc
                 status = _status(exc)
                 if status is not None and status not in _RETRY_STATUS:
                     raise StoreError(f"{self.uri}: {what} {key!r} failed: HTTP {status} ({_first_line(exc)})") from exc
-                if attempt == self.retries:
-                    raise StoreError(
-                        f"{self.uri}: {what} {key!r} failed after {attempt + 1} attempts "
-                        f"({'HTTP ' + str(status) if status else 'transport error'}: {_first_line(exc)}); "
-                        f"the service at {self._resolved_endpoint() or 'AWS'} is throttling or unreachable: "
-                        "retry later, or raise retries/backoff_s"
-                    ) from exc
-                delay = min(self.backoff_s * 2**attempt, 20.0) * (0.5 + _JITTER.random() / 2)
-                logger.warning(
-                    "%s: %s %r failed (%s; attempt %d/%d); retrying in %.2f s",
-                    self.uri,
-                    what,
-                    key,
-                    f"HTTP {status}" if status else "transport error",
-                    attempt + 1,
-                    self.retries + 1,
-                    delay,
-                )
-                time.sleep(delay)
-                if on_retry is not None:
-                    on_retry()
+                error = exc
+            status = _status(error)
+            if attempt == self.retries:
+                raise StoreError(
+                    f"{self.uri}: {what} {key!r} failed after {attempt + 1} attempts "
+                    f"({'HTTP ' + str(status) if status else 'transport error'}: {_first_line(error)}); "
+                    f"the service at {self._resolved_endpoint() or 'AWS'} is throttling or unreachable: "
+                    "retry later, or raise retries/backoff_s"
+                ) from error
+            delay = min(self.backoff_s * 2**attempt, 20.0) * (0.5 + _JITTER.random() / 2)
+            logger.warning(
+                "%s: %s %r failed (%s; attempt %d/%d); retrying in %.2f s",
+                self.uri,
+                what,
+                key,
+                f"HTTP {status}" if status else "transport error",
+                attempt + 1,
+                self.retries + 1,
+                delay,
+            )
+            time.sleep(delay)
+            if on_retry is not None:
+                on_retry()
         raise AssertionError("unreachable")
 
     # ------------------------------------------------------------------ writes
@@ -279,13 +316,28 @@ class S3Store:
             return self._conditional
 
     def _probe(self) -> bool:
-        import obstore
         from obstore.exceptions import AlreadyExistsError, NotSupportedError
 
-        probe = f"{_PROBE}/{uuid.uuid4().hex}"
+        # Each attempt of the first PUT writes a fresh key: a retry after a lost answer must not meet its own
+        # first attempt (a 412 there would say nothing about the service, and name a hidden key).
+        keys: builtins.list[str] = []
+
+        def first() -> None:
+            keys.append(f"{_PROBE}/{uuid.uuid4().hex}")
+            self._store.put(keys[-1], b"", mode="create", use_multipart=False)
+
+        def second() -> bool:
+            try:
+                self._store.put(keys[-1], b"", mode="create", use_multipart=False)
+                return False
+            except AlreadyExistsError as exc:
+                if _is_conflict(exc):
+                    raise  # a 409: retried by _call
+                return True
+
         try:
             # a failure here (credentials, an outage) is raised, not cached: the write would fail anyway
-            self._call("probe", probe, lambda: self._store.put(probe, b"", mode="create", use_multipart=False))
+            self._call("probe", _PROBE, first)
         except StoreError as exc:
             if _status(exc.__cause__ or exc) not in (400, 501):
                 raise
@@ -293,15 +345,9 @@ class S3Store:
         except NotSupportedError:
             honoured = False
         else:
-            try:
-                self._store.put(probe, b"", mode="create", use_multipart=False)
-                honoured = False
-            except AlreadyExistsError:
-                honoured = True
-            try:
-                obstore.delete(self._store, probe)
-            except Exception as exc:  # a probe left behind is harmless (hidden, never listed): say so, go on
-                logger.warning("%s: could not delete the probe object %s (%s)", self.uri, probe, _first_line(exc))
+            honoured = self._call("probe", keys[-1], second)
+        finally:
+            self._delete_probes(keys)
         if not honoured:
             logger.warning(
                 "%s: the service ignores If-None-Match: writes fall back to HEAD-then-PUT, and two writers racing "
@@ -309,6 +355,16 @@ class S3Store:
                 self.uri,
             )
         return honoured
+
+    def _delete_probes(self, keys: builtins.list[str]) -> None:
+        import obstore
+
+        if not keys:
+            return
+        try:
+            obstore.delete(self._store, keys)  # S3 deletes of absent keys succeed
+        except Exception as exc:  # a probe left behind is harmless (hidden, never listed): say so, go on
+            logger.warning("%s: could not delete the probe objects %s (%s)", self.uri, keys, _first_line(exc))
 
     def _conditional_copies(self) -> bool:
         """Whether the service honours ``If-None-Match`` on ``CompleteMultipartUpload`` (the create-only copy
@@ -323,21 +379,29 @@ class S3Store:
         from obstore.exceptions import AlreadyExistsError, NotSupportedError
 
         probe = f"{_PROBE}/{uuid.uuid4().hex}"
-        self._call("probe", probe, lambda: self._store.put(probe, b"", use_multipart=False))
-        try:
-            self._call("probe", probe, lambda: obstore.copy(self._store, probe, probe + ".copy", overwrite=False))
+        keys = [probe]
+
+        def first() -> None:  # a fresh target per attempt, as in _probe
+            keys.append(f"{probe}.copy-{uuid.uuid4().hex[:8]}")
+            obstore.copy(self._store, probe, keys[-1], overwrite=False)
+
+        def second() -> bool:
             try:
-                obstore.copy(self._store, probe, probe + ".copy", overwrite=False)
-                honoured = False
-            except AlreadyExistsError:
-                honoured = True
+                obstore.copy(self._store, probe, keys[-1], overwrite=False)
+                return False
+            except AlreadyExistsError as exc:
+                if _is_conflict(exc):
+                    raise  # a 409: retried by _call
+                return True
+
+        try:
+            self._call("probe", probe, lambda: self._store.put(probe, b"", use_multipart=False))
+            self._call("probe", probe, first)
+            honoured = self._call("probe", keys[-1], second)
         except NotSupportedError:
             honoured = False
         finally:
-            try:
-                obstore.delete(self._store, [probe, probe + ".copy"])
-            except Exception as exc:  # a probe left behind is harmless (hidden, never listed): say so, go on
-                logger.warning("%s: could not delete the probe objects %s* (%s)", self.uri, probe, _first_line(exc))
+            self._delete_probes(keys)
         if not honoured:
             logger.warning(
                 "%s: the service ignores If-None-Match on CompleteMultipartUpload: objects of %d bytes or more fall "
@@ -421,6 +485,7 @@ class S3Store:
         Not transactional: an error mid-batch can leave some objects written (a manifest, written last, is
         what commits a version)."""
         pairs = [(self._path(key), data) for key, data in items]
+        check_unique_keys(k for k, _ in pairs)
         if not pairs:
             return
         with concurrent.futures.ThreadPoolExecutor(min(self.max_concurrency, len(pairs))) as pool:
@@ -437,8 +502,18 @@ class S3Store:
 
         Raises:
             ObjectExists: the key is taken.
+            UnsafeObject: ``path`` is not a regular file (a device, a FIFO, a directory): nothing is read.
         """
-        self._create(key, Path(path))
+        self._path(key)
+        file = Path(path)
+        with _open_regular(file) as (f, size):
+            if size >= self.multipart_bytes:
+                data = None  # streamed below, by _put_multipart, at most `size` bytes
+            else:
+                data = f.read(size + 1)
+                if len(data) != size:
+                    raise StoreError(f"{file}: it changed while it was read ({size} bytes, then {len(data)}); not put")
+        self._create(key, file if data is None else data)
 
     def delete(self, key: str) -> None:
         """Delete one object. Raises ObjectNotFound if there is none."""
@@ -454,11 +529,43 @@ class S3Store:
         import obstore
 
         path = self._path(key)
-        meta = self._call("head", key, lambda: obstore.head(self._store, path))
+        try:
+            meta = self._call("head", key, lambda: obstore.head(self._store, path))
+        except ObjectNotFound:
+            self._check_bucket()
+            raise
         return int(meta["size"]), meta["e_tag"]
 
+    def _check_bucket(self) -> None:
+        """After a 404 to a HEAD (which has no body to say why): raise StoreError if the bucket is missing.
+        One listing request, once per store: a bucket seen once is not asked about again."""
+        import obstore
+
+        if self._bucket_seen:
+            return
+        try:
+            self._call("list", "", lambda: next(iter(obstore.list(self._store, None, chunk_size=1)), None))
+        except StoreError as exc:  # obstore's listing says 404 (NoSuchBucket) as a GenericError
+            cause = exc.__cause__ or exc
+            if not isinstance(exc, ObjectNotFound) and _status(cause) != 404 and "NoSuchBucket" not in str(cause):
+                raise
+            raise StoreError(
+                f"{self.uri}: the bucket {self.bucket!r} does not exist; create it first (or check the endpoint)"
+            ) from None
+        self._bucket_seen = True
+
+    def _pin(self, key: str) -> tuple[int, str]:
+        """An object's size and ETag, for reads pinned to that one version of it."""
+        total, etag = self._head(key)
+        if not etag:
+            raise StoreError(
+                f"{self.uri}: {key!r}: its HEAD carries no ETag, so its reads cannot be pinned to one version of "
+                "it (the service, or something between here and it, strips ETags); not read"
+            )
+        return total, etag
+
     def exists(self, key: str) -> bool:
-        """Whether an object is stored under ``key``."""
+        """Whether an object is stored under ``key``. Raises StoreError if the bucket does not exist."""
         try:
             self._head(key)
             return True
@@ -469,17 +576,26 @@ class S3Store:
         """An object's size in bytes (one HEAD). Raises ObjectNotFound if there is none."""
         return self._head(key)[0]
 
-    def _read_range(self, key: str, start: int, end: int, total: int, etag: str | None, out: memoryview) -> None:
-        """Bytes ``[start, end)`` of an object of ``total`` bytes into ``out``, exactly, or raise."""
+    def _read_range(self, key: str, start: int, end: int, total: int, etag: str, out: memoryview) -> None:
+        """Bytes ``[start, end)`` of the object of ``total`` bytes and ETag ``etag`` into ``out``, exactly, or raise.
+
+        Each answer's ETag and total size (``Content-Range``) must be the pinned ones: ``If-Match`` alone is not
+        enough, since a proxy or a service that drops it would hand back another version's bytes."""
         import obstore
 
         path = self._path(key)
 
         def once() -> None:
-            options: dict[str, Any] = {"if_match": etag} if etag else {}
+            options: dict[str, Any] = {"if_match": etag}
             if end > start:
                 options["range"] = (start, end)
             result = obstore.get(self._store, path, options=options)  # type: ignore[arg-type]
+            if result.meta["e_tag"] != etag:
+                raise StoreError(
+                    f"{self.uri}: {key!r} changed while it was read (its HEAD gave ETag {etag}, a GET answered "
+                    f"{result.meta['e_tag']}, so something between here and the store ignores If-Match); objects "
+                    "are create-only, so another writer deleted and re-wrote it: check who writes here"
+                )
             if int(result.meta["size"]) != total:
                 raise StoreError(
                     f"{self.uri}: {key!r}: its HEAD said {total} bytes but its GET says {result.meta['size']}; "
@@ -503,22 +619,39 @@ class S3Store:
         self._call("get", key, once)
 
     def get(self, key: str, *, max_bytes: int | None = None) -> bytes:
-        """Read a whole object; its size is checked (one HEAD) before a byte is read.
+        """Read a whole object; its size is checked (one HEAD) before a byte is read, and confirmed by the first
+        GET before more than 64 MiB is allocated. Every GET is pinned to the HEAD's ETag (and checked against it).
 
         Raises:
             ObjectNotFound: there is none.
             ObjectTooLarge: it is larger than ``max_bytes``.
             StoreError: retries ran out, or the object's size or ETag changed while read.
         """
-        total, etag = self._head(key)
+        total, etag = self._pin(key)
         if max_bytes is not None and total > max_bytes:
             raise ObjectTooLarge(f"{self.uri}: {key!r} is {total} bytes, more than the {max_bytes} allowed; not read")
-        buf = bytearray(total)
+        if total < self.parallel_bytes and total <= _UNCONFIRMED_BYTES:
+            buf = bytearray(total)
+            self._read_range(key, 0, total, total, etag, memoryview(buf))
+            return bytes(buf)
+        # A HEAD's size alone is not trusted with a large allocation: the first range's answer confirms it
+        # (its Content-Range carries the total) before the whole buffer is allocated.
+        first = bytearray(min(total, self.part_bytes, _UNCONFIRMED_BYTES))
+        self._read_range(key, 0, len(first), total, etag, memoryview(first))
+        if len(first) == total:
+            return bytes(first)
+        try:
+            buf = bytearray(total)
+        except MemoryError:
+            raise StoreError(
+                f"{self.uri}: {key!r} is {total} bytes, more than this process can hold; read it with open()"
+            ) from None
+        buf[: len(first)] = first
         view = memoryview(buf)
         if total < self.parallel_bytes:
-            self._read_range(key, 0, total, total, etag, view)
+            self._read_range(key, len(first), total, total, etag, view[len(first) :])
             return bytes(buf)
-        starts = range(0, total, self.part_bytes)
+        starts = range(len(first), total, self.part_bytes)
         with concurrent.futures.ThreadPoolExecutor(min(self.max_concurrency, len(starts))) as pool:
             _first_error(
                 list(
@@ -540,7 +673,7 @@ class S3Store:
         Raises:
             ObjectNotFound: there is none.
         """
-        total, etag = self._head(key)
+        total, etag = self._pin(key)
         return cast(BinaryIO, io.BufferedReader(_RangeReader(self, key, total, etag), buffer_size=self.part_bytes))
 
     def list(self, prefix: str = "") -> builtins.list[str]:
@@ -564,13 +697,16 @@ class S3Store:
         try:
             check_key(key)
         except ValueError:
-            with self._lock:
-                first = key not in self._skipped
-                self._skipped.add(key)
-            if first:  # once per key: a store is listed again and again
-                logger.warning("%s: skipping listed key %r: not a deltasync key", self.uri, key)
+            self._skip(key, "not a deltasync key")
             return False
         return True
+
+    def _skip(self, key: str, why: str) -> None:
+        with self._lock:
+            first = key not in self._skipped
+            self._skipped.add(key)
+        if first:  # once per key: a store is listed again and again
+            logger.warning("%s: skipping listed key %r: %s", self.uri, key, why)
 
     def _list_obstore(self, sub: str) -> builtins.list[str]:
         import obstore
@@ -606,11 +742,16 @@ class S3Store:
                     "s3", endpoint_url=self._resolved_endpoint(), region_name=region, config=config
                 )
             client = self._boto3
-        root = f"{self.prefix}/{sub}" if self.prefix else sub
+        base = f"{self.prefix}/" if self.prefix else ""
+        root = base + sub
         keys: builtins.list[str] = []
         try:
             for page in client.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=root):
-                keys.extend(obj["Key"][len(root) - len(sub) :] for obj in page.get("Contents", []))
+                for obj in page.get("Contents", []):
+                    if obj["Key"].startswith(root):
+                        keys.append(obj["Key"][len(base) :])
+                    else:  # a service (or proxy) that ignores Prefix: never strip characters blindly
+                        self._skip(obj["Key"], f"outside the prefix {root!r}")
         except Exception as exc:  # botocore's errors are their own tree: name the bucket and what it said
             code = getattr(exc, "response", {}).get("Error", {}).get("Code")
             if code == "NoSuchBucket":
@@ -625,7 +766,7 @@ class S3Store:
 class _RangeReader(io.RawIOBase):
     """A raw reader over ranged GETs of one object version (the ETag its HEAD gave)."""
 
-    def __init__(self, store: S3Store, key: str, total: int, etag: str | None) -> None:
+    def __init__(self, store: S3Store, key: str, total: int, etag: str) -> None:
         self._store, self._key, self._total, self._etag, self._pos = store, key, total, etag, 0
 
     def readable(self) -> bool:
@@ -655,13 +796,70 @@ class _RangeReader(io.RawIOBase):
         return n
 
     def readall(self) -> bytes:
-        buf = bytearray(max(self._total - self._pos, 0))
-        n = self.readinto(buf) if buf else 0
-        return bytes(buf[:n])
+        # in parts, each confirmed by its answer: never one allocation of what the HEAD claimed
+        parts: list[bytes] = []
+        while self._pos < self._total:
+            buf = bytearray(min(self._total - self._pos, self._store.part_bytes))
+            parts.append(bytes(buf[: self.readinto(buf)]))
+        return b"".join(parts)
 
 
 def _reader(source: bytes | memoryview | Path) -> BinaryIO:
-    return open(source, "rb") if isinstance(source, Path) else io.BytesIO(source)  # noqa: SIM115
+    if not isinstance(source, Path):
+        return io.BytesIO(source)
+    with _open_regular(source) as (f, size):
+        return cast(BinaryIO, io.BufferedReader(_BoundedFile(source, os.dup(f.fileno()), size), 1 << 20))
+
+
+@contextlib.contextmanager
+def _open_regular(path: Path) -> Iterator[tuple[BinaryIO, int]]:
+    """``path`` opened for reading, and its size, if it is a regular file, else UnsafeObject: a device
+    (``/dev/zero``) or a FIFO would be read without end. Opened non-blocking, so a FIFO does not wait for a
+    writer before it is refused."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise UnsafeObject(f"{path}: not a regular file (mode {stat.filemode(st.st_mode)}); only files are put")
+        os.set_blocking(fd, True)
+    except BaseException:
+        os.close(fd)
+        raise
+    with open(fd, "rb") as f:
+        yield f, st.st_size
+
+
+class _BoundedFile(io.RawIOBase):
+    """Exactly ``size`` bytes of an open file: never more (a file that grows), and an error if fewer arrive."""
+
+    def __init__(self, path: Path, fd: int, size: int) -> None:
+        self._path, self._fd, self._left, self._size = path, fd, size, size
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, b: Any) -> int:
+        view = memoryview(b).cast("B")[: self._left]
+        if not view:
+            return 0
+        n = os.readv(self._fd, [view])
+        if n == 0:
+            raise StoreError(
+                f"{self._path}: it shrank while it was read (ended {self._left} bytes short of {self._size})"
+            )
+        self._left -= n
+        return n
+
+    def close(self) -> None:
+        if not self.closed:
+            os.close(self._fd)
+        super().close()
+
+
+def _is_conflict(exc: BaseException) -> bool:
+    """Whether an obstore ``AlreadyExistsError`` is S3's 409 ``ConditionalRequestConflict`` (two conditional
+    writes in flight: retry) rather than a 412 ``PreconditionFailed`` (the key is taken)."""
+    return _status(exc) == 409 or "ConditionalRequestConflict" in str(exc)
 
 
 def _status(exc: BaseException) -> int | None:

@@ -84,8 +84,10 @@ class Fault:
     forwarded and their response cut ``cut_after`` bytes in, head included (then the client connection is
     closed; 0: the request lands, its answer is lost), or have
     their ``Content-Length`` answer replaced by ``content_length`` (a lying HEAD), or lose the request header
-    ``drop_header`` on the way (a service that ignores it). ``times``: how many requests the rule takes
-    (``None``: every one)."""
+    ``drop_header`` on the way (a service that ignores it), or lose the response header ``drop_response_header``
+    on the way back (a service, or something in between, that strips it), or lose the query parameter
+    ``drop_query`` (a service that ignores it: ``prefix`` of a listing). ``skip``: how many matching requests
+    pass untouched first. ``times``: how many requests the rule takes after those (``None``: every one)."""
 
     method: str = "*"
     path_contains: str = ""
@@ -93,13 +95,21 @@ class Fault:
     cut_after: int | None = None
     content_length: int | None = None
     drop_header: str | None = None
+    drop_response_header: str | None = None
+    drop_query: str | None = None
     times: int | None = 1
+    skip: int = 0
     hits: int = 0
 
 
 _S3_ERRORS = {
     503: ("SlowDown", "Please reduce your request rate."),
     500: ("InternalError", "We encountered an internal error. Please try again."),
+    409: (
+        "ConditionalRequestConflict",
+        "A conflicting conditional operation is currently in progress against this resource. Please try again.",
+    ),
+    412: ("PreconditionFailed", "At least one of the pre-conditions you specified did not hold"),
 }
 
 
@@ -110,7 +120,8 @@ class FaultProxy:
     matching rule applied, and the response framed the same way (``HEAD``, 204 and 304 carry no body).
 
     ``serialize_writes``: forward one PUT or POST at a time. moto checks ``If-None-Match`` and then writes, with
-    no lock between (``moto/s3/responses.py``), so two concurrent conditional writes can both succeed there;
+    no lock between (``moto/s3/responses.py``), on a PUT and on ``CompleteMultipartUpload`` (a POST) alike, so
+    two concurrent conditional writes can both succeed there;
     S3 makes the check and the write one step. Serializing writes models S3, while the clients still race.
     """
 
@@ -160,10 +171,11 @@ class FaultProxy:
             self.requests.append((method, path))
             for rule in self.rules:
                 if rule.method in ("*", method) and rule.path_contains in path:
-                    if rule.times is not None and rule.hits >= rule.times:
+                    if rule.times is not None and rule.hits >= rule.skip + rule.times:
                         continue
                     rule.hits += 1
-                    return rule
+                    if rule.hits > rule.skip:
+                        return rule
         return None
 
     def _serve(self) -> None:
@@ -229,6 +241,13 @@ class FaultProxy:
                 if rule is not None and rule.drop_header is not None:
                     drop = rule.drop_header.lower().encode() + b":"
                     head = b"\r\n".join(ln for ln in head.split(b"\r\n") if not ln.lower().startswith(drop))
+                if rule is not None and rule.drop_query is not None:
+                    line, _, rest = head.partition(b"\r\n")
+                    verb, target, version = line.split(b" ", 2)
+                    url, _, query = target.partition(b"?")
+                    kept = [p for p in query.split(b"&") if p.split(b"=", 1)[0] != rule.drop_query.encode()]
+                    target = url + (b"?" + b"&".join(kept) if kept else b"")
+                    head = b" ".join([verb, target, version]) + b"\r\n" + rest
                 if upstream is None:
                     upstream = socket.create_connection(self.upstream)
                 serialize = self.serialize_writes and method in (b"PUT", b"POST")
@@ -248,6 +267,9 @@ class FaultProxy:
                 if rule is not None and rule.content_length is not None:
                     lines = [ln for ln in rhead[:-4].split(b"\r\n") if not ln.lower().startswith(b"content-length:")]
                     rhead = b"\r\n".join([*lines, b"Content-Length: %d" % rule.content_length]) + b"\r\n\r\n"
+                if rule is not None and rule.drop_response_header is not None:
+                    drop = rule.drop_response_header.lower().encode() + b":"
+                    rhead = b"\r\n".join(ln for ln in rhead.split(b"\r\n") if not ln.lower().startswith(drop))
                 if rule is not None and rule.cut_after is not None:
                     client.sendall((rhead + rbody)[: rule.cut_after])
                     return

@@ -83,6 +83,14 @@ def test_writes_are_create_only(store: Store, tmp_path: Path) -> None:
     assert not store.exists("v00000001/new.bin")  # a refused batch writes none of its objects
 
 
+def test_put_many_refuses_a_key_that_comes_twice_before_writing_any(store: Store) -> None:
+    """Review H3: the same key twice in one batch is refused (ValueError naming it) and nothing is written."""
+    batch = [("v00000001/a.bin", b"1"), ("v00000001/dup.bin", b"2"), ("v00000001/dup.bin", b"3")]
+    with pytest.raises(ValueError, match="'v00000001/dup.bin' comes twice in one put_many batch"):
+        store.put_many(batch)
+    assert not store.exists("v00000001/a.bin") and not store.exists("v00000001/dup.bin")
+
+
 def test_reads_are_bounded_before_reading(store: Store) -> None:
     store.put("big", b"x" * 1000)
     assert store.get("big", max_bytes=1000) == b"x" * 1000
