@@ -34,7 +34,7 @@ test: venv
 test-fast: venv
 	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" python -m pytest -m "not slow and not vllm" -q
 
-# the Wordle RL demo: coordinator, vLLM + sidecar, environment and trainer as separate processes (~8 min)
+# the asynchronous Wordle RL demo: coordinator, vLLM + sidecar, environment, trainer as separate processes (~5 min)
 demo: venv
 	$(PY) -m examples.wordle.run_demo --out demo-out
 

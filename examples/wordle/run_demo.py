@@ -338,7 +338,7 @@ def run_once(out: Path, model: Path, args: argparse.Namespace, *, sync: bool) ->
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=Path("demo-out"))
-    parser.add_argument("--steps", type=int, default=100)
+    parser.add_argument("--steps", type=int, default=80)
     parser.add_argument("--warmup-steps", type=int, default=300)
     parser.add_argument("--learning-rate", type=float, default=1e-5)
     parser.add_argument("--max-staleness", type=int, default=2)
