@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -27,6 +28,13 @@ ENDPOINT_ENV = ("AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT", "AWS_
 """Variables a test unsets, so that only what it passes decides where requests go."""
 
 
+def _die_with_parent() -> None:
+    """In the child, before exec: SIGKILL when the parent dies (Linux ``PR_SET_PDEATHSIG``)."""
+    import ctypes
+
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # 1 = PR_SET_PDEATHSIG
+
+
 class MotoServer:
     """``python -m moto.server`` on 127.0.0.1 and a free port (a separate process: its GIL is not ours)."""
 
@@ -44,6 +52,7 @@ class MotoServer:
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
                 env={**os.environ, **CREDENTIALS_ENV},
+                preexec_fn=_die_with_parent,  # a test process killed outright takes its server along
             )
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:
