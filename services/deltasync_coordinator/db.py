@@ -23,7 +23,7 @@ import sqlite3
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
@@ -38,6 +38,7 @@ __all__ = [
     "LedgerLocked",
     "Replaced",
     "backup",
+    "check_recorded_schema",
     "open_database",
 ]
 
@@ -145,6 +146,26 @@ def _check_path(path: Path) -> Path:
                 "ledger is restored from a backup (docs/RELIABILITY.md)"
             )
     return real
+
+
+def check_recorded_schema(
+    where: str, tables: set[str], done: set[int], migrations: Sequence[str], *, copy: str, how: str
+) -> None:
+    """Refuse a ledger (either backend) whose recorded schema this deltasync cannot serve: a schema version newer
+    than it knows, or recorded migrations whose tables are gone (a damaged ledger can keep the record and lose a
+    table). ``copy`` and ``how`` say what to restore from (``"a backup"``, ``"docs/RELIABILITY.md"``)."""
+    if done and max(done) > len(migrations):
+        raise DamagedLedger(
+            f"{where}: schema version {max(done)} was written by a newer deltasync (this one knows "
+            f"{len(migrations)}); upgrade deltasync, or restore {copy} made by this version"
+        )
+    created = {m.group(1) for sql in migrations[: max(done, default=0)] for m in _CREATE_TABLE.finditer(sql)}
+    missing = created - tables
+    if missing:
+        raise DamagedLedger(
+            f"{where}: migrations are recorded but tables {sorted(missing)} are missing; the ledger is damaged: "
+            f"restore it from {copy} ({how})"
+        )
 
 
 class Database:
@@ -272,19 +293,7 @@ class Database:
             )
         db.execute("CREATE TABLE IF NOT EXISTS schema_migrations (version INTEGER PRIMARY KEY, applied_at REAL)")
         done = {r[0] for r in db.execute("SELECT version FROM schema_migrations")}
-        if done and max(done) > len(migrations):
-            raise DamagedLedger(
-                f"{self.path}: schema version {max(done)} was written by a newer deltasync (this one knows "
-                f"{len(migrations)}); upgrade deltasync, or restore a backup made by this version"
-            )
-        # a damaged file can keep the migration record and lose a table: every table the recorded ones create
-        created = {m.group(1) for sql in migrations[: max(done, default=0)] for m in _CREATE_TABLE.finditer(sql)}
-        missing = created - tables
-        if missing:
-            raise DamagedLedger(
-                f"{self.path}: migrations are recorded but tables {sorted(missing)} are missing; the ledger is "
-                "damaged: restore it from a backup (docs/RELIABILITY.md)"
-            )
+        check_recorded_schema(str(self.path), tables, done, migrations, copy="a backup", how="docs/RELIABILITY.md")
         for number, sql in enumerate(migrations, start=1):
             if number in done:
                 continue

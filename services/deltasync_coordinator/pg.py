@@ -31,7 +31,7 @@ from typing import Any
 import psycopg
 from psycopg import errors as pg_errors
 
-from .db import Busy, DamagedLedger
+from .db import Busy, DamagedLedger, check_recorded_schema
 
 __all__ = ["CHANNEL", "PgDatabase", "is_postgres_url", "redact"]
 
@@ -43,7 +43,6 @@ CHANNEL = "deltasync_versions"
 _WRITE_LOCK = 0x64656C74  # "delt": the advisory lock every durable write transaction takes
 _MIGRATE_LOCK = 0x64656C75  # held (session-level) while one coordinator migrates
 _POOL_SIZE = 8
-_CREATE_TABLE = re.compile(r"CREATE TABLE (?:IF NOT EXISTS )?(\w+)", re.IGNORECASE)
 _BUSY_ERRORS = (
     pg_errors.LockNotAvailable,  # lock_timeout: another coordinator holds the write lock too long
     pg_errors.QueryCanceled,  # statement_timeout
@@ -207,18 +206,9 @@ class PgDatabase:
             "CREATE TABLE IF NOT EXISTS schema_migrations (version INTEGER PRIMARY KEY, applied_at DOUBLE PRECISION)"
         )
         done = {r[0] for r in conn.execute("SELECT version FROM schema_migrations")}
-        if done and max(done) > len(migrations):
-            raise DamagedLedger(
-                f"{self.describe}: schema version {max(done)} was written by a newer deltasync (this one knows "
-                f"{len(migrations)}); upgrade deltasync, or restore a dump made by this version"
-            )
-        created = {m.group(1) for sql in migrations[: max(done, default=0)] for m in _CREATE_TABLE.finditer(sql)}
-        missing = created - tables
-        if missing:
-            raise DamagedLedger(
-                f"{self.describe}: migrations are recorded but tables {sorted(missing)} are missing; the ledger is "
-                "damaged: restore it from a dump (pg_dump; docs/RELIABILITY.md)"
-            )
+        check_recorded_schema(
+            self.describe, tables, done, migrations, copy="a dump", how="pg_dump; docs/RELIABILITY.md"
+        )
         for number, sql in enumerate(migrations, start=1):
             if number in done:
                 continue
