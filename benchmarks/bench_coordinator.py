@@ -139,28 +139,12 @@ async def run(url: str, n_reg: int, n_hb: int, rounds: int) -> dict:
         host, port = url.removeprefix("http://").split(":")
         auth = tokens[0]["Authorization"]
         for _ in range(rounds):
-            done: list[float] = []
-
-            async def poll(after: int, done: list[float] = done) -> None:
-                # a bare HTTP/1.1 socket per poller: the figure is the server's wake-up, not a client library's
-                reader, writer = await asyncio.open_connection(host, int(port))
-                writer.write(
-                    f"GET /v1/versions?after={after}&wait_s=30 HTTP/1.1\r\nHost: {host}\r\n"
-                    f"Authorization: {auth}\r\nConnection: close\r\n\r\n".encode()
-                )
-                await writer.drain()
-                raw = await reader.read()  # until the server closes: the whole answer
-                done.append(time.perf_counter())
-                writer.close()
-                assert b'"versions":[{' in raw, "timed out instead of being woken"
-
-            tasks = [asyncio.create_task(poll(latest)) for _ in range(100)]
+            tasks = [asyncio.create_task(_answered_at(host, port, auth, latest)) for _ in range(100)]
             await asyncio.sleep(1.0)
             latest += 1
             t0 = time.perf_counter()
             (await http.post("/v1/versions", json=body(latest), headers=fenced)).raise_for_status()
-            await asyncio.gather(*tasks)
-            wake_ms.extend((t - t0) * 1e3 for t in done)
+            wake_ms.extend((t - t0) * 1e3 for t in await asyncio.gather(*tasks))
     lean = await bare(url, n_reg, n_hb, latest + 1, lease)
     return {
         **lean,
@@ -218,6 +202,22 @@ def plan_cost(tmp: Path, n: int, db: Path | str | None = None) -> dict:
     }
 
 
+async def _answered_at(host: str, port: str, auth: str, after: int) -> float:
+    """One long-poll for versions after ``after`` on a bare HTTP/1.1 socket (the figure is the server's wake-up,
+    not a client library's); when its whole answer had arrived."""
+    reader, writer = await asyncio.open_connection(host, int(port))
+    writer.write(
+        f"GET /v1/versions?after={after}&wait_s=30 HTTP/1.1\r\nHost: {host}\r\n"
+        f"Authorization: {auth}\r\nConnection: close\r\n\r\n".encode()
+    )
+    await writer.drain()
+    raw = await reader.read()  # until the server closes: the whole answer
+    at = time.perf_counter()
+    writer.close()
+    assert b'"versions":[{' in raw, "timed out instead of being woken"
+    return at
+
+
 async def cross_wake(url_a: str, url_b: str, rounds: int, pollers: int = 100) -> dict:
     """``pollers`` long-polls on coordinator B, woken by a registration through coordinator A (one database)."""
     async with httpx.AsyncClient(base_url=url_a, timeout=60, headers=PUB) as http:
@@ -228,26 +228,11 @@ async def cross_wake(url_a: str, url_b: str, rounds: int, pollers: int = 100) ->
         auth = f"Bearer {agent_token('poller')}"
         wake_ms: list[float] = []
         for latest in range(rounds):
-            done: list[float] = []
-
-            async def poll(after: int, done: list[float] = done) -> None:
-                reader, writer = await asyncio.open_connection(host, int(port))
-                writer.write(
-                    f"GET /v1/versions?after={after}&wait_s=30 HTTP/1.1\r\nHost: {host}\r\n"
-                    f"Authorization: {auth}\r\nConnection: close\r\n\r\n".encode()
-                )
-                await writer.drain()
-                raw = await reader.read()
-                done.append(time.perf_counter())
-                writer.close()
-                assert b'"versions":[{' in raw, "timed out instead of being woken"
-
-            tasks = [asyncio.create_task(poll(latest)) for _ in range(pollers)]
+            tasks = [asyncio.create_task(_answered_at(host, port, auth, latest)) for _ in range(pollers)]
             await asyncio.sleep(1.0)
             t0 = time.perf_counter()
             (await http.post("/v1/versions", json=body(latest + 1), headers=fenced)).raise_for_status()
-            await asyncio.gather(*tasks)
-            wake_ms.extend((t - t0) * 1e3 for t in done)
+            wake_ms.extend((t - t0) * 1e3 for t in await asyncio.gather(*tasks))
     return {"cross_wake_median_ms": statistics.median(wake_ms), "cross_wake_max_ms": max(wake_ms)}
 
 
