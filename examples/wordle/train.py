@@ -144,8 +144,10 @@ def served_differs(vllm: httpx.Client, model: Any) -> tuple[list[str], int]:
     return sorted(k for k in expected if got.get(k) != expected[k]), len(expected)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def run_parser(doc: str | None) -> argparse.ArgumentParser:
+    """The arguments every Wordle trainer takes: the model, where vLLM, the environment, the coordinator and the
+    store are, and the output directory."""
+    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", required=True)
     parser.add_argument("--vllm-url", required=True)
     parser.add_argument("--env-url", required=True)
@@ -153,6 +155,11 @@ def main() -> None:
     parser.add_argument("--ca-bundle", help="CA certificates (PEM) for an https coordinator")
     parser.add_argument("--store", required=True)
     parser.add_argument("--out", type=Path, required=True)
+    return parser
+
+
+def main() -> None:
+    parser = run_parser(__doc__)
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--warmup-steps", type=int, default=300)
     parser.add_argument("--num-generations", type=int, default=8)

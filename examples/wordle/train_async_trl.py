@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-from pathlib import Path
 from typing import Any
 
 import httpx
@@ -29,20 +28,13 @@ from deltasync.integrations.trl import DeltaSyncWeightTransfer
 from deltasync.publisher import Publisher
 
 from .rollouts import score
-from .train import game_positions
+from .train import game_positions, run_parser
 
 __all__ = ["build_trainer"]
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", required=True)
-    p.add_argument("--vllm-url", required=True)
-    p.add_argument("--env-url", required=True)
-    p.add_argument("--coordinator", required=True, help="URL, or replicas of one ledger: URL1,URL2")
-    p.add_argument("--ca-bundle", help="CA certificates (PEM) for an https coordinator")
-    p.add_argument("--store", required=True)
-    p.add_argument("--out", type=Path, required=True)
+    p = run_parser(__doc__)
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--num-generations", type=int, default=8)
     p.add_argument("--prompts-per-step", type=int, default=2)
