@@ -73,7 +73,7 @@ class Bench:
         self.client.register_version(VersionCreate.for_manifest(manifest), lease=self.lease)
 
     def mode(self, mode: str) -> None:
-        self.llm.init_weight_transfer_engine({"init_info": {"mode": mode}})
+        self.llm.init_weight_transfer_engine({"init_info": {"agent_id": "bench", "mode": mode}})
 
     def updates(self, mode: str, lr: float, steps: int) -> list[dict[str, Any]]:
         from deltasync import compute_delta, write_delta

@@ -172,7 +172,12 @@ def add_agent_parser(sub: Any) -> None:
         "agent",
         help="keep a vLLM server at the latest version (a sidecar; its own token comes from DELTASYNC_AGENT_TOKEN)",
     )
-    agent.add_argument("--vllm-url", required=True, help="the vLLM server (VLLM_SERVER_DEV_MODE=1; keep it private)")
+    agent.add_argument(
+        "--vllm-url",
+        required=True,
+        help="the vLLM server (started with VLLM_PLUGINS=deltasync); the engine credential comes from "
+        "DELTASYNC_ENGINE_TOKEN or DELTASYNC_ENGINE_TOKEN_FILE",
+    )
     agent.add_argument(
         "--coordinator",
         required=True,
@@ -185,6 +190,12 @@ def add_agent_parser(sub: Any) -> None:
     agent.add_argument("--agent-id", help="name shown by the coordinator, bound to its token (default agent-0)")
     agent.add_argument("--poll-wait-s", type=float, help="long-poll wait (default 30)")
     agent.add_argument("--max-lag", type=int, help="stop serving while more than N versions behind")
+    agent.add_argument(
+        "--audit-interval-s",
+        type=float,
+        help="prove the engine's whole served state at least this often (default 60); drift unlabels it and an "
+        "anchor restores it",
+    )
     agent.add_argument("--staging-dir", help="where shards are cached and staged (default: a temporary dir)")
     agent.add_argument("--fetch-workers", type=int, help="shards fetched in parallel (default 4)")
     agent.add_argument("--retries", type=int, help="retries of a fetch or checksum mismatch (default 5)")

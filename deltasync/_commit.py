@@ -17,6 +17,7 @@ from .errors import LeaseError
 from .format import TensorDelta
 from .manifest import ChecksumPart, DeltaManifest, TensorEntry
 from .schemas import VersionCreate
+from .sketch import Sketch, add_sketches, format_sketch, parse_sketch
 from .vocab import Kind
 from .writer import ObjectWriter
 
@@ -105,6 +106,9 @@ class RankCommit:
         self.rank, self.world, self.group = rank, world, group
         self.parts: dict[str, list[ChecksumPart]] = {}
         """Rank 0: the checksum parts of every tensor at the last committed version (spans from every rank)."""
+        self.sketches: dict[str, dict[tuple[int, int], Sketch]] = {}
+        """Rank 0: the sketch of every span of every tensor at the last committed version; a tensor's sketch is
+        their sum, so an unchanged span is carried forward and never recomputed."""
         self.published: list[DeltaManifest] = []
 
     def publish(
@@ -167,10 +171,12 @@ class RankCommit:
         shards = sorted((index, entry, names) for m in metas for index, entry, names in m["entries"])
         nnz: dict[str, int] = collections.Counter()
         for m in metas:
-            for name, (count, part) in m["tensors"].items():
+            for name, (count, part, sketch) in m["tensors"].items():
                 nnz[name] += count
                 kept = [p for p in self.parts.get(name, []) if (p[0], p[1]) != (part[0], part[1])]
                 self.parts[name] = sorted([*kept, tuple(part)])
+                assert sketch is not None, f"{kind} v{version}: the entry of {name!r} has no sketch"
+                self.sketches.setdefault(name, {})[(part[0], part[1])] = parse_sketch(sketch)
         tensors = {
             name: TensorEntry(
                 shape=view.shape,
@@ -178,6 +184,7 @@ class RankCommit:
                 nnz=nnz.get(name, 0),
                 shards=(),
                 checksums=tuple(self.parts[name]),
+                sketch=format_sketch(add_sketches(*self.sketches[name].values())),
             )
             for name, view in views.items()
         }

@@ -12,6 +12,7 @@ import torch
 from .format import TensorDelta, tensor_checksum
 from .lora import lora_merged_state
 from .names import NameMap, checkpoint_state
+from .sketch import format_sketch, sketch_range
 
 __all__ = ["TensorView", "dense_entries", "globalize", "local_tensors"]
 
@@ -77,6 +78,11 @@ def local_tensors(
     return local, views
 
 
+def _span_sketch(local: torch.Tensor, view: TensorView) -> str:
+    """The sketch of this rank's elements (its span, or the whole tensor), placed where they are in the tensor."""
+    return format_sketch(sketch_range(local, 0 if view.span is None else view.span[0]))
+
+
 def dense_entries(buffers: Mapping[str, torch.Tensor], views: Mapping[str, TensorView]) -> list[TensorDelta]:
     """An anchor's entries for this rank's buffers: whole tensors, or this rank's span."""
     out = []
@@ -91,19 +97,27 @@ def dense_entries(buffers: Mapping[str, torch.Tensor], views: Mapping[str, Tenso
                 values=t if view.span is None else t.reshape(-1),
                 span=view.span,
                 checksum=tensor_checksum(t),
+                sketch=_span_sketch(t, view),
             )
         )
     return out
 
 
 def globalize(d: TensorDelta, new: torch.Tensor, view: TensorView) -> TensorDelta:
-    """A local delta (this rank's rows) in global flat coordinates, with the checksum of its new span."""
-    checksum = tensor_checksum(new)
+    """A local delta (this rank's rows) in global flat coordinates, with the checksum and sketch of its new span."""
+    checksum, sketch = tensor_checksum(new), _span_sketch(new, view)
     if view.span is None:
-        return dataclasses.replace(d, checksum=checksum)
+        return dataclasses.replace(d, checksum=checksum, sketch=sketch)
     if d.indices is None:
         base = d.base_values.reshape(-1) if d.base_values is not None else None
         return dataclasses.replace(
-            d, shape=view.shape, values=d.values.reshape(-1), base_values=base, span=view.span, checksum=checksum
+            d,
+            shape=view.shape,
+            values=d.values.reshape(-1),
+            base_values=base,
+            span=view.span,
+            checksum=checksum,
+            sketch=sketch,
         )
-    return dataclasses.replace(d, shape=view.shape, indices=d.indices + view.span[0], span=view.span, checksum=checksum)
+    indices = d.indices + view.span[0]
+    return dataclasses.replace(d, shape=view.shape, indices=indices, span=view.span, checksum=checksum, sketch=sketch)

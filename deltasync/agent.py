@@ -52,7 +52,7 @@ from .reader import Trust, decode_object, read_weights
 from .signing import VerifyKey
 from .staging import StagedObject, StagedUpdate, in_memory, stage_object
 from .store.base import Store
-from .targets.base import EngineState, EngineTarget
+from .targets.base import EngineClaim, EngineState, EngineTarget
 from .targets.vllm import OfflineLLMTarget
 from .vocab import AgentState
 
@@ -136,6 +136,9 @@ class Agent:
         self.last_error: str | None = None
         self._paused_for_lag = False
         self._integrity_failures = 0
+        self.drift: str | None = None
+        """The last drift a proof found, reported with every heartbeat until a whole-state proof passes again."""
+        self._proved_at: float | None = None  # monotonic time of the last whole-state proof that passed
 
     @classmethod
     def for_llm(
@@ -155,39 +158,54 @@ class Agent:
     # ------------------------------------------------------------------ the state machine
 
     def start(self) -> EngineState:
-        """Take charge of the engine: close a session an earlier agent left open, label it with what it really
-        holds (keep it paused if it is unhealthy), configure failure reporting (TP > 1: recorded, never
-        raised), apply ``assume_version``, and pin the coordinator's run to the engine's. Idempotent.
+        """Take charge of the engine: refuse one claimed by another agent or serving another run (before changing
+        anything there), claim it with the operator's policy (staging root, rollback; TP > 1: failures recorded,
+        never raised), close a session an earlier agent left open, label it with what it really holds (keep it
+        paused if it is unhealthy), apply ``assume_version``, and pin the coordinator's run to the engine's.
+        Idempotent.
 
         Raises:
             RunMismatch: the coordinator's ledger is of another run than the engine's (and no ``allow_rollback``).
+            UpdateRefused: (reason ``run``) another agent drives this engine; nothing changed there.
         """
-        self.target.recover()
-        # TP > 1: the engine records failures instead of raising them (vLLM #49972); staged files only from here
-        self.target.init(
-            raise_errors=False if self.config.tp_size > 1 else None,
+        st = self.target.state()
+        if st.agent_id is not None and st.agent_id != self.config.agent_id:
+            raise UpdateRefused(
+                f"agent {self.config.agent_id}: this engine is driven by agent {st.agent_id!r}; refusing to touch it "
+                "(each engine has one agent: point this one at its own engine)",
+                reason=RefusalReason.RUN,
+            )
+        run = self._check_run(st)
+        claim = EngineClaim(
+            agent_id=self.config.agent_id,
+            run_id=run,
             staging_root=str(self.staging),
+            allow_rollback=self.config.allow_rollback,
+            raise_errors=False if self.config.tp_size > 1 else None,
             mode=self.config.apply_mode,
         )
+        self.target.init(claim)
+        self.target.recover()
         st = self.target.state()
         if self.config.assume_version is not None and st.version is None and st.healthy:
-            self.target.init(base_version=self.config.assume_version)
+            self.target.init(dataclasses.replace(claim, base_version=self.config.assume_version))
             st = self.target.state()
         self.started = True
         self.last_version = st.version
-        self._check_run(st)
+        if st.run_id is not None and (run is None or run == st.run_id):
+            self.coordinator.pin_run(st.run_id)
         return st
 
     def engine_state(self) -> EngineState:
         """The engine's state, read from the engine (no side effects)."""
         return self.target.state()
 
-    def _check_run(self, st: EngineState) -> None:
+    def _check_run(self, st: EngineState) -> str | None:
+        """The coordinator's run, checked against the engine's (before the claim changes anything)."""
         run = self.coordinator.run_id or self.coordinator.health().get("run_id")
+        run = None if run is None else str(run)
         if st.run_id is None or run is None or run == st.run_id:
-            if st.run_id is not None:
-                self.coordinator.pin_run(st.run_id)
-            return
+            return run
         if self.config.allow_rollback:
             logger.warning(
                 "agent %s: the coordinator's run %s is not the engine's run %s: switching runs (allow_rollback)",
@@ -195,7 +213,7 @@ class Agent:
                 run,
                 st.run_id,
             )
-            return
+            return run
         raise RunMismatch(
             f"the coordinator at {self.coordinator.base_url} keeps run {run}, the engine serves run {st.run_id}: "
             "refusing to follow another ledger (restart the agent with --allow-rollback to switch on purpose)"
@@ -215,7 +233,11 @@ class Agent:
             self.start()
         st = self._engine_state()
         self._check_run(st)
+        st = self._prove_when_due(st)
         held = st.version if st.healthy and not self.needs_anchor else None
+        if wait_s > 0 and held is not None and self.config.audit_interval_s is not None:
+            due = (self._proved_at or 0.0) + self.config.audit_interval_s - time.monotonic()
+            wait_s = min(wait_s, max(due, 0.0))  # wake for the next proof too
         if wait_s > 0:
             self.coordinator.wait_for_versions(held, wait_s=wait_s)
         plan = self._plan(held, st)
@@ -244,6 +266,8 @@ class Agent:
             self._cleanup(staged)
         self._integrity_failures = 0
         self.last_version = plan.to_version
+        if self.drift is not None:
+            self._proved_at = None  # restored: prove the whole state at the next sync, then stop reporting drift
         self._heartbeat(plan.to_version, "idle", timings=timings)
         logger.info(
             "agent %s: v%s -> v%d (%s, %d objects): pause %.0f ms",
@@ -304,6 +328,36 @@ class Agent:
             st = self.target.state()
         if not st.healthy:
             self.needs_anchor = True
+        return st
+
+    def _prove_when_due(self, st: EngineState) -> EngineState:
+        """Every ``audit_interval_s`` (and first after a start or a restore): prove the engine's whole served state
+        against its version's published checksums. On drift the engine is unlabelled and paused, the drift is
+        reported, and the anchor route restores it in this sync."""
+        prove = getattr(self.target, "prove", None)
+        interval = self.config.audit_interval_s
+        if prove is None or interval is None or not st.healthy or st.version is None or self.needs_anchor:
+            return st
+        if self._proved_at is not None and time.monotonic() - self._proved_at < interval:
+            return st
+        try:
+            unproven = prove()
+        except ApplyError as exc:
+            self.drift = str(exc)
+            self.needs_anchor = True
+            self.host, self.host_version = None, None
+            self.target.pause()  # never serve weights that differ from their version
+            logger.warning("agent %s: %s", self.config.agent_id, exc)
+            self._heartbeat(None, "unhealthy", last_error=self.drift)
+            return self.target.state()
+        if unproven:
+            logger.warning(
+                "agent %s: %d tensors could not be proven (e.g. %s)", self.config.agent_id, len(unproven), unproven[0]
+            )
+        self._proved_at = time.monotonic()
+        if self.drift is not None:
+            logger.info("agent %s: the whole state of v%d is proven again", self.config.agent_id, st.version)
+            self.drift = None
         return st
 
     def _trust(self) -> Trust:
@@ -442,7 +496,7 @@ class Agent:
             raise
         self.host, self.host_version = host, host_version
         timings.update(fetch=t1 - t0, decode=time.perf_counter() - t1 - stage_s, stage=stage_s)
-        return StagedUpdate(objects=tuple(objects), allow_rollback=self.config.allow_rollback), dirs
+        return StagedUpdate(objects=tuple(objects)), dirs
 
     def _apply(self, update: StagedUpdate, timings: dict[str, float]) -> None:
         """Prepare (engines that read and plan before the pause), pause, apply, resume, audit (engines that read
@@ -516,6 +570,7 @@ class Agent:
         finally:
             self._cleanup(staged)
         self.last_version = plan.to_version
+        self._proved_at = None  # prove the restored state whole at the next sync
         self._heartbeat(plan.to_version, "idle", timings=timings)
         return SyncResult(
             from_version=before, to_version=plan.to_version, route="anchor", timings=timings, bytes=plan.bytes
@@ -536,7 +591,12 @@ class Agent:
     ) -> None:
         try:
             self.coordinator.heartbeat(
-                self.config.agent_id, applied_version=version, state=state, last_error=last_error, timings=timings
+                self.config.agent_id,
+                applied_version=version,
+                state=state,
+                last_error=last_error,
+                timings=timings,
+                drift=self.drift,
             )
         except Exception as exc:  # noqa: BLE001 - a heartbeat is best effort: the sync itself goes on
             logger.warning("agent %s: heartbeat failed: %s", self.config.agent_id, exc)

@@ -29,6 +29,7 @@ __all__ = [
     "Holding",
     "admit",
     "check_decoded",
+    "refuse_claim",
     "spec_of",
     "verify",
     "write",
@@ -144,6 +145,35 @@ def admit(
             "agent with --allow-rollback",
             reason=RefusalReason.ROLLBACK,
         )
+
+
+def refuse_claim(
+    *, owner: str | None, agent_id: str | None, holding: Holding, run_id: str | None, allow_rollback: bool
+) -> str | None:
+    """Why an engine must refuse an agent's claim (``None``: it may take charge). Nothing has changed when this
+    says no: a second agent pointed at the same engine (another run's coordinator, another store) never
+    reconfigures it.
+
+    Args:
+        owner: the agent that claimed the engine before (``None``: none).
+        agent_id: the claiming agent.
+        holding: what the engine holds.
+        run_id: the run the claiming agent follows.
+        allow_rollback: the operator lets the agent take the engine to another run.
+    """
+    if not agent_id:
+        return "deltasync: init_info.agent_id is required: an engine obeys the one agent that claimed it"
+    if owner is not None and agent_id != owner:
+        return (
+            f"deltasync: this engine is driven by agent {owner!r}, agent {agent_id!r} may not take it (each engine "
+            "has one agent: point this agent at its own engine, or stop the other and restart vLLM)"
+        )
+    if holding.run_id is not None and run_id is not None and run_id != holding.run_id and not allow_rollback:
+        return (
+            f"deltasync: agent {agent_id!r} follows run {run_id}, this engine serves run {holding.run_id}; nothing "
+            "was changed (to switch runs on purpose, restart the agent with --allow-rollback)"
+        )
+    return None
 
 
 def check_decoded(manifest: DeltaManifest, deltas: Sequence[TensorDelta], *, where: str) -> None:

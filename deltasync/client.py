@@ -576,14 +576,17 @@ class CoordinatorClient:
         state: str,
         last_error: str | None = None,
         timings: dict[str, float] | None = None,
+        drift: str | None = None,
     ) -> AgentStatus:
-        """Report this agent's state (``last_error`` is cut to the protocol's cap; only finite timings go)."""
+        """Report this agent's state (``last_error`` and ``drift`` are cut to the protocol's cap; only finite
+        timings go)."""
         body = AgentHeartbeat.model_validate(
             {
                 "applied_version": applied_version,
                 "state": state,
                 "last_error": None if last_error is None else last_error[:MAX_ERROR_CHARS],
                 "timings": {k: v for k, v in (timings or {}).items() if math.isfinite(v) and v >= 0},
+                "drift": None if drift is None else drift[:MAX_ERROR_CHARS],
             }
         )
         a = self._request("POST", f"/v1/agents/{agent_id}/heartbeat", AgentPublic, json=body.model_dump(mode="json"))

@@ -42,6 +42,9 @@ class AgentConfig:
     """Ed25519 public key file (PEM): every manifest must be signed by the publisher's key."""
     integrity_fallback_after: int = 3
     """Take the anchor route after this many consecutive integrity failures rebuilding the host copy."""
+    audit_interval_s: float | None = 60.0
+    """Prove the engine's whole served state against its version's published checksums at least this often
+    (``None``: only what each update writes); drift unlabels the engine and restores it through an anchor."""
     apply_mode: Literal["auto", "inplace", "patches", "reload"] | None = None
     """How a vLLM engine applies updates (``None``: the engine's own ``auto``: ``inplace`` where parameters
     are plain, else ``reload``); see :mod:`deltasync.vllm.engine`."""
@@ -51,6 +54,8 @@ class AgentConfig:
             raise ValueError(f"poll_wait_s must be >= 0, got {self.poll_wait_s}")
         if self.max_lag is not None and self.max_lag < 0:
             raise ValueError(f"max_lag must be >= 0 or None, got {self.max_lag}")
+        if self.audit_interval_s is not None and not self.audit_interval_s > 0:
+            raise ValueError(f"audit_interval_s must be > 0 or None, got {self.audit_interval_s}")
         if self.fetch_workers < 1:
             raise ValueError(f"fetch_workers must be >= 1, got {self.fetch_workers}")
         if self.retries < 0 or self.backoff_s < 0:

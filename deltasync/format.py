@@ -104,6 +104,9 @@ class TensorDelta:
     ``None`` makes ``packed`` store raw bits."""
     checksum: str | None = None
     """:func:`tensor_checksum` of the span (or whole tensor) after the change; needed to encode."""
+    sketch: str | None = None
+    """:func:`deltasync.sketch.tensor_sketch` of the span (placed at its offset) or whole tensor after the
+    change. Not part of the shard: a publisher sums the spans' sketches into the manifest."""
 
     @property
     def nnz(self) -> int:

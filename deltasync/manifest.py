@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .errors import FormatError, UnsupportedFormatVersion
+from .sketch import SKETCH_PREFIX, parse_sketch
 from .vocab import (
     CHECKPOINT_NAME,
     DTYPES,
@@ -55,6 +56,8 @@ _RUN_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 _MODEL_ID_MAX = 256
 _KEYS_1_0 = {"format_version", "kind", "version", "base_version", "encoding", "shards", "tensors"}
 _KEYS_1_1 = _KEYS_1_0 | {"model_fingerprint", "model_id", "run_id"}
+_TENSOR_KEYS_1_0 = {"shape", "dtype", "nnz", "shards", "checksums"}
+_TENSOR_KEYS_1_2 = _TENSOR_KEYS_1_0 | {"sketch"}
 
 
 def model_fingerprint(spec: ModelSpec) -> str:
@@ -122,6 +125,10 @@ class TensorEntry:
     checksums: tuple[ChecksumPart, ...]
     """Checksums of the whole tensor at this version, part by part: contiguous, covering
     ``[0, numel)``. One part unless the tensor was published in spans (FSDP ranks)."""
+    sketch: str | None = None
+    """The ``wsum4`` sketch of the whole tensor at this version (:mod:`deltasync.sketch`): the sum of any
+    partition's sketches, so a rank can prove whichever elements it holds. ``None`` only in manifests written
+    before format 1.2."""
 
     @property
     def numel(self) -> int:
@@ -184,19 +191,21 @@ class DeltaManifest:
             return json.dumps(x, sort_keys=True, separators=(", ", ": "))
 
         shards = ",\n".join(f"  {dump({'file': s.file, 'bytes': s.bytes, 'sha256': s.sha256})}" for s in self.shards)
-        tensors = ",\n".join(
-            f"  {dump(n)}: "
-            + dump(
-                {
-                    "shape": list(t.shape),
-                    "dtype": t.dtype,
-                    "nnz": t.nnz,
-                    "shards": list(t.shards),
-                    "checksums": [list(p) for p in t.checksums],
-                }
-            )
-            for n, t in sorted(self.tensors.items())
-        )
+        with_sketch = self.format_version not in ("1.0", "1.1")
+
+        def tensor(t: TensorEntry) -> dict[str, Any]:
+            out: dict[str, Any] = {
+                "shape": list(t.shape),
+                "dtype": t.dtype,
+                "nnz": t.nnz,
+                "shards": list(t.shards),
+                "checksums": [list(p) for p in t.checksums],
+            }
+            if with_sketch:
+                out["sketch"] = t.sketch  # None is refused by readers: every 1.2 writer sets it
+            return out
+
+        tensors = ",\n".join(f"  {dump(n)}: {dump(tensor(t))}" for n, t in sorted(self.tensors.items()))
         head: dict[str, Any] = {
             "format_version": self.format_version,
             "kind": self.kind,
@@ -275,8 +284,9 @@ def _parse_manifest(obj: object, name: str) -> DeltaManifest:
         raise UnsupportedFormatVersion(
             f"{name}: format_version {fmt} is not supported; this reader knows {ours_major}.x (upgrade deltasync)"
         )
-    # a newer minor version may only add optional keys: accept and ignore them
-    top = c.keys("manifest", obj, _KEYS_1_0 if minor == 0 else _KEYS_1_1, extra_ok=minor > ours_minor)
+    # a newer minor version may only add keys (at any level): accept and ignore them
+    newer = minor > ours_minor
+    top = c.keys("manifest", obj, _KEYS_1_0 if minor == 0 else _KEYS_1_1, extra_ok=newer)
     kind, encoding = top["kind"], top["encoding"]
     if kind not in KINDS:
         raise c.fail("kind", f"must be one of {list(KINDS)}, found {kind!r}")
@@ -294,7 +304,7 @@ def _parse_manifest(obj: object, name: str) -> DeltaManifest:
         raise c.fail("shards", f"must be a list, found {type(top['shards']).__name__}")
     shards = []
     for i, s in enumerate(top["shards"]):
-        s = c.keys(f"shards[{i}]", s, {"file", "bytes", "sha256"})
+        s = c.keys(f"shards[{i}]", s, {"file", "bytes", "sha256"}, extra_ok=newer)
         if not isinstance(s["file"], str) or not _SHARD_FILE.fullmatch(s["file"]):
             raise c.fail(f"shards[{i}].file", f"must match shard-NNNNN.safetensors, found {s['file']!r}")
         if not isinstance(s["sha256"], str) or not _SHA256.fullmatch(s["sha256"]):
@@ -309,7 +319,8 @@ def _parse_manifest(obj: object, name: str) -> DeltaManifest:
     for t in top["tensors"]:
         if not CHECKPOINT_NAME.fullmatch(t):
             raise c.fail("tensors", f"name {t[:80]!r} must have 1 to 1024 characters, no ':' and no control characters")
-    tensors = {t: _parse_tensor(c, t, raw, kind, len(shards)) for t, raw in top["tensors"].items()}
+    keys = _TENSOR_KEYS_1_0 if minor < 2 else _TENSOR_KEYS_1_2
+    tensors = {t: _parse_tensor(c, t, raw, kind, len(shards), keys, newer) for t, raw in top["tensors"].items()}
     model_id = run_id = None
     if minor >= 1:
         model_id, run_id = top["model_id"], top["run_id"]
@@ -340,9 +351,9 @@ def _parse_manifest(obj: object, name: str) -> DeltaManifest:
     return manifest
 
 
-def _parse_tensor(c: _Check, t: str, raw: object, kind: str, n_shards: int) -> TensorEntry:
+def _parse_tensor(c: _Check, t: str, raw: object, kind: str, n_shards: int, keys: set[str], newer: bool) -> TensorEntry:
     where = f"tensors[{t!r}]"
-    e = c.keys(where, raw, {"shape", "dtype", "nnz", "shards", "checksums"})
+    e = c.keys(where, raw, keys, extra_ok=newer)
     shape = e["shape"]
     if (
         not isinstance(shape, list)
@@ -384,10 +395,20 @@ def _parse_tensor(c: _Check, t: str, raw: object, kind: str, n_shards: int) -> T
         pos = p[1]
     if pos != numel:
         raise c.fail(f"{where}.checksums", f"must cover [0, {numel}), they end at {pos}")
+    sketch = None
+    if "sketch" in keys:  # since 1.2
+        sketch = e["sketch"]
+        try:
+            parse_sketch(sketch)
+        except ValueError:
+            raise c.fail(
+                f"{where}.sketch", f"must be {SKETCH_PREFIX!r} and 64 lowercase hex digits, found {sketch!r}"
+            ) from None
     return TensorEntry(
         shape=tuple(shape),
         dtype=e["dtype"],
         nnz=nnz,
         shards=tuple(idx),
         checksums=tuple((p[0], p[1], p[2]) for p in parts),
+        sketch=sketch,
     )

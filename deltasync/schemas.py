@@ -155,6 +155,12 @@ class AgentHeartbeat(_Model):
     timings: dict[Annotated[str, Field(max_length=64)], Seconds] = Field(
         default_factory=dict, max_length=32, description="seconds, e.g. pause (finite, >= 0)"
     )
+    drift: str | None = Field(
+        None,
+        max_length=MAX_ERROR_CHARS,
+        description="the engine's weights differ from its version's published checksums: which tensors, and "
+        "when; sent until a whole-state proof passes again",
+    )
 
 
 class AgentPublic(_Model):

@@ -113,9 +113,9 @@ class StagedUpdate:
     """
 
     objects: tuple[StagedObject, ...]
-    """An anchor first (if any), then deltas, each on the previous one's version."""
-    allow_rollback: bool = False
-    """An operator's explicit permission to end below the engine's highest served version, or in another run."""
+    """An anchor first (if any), then deltas, each on the previous one's version. An update carries no policy:
+    whether an engine may go back or change runs is the operator's, set when its agent claims it
+    (:class:`~deltasync.targets.EngineClaim`)."""
 
     def __post_init__(self) -> None:
         if not self.objects or len(self.objects) > _MAX_OBJECTS:
@@ -133,7 +133,7 @@ class StagedUpdate:
 
     def to_update_info(self) -> dict[str, Any]:
         """The JSON ``update_info`` of vLLM's ``update_weights``."""
-        return {"objects": [o.to_update_info() for o in self.objects], "allow_rollback": self.allow_rollback}
+        return {"objects": [o.to_update_info() for o in self.objects]}
 
     @classmethod
     def from_update_info(cls, info: Mapping[str, Any]) -> StagedUpdate:
@@ -142,15 +142,18 @@ class StagedUpdate:
         Raises:
             ValueError: a missing, unknown or invalid field (named).
         """
-        if not isinstance(info, Mapping) or set(info) - {"objects", "allow_rollback"} or "objects" not in info:
-            raise ValueError("update_info must be {'objects': [...], 'allow_rollback': bool}")
+        if not isinstance(info, Mapping) or "objects" not in info:
+            raise ValueError("update_info must be {'objects': [...]}")
+        extra = sorted(str(k) for k in info if k != "objects")
+        if extra:
+            raise ValueError(
+                f"update_info has unknown fields {extra}: an update carries only its objects; the rollback and run "
+                "policy is the operator's, set when the agent claims the engine (deltasync agent --allow-rollback)"
+            )
         objects = info["objects"]
         if not isinstance(objects, list | tuple) or len(objects) > _MAX_OBJECTS:
             raise ValueError(f"update_info.objects must be a list of at most {_MAX_OBJECTS} objects")
-        allow = info.get("allow_rollback", False)
-        if not isinstance(allow, bool):
-            raise ValueError(f"update_info.allow_rollback must be a bool, got {allow!r}")
-        return cls(objects=tuple(StagedObject.from_update_info(o) for o in objects), allow_rollback=allow)
+        return cls(objects=tuple(StagedObject.from_update_info(o) for o in objects))
 
 
 def in_memory(manifest: DeltaManifest, deltas: Sequence[TensorDelta]) -> StagedObject:

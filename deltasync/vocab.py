@@ -33,9 +33,10 @@ __all__ = [
     "wide_dtypes",
 ]
 
-FORMAT_VERSION = "1.1"
+FORMAT_VERSION = "1.2"
 """``major.minor`` of shards and manifests: readers reject another major version and accept any minor
-version of theirs (1.1 added the model fingerprint and run identity; docs/FORMAT.md)."""
+version of theirs (1.1 added the model fingerprint and run identity, 1.2 the sketch of every tensor;
+docs/FORMAT.md)."""
 
 MAX_VERSION = 99_999_999
 """The largest version: keys are ``v{version:08d}``."""

@@ -19,8 +19,9 @@ import torch
 
 from .format import DEFAULT_ZSTD_LEVEL, TensorDelta, encode_shard, tensor_checksum
 from .layout import manifest_key, object_prefix, shard_file, signature_key
-from .manifest import DeltaManifest, ShardEntry, TensorEntry
+from .manifest import ChecksumPart, DeltaManifest, ShardEntry, TensorEntry
 from .signing import SigningKey
+from .sketch import tensor_sketch
 from .store.base import Store
 from .vocab import DTYPE_NAMES, Encoding, Kind
 
@@ -63,8 +64,9 @@ class EncodedShard:
     """Its manifest entry (file, bytes, sha256)."""
     data: bytes
     """Its bytes."""
-    tensors: dict[str, tuple[int, tuple[int, int, str]]]
-    """Per tensor it holds: (stored elements, (span start, span stop, checksum of the span after applying))."""
+    tensors: dict[str, tuple[int, ChecksumPart, str | None]]
+    """Per tensor it holds: (stored elements, (span start, span stop, checksum of the span after applying),
+    sketch of the span after applying)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -113,7 +115,7 @@ class ObjectWriter:
             )
             index = first_index + i
             entry = ShardEntry(file=shard_file(index), bytes=len(data), sha256=hashlib.sha256(data).hexdigest())
-            tensors = {d.ckpt_name: (d.nnz, (*d.bounds, str(d.checksum))) for d in group}
+            tensors = {d.ckpt_name: (d.nnz, (*d.bounds, str(d.checksum)), d.sketch) for d in group}
             out.append(EncodedShard(index=index, entry=entry, data=data, tensors=tensors))
         return out
 
@@ -179,7 +181,7 @@ class ObjectWriter:
         self.put_shards(version, kind, shards)
         totals: dict[str, int] = {}
         for s in shards:
-            for n, (nnz, _) in s.tensors.items():
+            for n, (nnz, _, _) in s.tensors.items():
                 totals[n] = totals.get(n, 0) + nnz
         tensors = {n: dataclasses.replace(e, nnz=totals.get(n, 0)) for n, e in tensors.items()}
         manifest = self.manifest(
@@ -231,6 +233,7 @@ def write_anchor(
             nnz=t.numel(),
             shards=(),
             checksums=((0, t.numel(), checksum),),
+            sketch=tensor_sketch(t),
         )
     return writer.write(deltas, tensors, kind="anchor", version=version, base_version=None)
 
@@ -249,14 +252,16 @@ def write_delta(
     Args:
         store: a store, or an :class:`ObjectWriter`.
         changes: the changed tensors, as :func:`deltasync.diff.compute_delta` returns them.
-        state: the new weights (used for the checksums of the changed tensors).
+        state: the new weights (used for the checksums and sketches of the changed tensors, and for the
+            sketches a base written before format 1.2 lacks).
         version: the new version, greater than ``base.version``.
         base: the manifest of the base version (delta or anchor): unchanged tensors keep its
-            checksums, and the model must have the same names, shapes and dtypes.
+            checksums and sketches, and the model must have the same names, shapes and dtypes.
         encoding: used when ``store`` is a plain store.
 
     Raises:
-        ValueError: ``changes`` names a tensor the base lacks or with another shape or dtype.
+        ValueError: ``changes`` names a tensor the base lacks or with another shape or dtype, or ``state``
+            lacks a tensor whose sketch the base does not list.
     """
     writer = store if isinstance(store, ObjectWriter) else ObjectWriter(store=store, encoding=encoding)
     if version <= base.version:
@@ -271,6 +276,14 @@ def write_delta(
                 f"v{base.version} ({entry and [entry.dtype, list(entry.shape)]}); publish an anchor"
             )
         checksum = tensor_checksum(state[name])
-        tensors[name] = dataclasses.replace(entry, checksums=((0, entry.numel, checksum),))
+        sketch = tensor_sketch(state[name])
+        tensors[name] = dataclasses.replace(entry, checksums=((0, entry.numel, checksum),), sketch=sketch)
         deltas.append(dataclasses.replace(d, checksum=checksum))
+    for name in [n for n, e in tensors.items() if e.sketch is None]:  # a base written before format 1.2
+        if name not in state:
+            raise ValueError(
+                f"tensor {name!r} has no sketch in base v{base.version} (written before format 1.2) and "
+                "state does not hold it; pass every tensor in state, or publish an anchor"
+            )
+        tensors[name] = dataclasses.replace(tensors[name], sketch=tensor_sketch(state[name]))
     return writer.write(deltas, tensors, kind="delta", version=version, base_version=base.version)

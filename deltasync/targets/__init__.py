@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-from .base import UNHEALTHY_LABEL, EngineState, EngineTarget, parse_weight_version
+from .base import UNHEALTHY_LABEL, EngineClaim, EngineState, EngineTarget, parse_weight_version
 from .memory import InMemoryTarget
 from .vllm import WORKER_EXTENSION, HttpVllmTarget, OfflineLLMTarget
 
 __all__ = [
     "UNHEALTHY_LABEL",
     "WORKER_EXTENSION",
+    "EngineClaim",
     "EngineState",
     "EngineTarget",
     "HttpVllmTarget",

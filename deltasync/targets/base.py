@@ -9,7 +9,17 @@ from typing import Any, Protocol, runtime_checkable
 from ..errors import ApplyError, RefusalReason, UpdateRefused, VersionGapError
 from ..staging import StagedUpdate
 
-__all__ = ["UNHEALTHY_LABEL", "EngineState", "EngineTarget", "combine_ranks", "parse_weight_version", "raise_outcome"]
+__all__ = [
+    "UNHEALTHY_LABEL",
+    "EngineClaim",
+    "EngineState",
+    "EngineTarget",
+    "check_claim",
+    "combine_proofs",
+    "combine_ranks",
+    "parse_weight_version",
+    "raise_outcome",
+]
 
 UNHEALTHY_LABEL = "unhealthy"
 """The ``weight_version`` an engine is given after a failure past the first write, so that nothing is ever
@@ -23,6 +33,45 @@ def parse_weight_version(raw: object) -> int | None:
     if isinstance(raw, str) and raw.isascii() and raw.isdigit() and len(raw) <= 18:
         return int(raw)
     return None
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class EngineClaim:
+    """What an agent tells its engine when it takes charge of it (vLLM's ``init_weight_transfer_engine``).
+
+    The policy fields are the operator's, fixed when the agent starts: no update message can change them. An
+    engine obeys one agent: a claim by another ``agent_id`` is refused before anything changes, and so is a claim
+    for another run than the one the engine serves (unless ``allow_rollback``).
+    """
+
+    agent_id: str
+    """The claiming agent; the engine's owner from then on (the same id may claim again: a restarted agent)."""
+    run_id: str | None = None
+    """The run the agent follows (its coordinator's)."""
+    staging_root: str | None = None
+    """The only directory the engine reads staged files from (no symlink on the way)."""
+    allow_rollback: bool = False
+    """The operator lets the engine go below the highest version it served, or to another run (logged)."""
+    raise_errors: bool | None = None
+    """Raise refusals and failures from the engine's RPCs (``None``: the engine's default), or only record them
+    (TP > 1, vLLM #49972)."""
+    mode: str | None = None
+    """A vLLM engine's apply mode (``None``: its ``auto``)."""
+    base_version: int | None = None
+    """The version the served weights are (``assume_version``); ignored once the engine knows one."""
+
+    def to_init_info(self) -> dict[str, Any]:
+        """The JSON ``init_info`` (fields left ``None`` are omitted)."""
+        fields = {
+            "agent_id": self.agent_id,
+            "run_id": self.run_id,
+            "staging_root": self.staging_root,
+            "allow_rollback": self.allow_rollback,
+            "raise_errors": self.raise_errors,
+            "mode": self.mode,
+            "base_version": self.base_version,
+        }
+        return {k: v for k, v in fields.items() if v is not None}
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -45,6 +94,10 @@ class EngineState:
     """The model id it serves, if known."""
     session_open: bool = False
     """An update session was started and not finished (an agent died inside it)."""
+    agent_id: str | None = None
+    """The agent that claimed the engine (``None``: none yet)."""
+    drift: Mapping[str, Any] | None = None
+    """The last drift a proof found (tensors, version, when), until an anchor restores the engine."""
     detail: str = ""
     """Why it is unhealthy, or what its last outcome was."""
     ranks: tuple[Mapping[str, Any], ...] = field(default=(), repr=False)
@@ -70,16 +123,13 @@ class EngineTarget(Protocol):
         label say what the engine really holds (:data:`UNHEALTHY_LABEL` when unhealthy)."""
         ...
 
-    def init(
-        self,
-        *,
-        base_version: int | None = None,
-        raise_errors: bool | None = None,
-        staging_root: str | None = None,
-        mode: str | None = None,
-    ) -> None:
-        """Tell the engine which version its weights are (``assume_version``, ignored once it knows one), how to
-        report failures, the only directory it may read staged files from, and (vLLM) its apply ``mode``."""
+    def init(self, claim: EngineClaim) -> None:
+        """Take charge of the engine (:class:`EngineClaim`).
+
+        Raises:
+            UpdateRefused: (reason ``run``) the engine is claimed by another agent, or serves another run; nothing
+                changed.
+        """
         ...
 
     def pause(self) -> None:
@@ -121,9 +171,56 @@ def combine_ranks(ranks: Sequence[Mapping[str, Any]], label: str | None) -> Engi
         fingerprint=first.get("fingerprint"),
         model_id=first.get("model_id"),
         session_open=any(bool(r.get("session_active")) for r in ranks),
+        agent_id=first.get("agent"),
+        drift=next((r["drift"] for r in ranks if r.get("drift")), None),
         detail="; ".join(details),
         ranks=tuple(ranks),
     )
+
+
+def check_claim(ranks: Sequence[Mapping[str, Any]], claim: EngineClaim) -> None:
+    """After ``init``: every rank must name ``claim.agent_id`` as its agent (an engine records a refused claim
+    instead of raising it: a raising worker desyncs vLLM's executor at TP > 1).
+
+    Raises:
+        UpdateRefused: (reason ``run``) with the engine's own explanation; nothing changed there.
+    """
+    for rank in ranks:
+        if rank.get("agent") != claim.agent_id:
+            outcome = rank.get("outcome") or {}
+            why = outcome.get("message") or f"the engine is claimed by agent {rank.get('agent')!r}"
+            raise UpdateRefused(str(why), reason=RefusalReason.RUN)
+
+
+def combine_proofs(ranks: Sequence[Mapping[str, Any]]) -> tuple[list[str], list[str]]:
+    """Each rank's ``deltasync_prove`` answer, added up: ``(drifted, unproven)`` tensor names.
+
+    A rank proves the tensors it holds whole itself (``bad``). For a tensor held in parts, the sketches of the
+    parts held by one live parameter (same name on every rank) are added over the ranks: the sum must be the
+    published sketch, and the parts must cover the tensor exactly once (sketches add up over any partition of
+    the elements, :mod:`deltasync.sketch`). Parts that cover more (a replicated slice) or less than the tensor
+    cannot be added up and are reported unproven, never as proven.
+    """
+    from ..sketch import add_sketches, format_sketch, parse_sketch
+
+    drifted = sorted({n for r in ranks for n in r.get("bad") or []})
+    unproven = sorted({n for r in ranks for n in r.get("unproven") or []})
+    sums: dict[tuple[str, str], tuple[list[str], int]] = {}
+    published: dict[str, str] = {}
+    numel: dict[str, int] = {}
+    for r in ranks:
+        published.update(r.get("published") or {})
+        numel.update(r.get("numel") or {})
+        for name, held in (r.get("parts") or {}).items():
+            for param, sketch, count in held:
+                sketches, total = sums.get((name, param), ([], 0))
+                sums[(name, param)] = ([*sketches, sketch], total + int(count))
+    for (name, _), (sketches, total) in sorted(sums.items()):
+        if total != numel.get(name):
+            unproven.append(name)
+        elif format_sketch(add_sketches(*(parse_sketch(s) for s in sketches))) != published.get(name):
+            drifted.append(name)
+    return sorted(set(drifted)), sorted(set(unproven) - set(drifted))
 
 
 def raise_outcome(ranks: Sequence[Mapping[str, Any]], what: str, cause: BaseException | None = None) -> None:

@@ -18,7 +18,7 @@ from .. import apply
 from ..errors import ApplyError, RefusalReason, UpdateRefused
 from ..manifest import ModelSpec
 from ..staging import StagedUpdate, read_staged
-from .base import UNHEALTHY_LABEL, EngineState
+from .base import UNHEALTHY_LABEL, EngineClaim, EngineState
 
 __all__ = ["InMemoryTarget"]
 
@@ -54,6 +54,8 @@ class InMemoryTarget:
         self.lock = threading.Lock()
         self._raise_errors = True
         self.staging_root: str | None = None
+        self.owner: str | None = None
+        self.allow_rollback = False
 
     @property
     def version(self) -> int | None:
@@ -70,6 +72,7 @@ class InMemoryTarget:
             high_water=h.high_water,
             fingerprint=h.fingerprint,
             model_id=h.model_id,
+            agent_id=self.owner,
             detail=self.detail,
         )
 
@@ -80,24 +83,28 @@ class InMemoryTarget:
         elif self.holding.version is not None:
             self.label = str(self.holding.version)
 
-    def init(
-        self,
-        *,
-        base_version: int | None = None,
-        raise_errors: bool | None = None,
-        staging_root: str | None = None,
-        mode: str | None = None,
-    ) -> None:
-        """As the vLLM engine: ``base_version`` only names weights of an unknown version (it never relabels a
-        version the engine knows); ``staging_root`` limits where staged files may come from; ``mode`` is a vLLM
-        engine's (host memory has one way to apply)."""
-        if raise_errors is not None:
-            self._raise_errors = raise_errors
-        if staging_root is not None:
-            self.staging_root = staging_root
-        if base_version is not None and self.holding.version is None and self.holding.healthy:
-            self.holding = dataclasses.replace(self.holding, version=base_version, high_water=base_version)
-            self.label = str(base_version)
+    def init(self, claim: EngineClaim) -> None:
+        """As the vLLM engine: one agent claims it; ``base_version`` only names weights of an unknown version (it
+        never relabels a version the engine knows); ``staging_root`` limits where staged files may come from;
+        ``mode`` is a vLLM engine's (host memory has one way to apply)."""
+        refusal = apply.refuse_claim(
+            owner=self.owner,
+            agent_id=claim.agent_id,
+            holding=self.holding,
+            run_id=claim.run_id,
+            allow_rollback=claim.allow_rollback,
+        )
+        if refusal is not None:
+            raise UpdateRefused(refusal, reason=RefusalReason.RUN)
+        self.owner, self.allow_rollback = claim.agent_id, claim.allow_rollback
+        if claim.raise_errors is not None:
+            self._raise_errors = claim.raise_errors
+        if claim.staging_root is not None:
+            self.staging_root = claim.staging_root
+        base = claim.base_version
+        if base is not None and self.holding.version is None and self.holding.healthy:
+            self.holding = dataclasses.replace(self.holding, version=base, high_water=base)
+            self.label = str(base)
 
     def pause(self) -> None:
         self.paused = True
@@ -118,7 +125,7 @@ class InMemoryTarget:
                         holding,
                         where=obj.manifest_path,
                         target=update.target_version,
-                        allow_rollback=update.allow_rollback,
+                        allow_rollback=self.allow_rollback,
                     )
                     checked.append((manifest, deltas))
                     holding = holding.after(manifest)

@@ -11,13 +11,23 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 from typing import Any, Literal
 
 import httpx
 
 from ..errors import ApplyError, UpdateRefused
 from ..staging import StagedUpdate
-from .base import UNHEALTHY_LABEL, EngineState, combine_ranks, raise_outcome
+from ..vllm.guard import ENGINE_TOKEN_HEADER, load_engine_token
+from .base import (
+    UNHEALTHY_LABEL,
+    EngineClaim,
+    EngineState,
+    check_claim,
+    combine_proofs,
+    combine_ranks,
+    raise_outcome,
+)
 
 __all__ = ["WORKER_EXTENSION", "HttpVllmTarget", "OfflineLLMTarget"]
 
@@ -63,6 +73,38 @@ class _VllmTarget:
         if bad:
             self._invalidate()
             raise ApplyError(f"the read-back audit failed: {bad[0]}")
+        proofs = [r["proof"] for r in ranks if r.get("proof")]  # TP > 1: the written tensors' parts, added up
+        if proofs:
+            self._judge(proofs)
+
+    def prove(self, names: list[str] | None = None) -> list[str]:
+        """Prove the engine's whole served state (or ``names``) against its version's published checksums: each
+        rank proves what it holds whole, and the sketches of what ranks hold in part are added up here.
+
+        Returns:
+            the tensors that could not be proven (no published sketch, or a layout whose parts overlap).
+
+        Raises:
+            ApplyError: drift: the engine is marked unhealthy on every rank and unlabelled; only an anchor
+                restores it.
+        """
+        return self._judge(self._rpc("deltasync_prove", names=names))
+
+    def _judge(self, ranks: list[dict[str, Any]]) -> list[str]:
+        drifted, unproven = combine_proofs(ranks)
+        failed = [r.get("reason") for r in ranks if not r.get("ok") and not r.get("bad")]
+        if drifted:
+            version = next((r.get("version") for r in ranks if r.get("version") is not None), None)
+            self._rpc("deltasync_drift", tensors=drifted, by="the agent's proof")
+            self._invalidate()
+            raise ApplyError(
+                f"drift: {len(drifted)} tensors differ from v{version}'s published checksums (e.g. {drifted[0]}), "
+                f"found {time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())}; the engine is unlabelled until an "
+                "anchor restores it"
+            )
+        if failed:
+            raise ApplyError(f"the engine could not prove its state: {failed[0]}")
+        return unproven
 
     def _call(self, method: str, body: dict[str, Any] | None = None) -> None:
         """One lifecycle call: ``init_weight_transfer_engine``, ``start_weight_update``, ``update_weights``,
@@ -103,27 +145,13 @@ class _VllmTarget:
             logger.warning("weight_version said %s, the engine holds v%d: relabelled", st.label, st.version)
             self._set_label(str(st.version))
 
-    def init(
-        self,
-        *,
-        base_version: int | None = None,
-        raise_errors: bool | None = None,
-        staging_root: str | None = None,
-        mode: str | None = None,
-    ) -> None:
-        info: dict[str, Any] = {}
-        if base_version is not None:
-            info["base_version"] = base_version
-        if raise_errors is not None:
-            info["raise_errors"] = raise_errors
-        if staging_root is not None:
-            info["staging_root"] = staging_root
-        if mode is not None:
-            info["mode"] = mode
-        self._call("init_weight_transfer_engine", {"init_info": info})
-        st = self.state()
-        if base_version is not None and st.version == base_version:
-            self._set_label(str(base_version))
+    def init(self, claim: EngineClaim) -> None:
+        self._call("init_weight_transfer_engine", {"init_info": claim.to_init_info()})
+        ranks = self._ranks()
+        check_claim(ranks, claim)
+        st = combine_ranks(ranks, self._label())
+        if claim.base_version is not None and st.version == claim.base_version:
+            self._set_label(str(claim.base_version))
 
     def apply(self, update: StagedUpdate) -> None:
         what = f"applying {update.objects[0].label}" + (
@@ -222,22 +250,83 @@ class OfflineLLMTarget(_VllmTarget):
 
 
 class HttpVllmTarget(_VllmTarget):
-    """A vLLM server started with ``VLLM_SERVER_DEV_MODE=1``, ``--weight-transfer-config
-    '{"backend":"deltasync"}'`` and ``--worker-extension-cls`` :data:`WORKER_EXTENSION`. Keep that port private:
-    dev mode also exposes administrative routes.
+    """A vLLM server started with ``VLLM_PLUGINS=deltasync`` (the engine guard, and the agent's routes without
+    dev mode: :mod:`deltasync.vllm.endpoints`), the engine credential in its environment
+    (``DELTASYNC_ENGINE_TOKEN`` or ``DELTASYNC_ENGINE_TOKEN_FILE``), ``--weight-transfer-config
+    '{"backend":"deltasync"}'`` and ``--worker-extension-cls`` :data:`WORKER_EXTENSION`.
 
-    A failed RL route answers 500 and drops the keep-alive connection, so every call uses a fresh one.
+    Every administrative call carries the credential (``X-DeltaSync-Engine-Token``). :meth:`check_boundary`
+    (run by :meth:`recover`, so at every agent start) refuses a server whose administrative routes answer
+    without it. A failed RL route answers 500 and drops the keep-alive connection, so every call uses a fresh
+    one.
+
+    Args:
+        url: the server.
+        engine_token: the engine credential (default: from the environment, :func:`load_engine_token`).
+        pause_mode: vLLM's ``/pause`` mode.
+        timeout_s: per call.
     """
 
-    def __init__(self, url: str, *, pause_mode: Literal["keep", "wait", "abort"] = "keep", timeout_s: float = 600):
+    def __init__(
+        self,
+        url: str,
+        *,
+        engine_token: str | None = None,
+        pause_mode: Literal["keep", "wait", "abort"] = "keep",
+        timeout_s: float = 600,
+    ):
         self.url = url.rstrip("/")
         self.pause_mode = pause_mode
+        token = engine_token if engine_token is not None else load_engine_token()
+        if token is None:
+            raise ValueError(
+                f"HttpVllmTarget({self.url}): no engine credential; set DELTASYNC_ENGINE_TOKEN or "
+                "DELTASYNC_ENGINE_TOKEN_FILE to the credential the vLLM server was started with"
+            )
         self._http = httpx.Client(
             base_url=self.url,
             timeout=timeout_s,
-            headers={"Connection": "close"},
+            headers={"Connection": "close", ENGINE_TOKEN_HEADER: token},
             transport=httpx.HTTPTransport(retries=3),
         )
+        self._boundary_checked = False
+
+    def check_boundary(self) -> None:
+        """Prove the server's administrative routes are closed to callers without the credential, and open to
+        this one.
+
+        Raises:
+            ApplyError: they answer without it (no guard: anyone who reaches the port could change the engine),
+                or are missing, or refuse this credential.
+        """
+        fix = "start vLLM with VLLM_PLUGINS=deltasync and DELTASYNC_ENGINE_TOKEN (or _FILE) in its environment"
+        bare = httpx.get(self.url + "/is_paused", timeout=self._http.timeout, headers={"Connection": "close"})
+        if bare.status_code == 200:
+            raise ApplyError(
+                f"{self.url}: GET /is_paused answers without the engine credential: its administrative routes are "
+                f"open to anyone who reaches the port; refusing to drive it ({fix})"
+            )
+        if bare.status_code == 404:
+            raise ApplyError(f"{self.url}: no deltasync guard and no administrative routes ({fix})")
+        if bare.status_code != 401:
+            raise ApplyError(f"{self.url}: GET /is_paused without a credential: {bare.status_code} {bare.text[:300]}")
+        mine = self._http.get("/is_paused")
+        if mine.status_code != 200:
+            raise ApplyError(
+                f"{self.url}: the server refuses this agent's engine credential ({mine.status_code} "
+                f"{mine.text[:300]}); give the agent the credential the server was started with"
+            )
+        self._boundary_checked = True
+
+    def recover(self) -> None:
+        if not self._boundary_checked:
+            self.check_boundary()
+        super().recover()
+
+    def state(self) -> EngineState:
+        if not self._boundary_checked:
+            self.check_boundary()
+        return super().state()
 
     def close(self) -> None:
         self._http.close()

@@ -67,6 +67,7 @@ __all__ = ["DeltaSyncInitInfo", "DeltaSyncUpdateInfo", "DeltaSyncWeightTransferE
 logger = logging.getLogger("vllm.deltasync.engine")
 
 MODES = ("auto", "inplace", "patches", "reload")
+_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 _EXPERT = re.compile(r"\.experts\.")  # per-expert (experts.3.up_proj) and fused (experts.gate_up_proj) names
 
 
@@ -88,6 +89,13 @@ class DeltaSyncInitInfo(WeightTransferInitInfo):
     """The model id this engine serves; objects naming another are refused."""
     staging_root: str | None = None
     """Accept staged files only from under this directory, with no symlink on the way (the agent's staging)."""
+    agent_id: str | None = None
+    """The claiming agent (required): the engine obeys the first agent that claims it, and that agent only."""
+    run_id: str | None = None
+    """The run the claiming agent follows: a claim for another run than the one served is refused."""
+    allow_rollback: bool | None = None
+    """The operator's permission to go below the highest version served, or to another run (fixed at the claim;
+    no update message carries it)."""
 
     def __post_init__(self) -> None:
         if self.mode is not None and self.mode not in MODES:
@@ -99,9 +107,7 @@ class DeltaSyncUpdateInfo(WeightTransferUpdateInfo):
     """``update_weights({"update_info": {...}})``: a :class:`~deltasync.staging.StagedUpdate` as JSON."""
 
     objects: list[dict[str, Any]]
-    """The staged objects, in apply order."""
-    allow_rollback: bool = False
-    """An operator's explicit permission to end below the highest version served, or in another run."""
+    """The staged objects, in apply order (an update carries no policy: see :class:`DeltaSyncInitInfo`)."""
 
 
 class DeltaSyncWeightTransferEngine(WeightTransferEngine[DeltaSyncInitInfo, DeltaSyncUpdateInfo]):
@@ -129,6 +135,9 @@ class DeltaSyncWeightTransferEngine(WeightTransferEngine[DeltaSyncInitInfo, Delt
         self.high_water: int | None = None
         self.model_id: str | None = None
         self.detail = ""
+        self.owner: str | None = None
+        """The agent that claimed this engine."""
+        self.allow_rollback = False
         self.outcome: dict[str, Any] = {"ok": True, "refused": None, "message": ""}
         self._shadow: Shadow | None = None
         self._spec: dict[str, tuple[str, tuple[int, ...]]] | None = None
@@ -144,10 +153,33 @@ class DeltaSyncWeightTransferEngine(WeightTransferEngine[DeltaSyncInitInfo, Delt
         self._moe_on_cpu: bool | None = None
         self._prepared: tuple[str, list[tuple[DeltaManifest, list[TensorDelta]]], list[Any]] | None = None
         self._readback: list[Any] = []  # the last session's writes, read back by the audit after the pause
+        self._manifest: DeltaManifest | None = None  # the served version's: its published checksums
+        self._staged_manifest: DeltaManifest | None = None
+        self._touched: set[str] = set()  # the last session's tensors, proven in parts after the pause
+        self.drift: dict[str, Any] | None = None
+        """The last drift found (tensor, version, when): cleared when an anchor restores the engine."""
+        self.proofs: dict[str, Any] = {}
+        """The last whole-state proof: when, how long, how many tensors."""
 
     # ------------------------------------------------------------------ state
 
     def init_transfer_engine(self, init_info: DeltaSyncInitInfo) -> None:
+        """An agent's claim (:class:`~deltasync.targets.EngineClaim`). A refused claim changes nothing and is only
+        recorded (``status()["outcome"]``; the agent reads it): a raising worker desyncs vLLM's executor."""
+        refusal = apply.refuse_claim(
+            owner=self.owner,
+            agent_id=init_info.agent_id,
+            holding=self.holding(),
+            run_id=init_info.run_id,
+            allow_rollback=bool(init_info.allow_rollback),
+        )
+        if refusal is not None:
+            self.outcome = {"ok": False, "refused": RefusalReason.RUN.value, "message": refusal}
+            logger.warning("%s", refusal)
+            return
+        self.owner = init_info.agent_id
+        if init_info.allow_rollback is not None:
+            self.allow_rollback = init_info.allow_rollback
         if init_info.mode is not None:
             self._mode = init_info.mode
         if init_info.base_path is not None:
@@ -162,7 +194,15 @@ class DeltaSyncWeightTransferEngine(WeightTransferEngine[DeltaSyncInitInfo, Delt
             self.staging_root = init_info.staging_root
         if init_info.base_version is not None and self.version is None and self.healthy:
             self.version = self.high_water = init_info.base_version
-        logger.info("deltasync: mode=%s version=%s raise_errors=%s", self.mode, self.version, self.raise_errors)
+        self.outcome = {"ok": True, "refused": None, "message": ""}
+        logger.info(
+            "deltasync: agent %s: mode=%s version=%s raise_errors=%s allow_rollback=%s",
+            self.owner,
+            self.mode,
+            self.version,
+            self.raise_errors,
+            self.allow_rollback,
+        )
 
     @property
     def mode(self) -> str:
@@ -280,15 +320,19 @@ class DeltaSyncWeightTransferEngine(WeightTransferEngine[DeltaSyncInitInfo, Delt
             "high_water": self.high_water,
             "fingerprint": None if spec is None else self._fingerprint(spec),
             "model_id": self.model_id,
+            "agent": self.owner,
+            "allow_rollback": self.allow_rollback,
             "outcome": dict(self.outcome),
             "map": None if self._map is None else self._map.summary(),
             "map_error": self._map_failed,
             "detail": self.detail,
+            "drift": self.drift,
+            "proofs": dict(self.proofs),
             "history": self.history[-8:],
         }
 
     def _mark_unhealthy(self, why: str) -> None:
-        self.healthy, self.version, self._staged = False, None, None
+        self.healthy, self.version, self._staged, self._manifest = False, None, None, None
         self.detail = f"unhealthy: {why}; only an anchor restores this engine"
 
     def _fail(self, exc: BaseException, *, refused: RefusalReason | None) -> None:
@@ -311,9 +355,21 @@ class DeltaSyncWeightTransferEngine(WeightTransferEngine[DeltaSyncInitInfo, Delt
         self.outcome = {"ok": True, "refused": None, "message": ""}
         self.stats = {"mode": self.mode, "objects": 0, "tensors": 0, "values": 0, "t0": time.perf_counter()}
 
+    def parse_update_info(self, update_dict: dict[str, Any]) -> DeltaSyncUpdateInfo:
+        """vLLM's parse, after deltasync's own check (which names what an update may carry)."""
+        StagedUpdate.from_update_info(update_dict)
+        return super().parse_update_info(update_dict)
+
     def update_weights(self, update_info: dict[str, Any]) -> None:
         # The base class ends with torch.accelerator.synchronize(), which raises on CPU-only torch.
-        self.receive_weights(self.parse_update_info(update_info))
+        try:
+            info = self.parse_update_info(update_info)
+        except ValueError as exc:  # unknown fields (a message that tries to carry policy): refused, recorded
+            self._fail(
+                UpdateRefused(f"deltasync: {exc}", reason=RefusalReason.MALFORMED), refused=RefusalReason.MALFORMED
+            )
+            return
+        self.receive_weights(info)
         if torch.accelerator.is_available():
             torch.accelerator.synchronize()
 
@@ -345,7 +401,7 @@ class DeltaSyncWeightTransferEngine(WeightTransferEngine[DeltaSyncInitInfo, Delt
             ApplyError: a failure after the first write; the engine needs an anchor.
         """
         t0 = time.perf_counter()
-        info = {"objects": update_info.objects, "allow_rollback": update_info.allow_rollback}
+        info = {"objects": update_info.objects}
         prepared, self._prepared = self._prepared, None
         try:
             update = self._parse(info)
@@ -388,6 +444,8 @@ class DeltaSyncWeightTransferEngine(WeightTransferEngine[DeltaSyncInitInfo, Delt
         for manifest, _ in checked:
             holding = holding.after(manifest)
         self._staged = holding
+        self._staged_manifest = checked[-1][0]
+        self._touched = {d.ckpt_name for _, deltas in checked for d in deltas}
         self._readback = list(ops[-1]) if self.mode == "inplace" and ops else []
         s = self.stats
         s["objects"] += len(checked)
@@ -420,9 +478,7 @@ class DeltaSyncWeightTransferEngine(WeightTransferEngine[DeltaSyncInitInfo, Delt
 
     @staticmethod
     def _parse(info: dict[str, Any]) -> StagedUpdate:
-        return StagedUpdate.from_update_info(
-            {"objects": info["objects"], "allow_rollback": info.get("allow_rollback", False)}
-        )
+        return StagedUpdate.from_update_info(info)
 
     def _read(self, update: StagedUpdate) -> list[tuple[DeltaManifest, list[TensorDelta]]]:
         try:
@@ -439,9 +495,9 @@ class DeltaSyncWeightTransferEngine(WeightTransferEngine[DeltaSyncInitInfo, Delt
                 holding,
                 where=f"deltasync {obj.label}",
                 target=update.target_version,
-                allow_rollback=update.allow_rollback,
+                allow_rollback=self.allow_rollback,
             )
-            if update.allow_rollback and holding.high_water is not None and update.target_version < holding.high_water:
+            if self.allow_rollback and holding.high_water is not None and update.target_version < holding.high_water:
                 logger.warning("deltasync: rolling back to v%d on the operator's request", update.target_version)
             holding = holding.after(manifest)
 
@@ -465,6 +521,7 @@ class DeltaSyncWeightTransferEngine(WeightTransferEngine[DeltaSyncInitInfo, Delt
             self._spec = dict(h.spec) if h.spec is not None else self._spec
             self.detail = ""
             self._staged = None
+            self._manifest, self.drift = self._staged_manifest, None
         s = self.stats
         s["finish_s"] = time.perf_counter() - t0
         s["total_s"] = time.perf_counter() - s.pop("t0", t0)
@@ -562,14 +619,109 @@ class DeltaSyncWeightTransferEngine(WeightTransferEngine[DeltaSyncInitInfo, Delt
         The plan itself was proven against the published checksums before the first write (:meth:`_prove`),
         so together they prove what is served. On a mismatch the engine is marked unhealthy and the agent
         pauses it until an anchor restores it."""
+        touched, self._touched = sorted(self._touched), set()
+        # TP > 1: the tensors this rank holds in part were proven only against the plan; their sketches, added
+        # up over the ranks by the agent, prove them against the published checksums
+        parts = self.vllm_config.parallel_config.tensor_parallel_size > 1 and self.healthy
+        proof = self.prove_state(touched) if parts and touched else None
         if self.mode != "inplace" or self._map is None or not self._readback:
-            return {"ok": self.healthy, "checked": 0, "bad": []}
+            return {"ok": self.healthy, "checked": 0, "bad": [], "proof": proof}
         ops, self._readback = self._readback, []
         bad = self._map.check_written(ops)
         if bad:
             self._mark_unhealthy(f"the live parameters {bad[:3]} differ from what was written (read back)")
             self.outcome = {"ok": False, "refused": None, "message": self.detail}
-        return {"ok": not bad and self.healthy, "checked": len(ops), "bad": bad[:8]}
+        return {"ok": not bad and self.healthy, "checked": len(ops), "bad": bad[:8], "proof": proof}
+
+    # ------------------------------------------------------------------ the whole-state proof
+
+    def prove_state(self, names: list[str] | None = None) -> dict[str, Any]:
+        """Prove what this rank holds against the served version's published checksums (the ``deltasync_prove``
+        RPC): every element of every tensor (``names``: only these), read from the live parameters through the
+        patch map (``inplace``; in ``reload`` mode from the shadow the reloads are made from). A tensor this rank
+        holds whole is proven here: a mismatch marks the engine unhealthy at once (drift). A tensor it holds in
+        part is returned as per-parameter sketches for the agent to add up over the ranks
+        (:func:`deltasync.targets.base.combine_proofs`): sketches add up over any partition, whatever the
+        TP layout. Never raises.
+        """
+        t0 = time.perf_counter()
+        manifest, version = self._manifest, self.version
+        if not self.healthy or version is None:
+            return {"ok": False, "version": None, "reason": self.detail or "no known version", "parts": {}}
+        if manifest is None or manifest.version != version:
+            return {"ok": True, "version": version, "proven": False, "reason": f"no published checksums for v{version}"}
+        from ..format import tensor_checksum
+        from ..sketch import format_sketch, parse_sketch, sketch_range
+
+        spec = self.served_spec() or {}
+        pm = self._proof_map()
+        wanted = list(manifest.tensors) if names is None else [n for n in names if n in manifest.tensors]
+        bad: list[str] = []
+        parts: dict[str, list[list[Any]]] = {}
+        unproven: list[str] = []
+        try:
+            for name in wanted:
+                entry = manifest.tensors[name]
+                published = None if entry.sketch is None else parse_sketch(entry.sketch)
+                dtype = _DTYPES.get(spec.get(name, (entry.dtype,))[0], torch.bfloat16)
+                if pm is not None and name in pm:
+                    held = pm.sketch_parts(name, dtype)
+                    whole = pm.read_whole(name) if published is None else None
+                elif self._shadow is not None and not self._shadow.empty and name in self._shadow.spec():
+                    t = self._shadow.get(name).reshape(-1)
+                    held, whole = [("shadow", sketch_range(t), t.numel())], t
+                else:
+                    unproven.append(name)
+                    continue
+                for param, sk, count in held:
+                    if count == entry.numel:  # this parameter holds all of it
+                        if published is not None and sk != published:
+                            bad.append(name)
+                    elif published is not None:
+                        parts.setdefault(name, []).append([param, format_sketch(sk), count])
+                if published is None:  # a manifest from before the sketch: xxh3 proves what is held whole
+                    if whole is None or any(tensor_checksum(whole, (a, b)) != d for a, b, d in entry.checksums):
+                        (bad if whole is not None else unproven).append(name)
+        except Exception as exc:  # noqa: BLE001 - a proof that cannot run proves nothing: said, never raised
+            return {"ok": False, "version": version, "reason": f"{type(exc).__name__}: {exc}", "parts": {}}
+        elapsed = time.perf_counter() - t0
+        self.proofs = {"at": time.time(), "s": round(elapsed, 4), "tensors": len(wanted), "whole": names is None}
+        if bad:
+            self.report_drift(bad, by="this rank")
+        return {
+            "ok": not bad,
+            "version": version,
+            "proven": True,
+            "bad": bad[:16],
+            "parts": parts,
+            "published": {n: manifest.tensors[n].sketch for n in parts},
+            "numel": {n: manifest.tensors[n].numel for n in parts},
+            "unproven": unproven[:16],
+            "prove_s": round(elapsed, 4),
+        }
+
+    def _proof_map(self) -> PatchMap | None:
+        """The patch map, built on first use in every mode: in ``reload`` mode too, the parameters vLLM keeps
+        plain (norms, embeddings) are proven live; only the ones it repacks are proven through the shadow."""
+        if self._map is None and self._map_failed is None:
+            try:
+                self.patch_map()
+            except ApplyError:  # said in status()["map_error"]; the shadow proves what it holds
+                pass
+        return self._map
+
+    def report_drift(self, tensors: list[str], *, by: str) -> None:
+        """Weights that differ from the served version's published checksums (found by this rank's proof, or by
+        the agent adding up the ranks' parts: the ``deltasync_drift`` RPC). The engine drops its version and is
+        unhealthy until an anchor restores it; ``status()["drift"]`` says which tensors and when."""
+        version = self.version
+        self.drift = {"tensors": sorted(tensors)[:16], "version": version, "at": time.time(), "by": by}
+        self._mark_unhealthy(
+            f"drift: {len(tensors)} tensors differ from v{version}'s published checksums (e.g. {sorted(tensors)[0]}; "
+            f"found by {by})"
+        )
+        self.outcome = {"ok": False, "refused": None, "message": self.detail}
+        logger.warning("deltasync: %s", self.detail)
 
     # ------------------------------------------------------------------ patches mode (vLLM's own)
 
@@ -602,5 +754,4 @@ class DeltaSyncWeightTransferEngine(WeightTransferEngine[DeltaSyncInitInfo, Delt
 
 
 def _key(info: dict[str, Any]) -> str:
-    body = {"objects": info["objects"], "allow_rollback": bool(info.get("allow_rollback", False))}
-    return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
+    return hashlib.sha256(json.dumps(info, sort_keys=True).encode()).hexdigest()

@@ -20,9 +20,12 @@ import logging
 import re
 import time
 from collections.abc import Callable, Iterable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    from ..sketch import Sketch
 
 __all__ = ["Blocks", "MapCorruption", "PatchMap", "Runs", "Scatter", "build_map"]
 
@@ -94,9 +97,11 @@ class PatchMap:
         unmapped: dict[str, str],
         params: Mapping[str, torch.nn.Parameter],
         build_s: float,
+        model: torch.nn.Module | None = None,
     ) -> None:
         self.runs, self.unmapped, self.build_s = runs, unmapped, build_s
         self._params = dict(params)
+        self._model = model
         self._shapes = {n: (tuple(p.shape), p.dtype) for n, p in self._params.items()}
 
     def __contains__(self, name: str) -> bool:
@@ -105,7 +110,9 @@ class PatchMap:
     def param(self, name: str) -> torch.nn.Parameter:
         """A live parameter, checked to be the one the map was built for (vLLM never re-allocates them after
         loading; a mismatch means the map is stale and nothing is written)."""
-        p = self._params[name]
+        # resolved by name on every use: a module reloaded from the shadow (reload mode) may hold new parameter
+        # objects, and a cached one would be read (or written) while another is served
+        p = self._model.get_parameter(name) if self._model is not None else self._params[name]
         if (tuple(p.shape), p.dtype) != self._shapes[name]:
             raise RuntimeError(f"parameter {name} changed shape or dtype since the patch map was built")
         return p
@@ -206,6 +213,35 @@ class PatchMap:
 
         parts = [flat(param)[p : p + length].cpu() for param, _, p, length in segments]
         return torch.cat(parts) if len(parts) > 1 else parts[0].clone()
+
+    def sketch_parts(
+        self, name: str, dtype: torch.dtype, source: Mapping[str, torch.Tensor] | None = None
+    ) -> list[tuple[str, Sketch, int]]:
+        """The :mod:`~deltasync.sketch` of the elements of checkpoint tensor ``name`` that each live parameter on
+        this rank holds (read as ``dtype``, the checkpoint's), at their checkpoint flat indices:
+        ``(parameter, sketch, elements)`` per parameter. Parts from every rank add up to the whole tensor's
+        sketch, whatever the TP layout."""
+        from ..sketch import ZERO, add_sketches, sketch_at, sketch_range  # here: benchmarks/gpu loads this file alone
+
+        out = []
+        with torch.no_grad():
+            for r in self.runs[name]:
+                flat = source[r.param] if source is not None else self.param(r.param).data.view(-1)
+                n = r.ckpt_start.numel()
+                if n <= 64:  # a few long runs (column-parallel rows, whole tensors): sliced, no index arrays
+                    s = ZERO
+                    for c, p, length in zip(
+                        r.ckpt_start.tolist(), r.param_start.tolist(), r.length.tolist(), strict=True
+                    ):
+                        s = add_sketches(s, sketch_range(flat[p : p + length].to(dtype), c))
+                else:  # many short runs (row-parallel column slices): one gather
+                    total = int(r.length.sum())
+                    run_of = torch.repeat_interleave(torch.arange(n), r.length)
+                    within = torch.arange(total) - (torch.cumsum(r.length, 0) - r.length)[run_of]
+                    values = flat[(r.param_start[run_of] + within).to(flat.device)].to(dtype)
+                    s = sketch_at(values, r.ckpt_start[run_of] + within)
+                out.append((r.param, s, int(r.length.sum())))
+        return out
 
     def params_of(self, name: str) -> set[str]:
         """The live parameters holding checkpoint tensor ``name`` on this rank."""
@@ -487,6 +523,6 @@ def build_map(
             "loader writes where probing cannot see (another layer's parameter, a buffer, an alias of a "
             "parameter's storage); this engine serves wrong weights until an anchor restores it"
         )
-    pm = PatchMap(runs, unmapped, params, time.perf_counter() - t0)
+    pm = PatchMap(runs, unmapped, params, time.perf_counter() - t0, model=model)
     logger.info("deltasync: patch map built: %s", pm.summary())
     return pm

@@ -2,7 +2,7 @@
 
 Importing it registers the backend (for set-ups without the entry point, e.g. ``VLLM_PLUGINS`` allow-lists),
 and it adds named RPCs: ``llm.collective_rpc("deltasync_status")`` or ``POST /collective_rpc
-{"method": "deltasync_status"}`` on a dev-mode server.
+{"method": "deltasync_status"}`` with the engine credential (:mod:`deltasync.vllm.guard`).
 """
 
 from __future__ import annotations
@@ -50,6 +50,24 @@ class DeltaSyncWorkerExtension:
             return {"ok": True, "checked": 0, "partial": 0, "bad": []}
         result: dict[str, Any] = engine.audit()
         return result
+
+    def deltasync_prove(self, names: list[str] | None = None) -> dict[str, Any]:
+        """Prove what this rank holds against the served version's published checksums (every tensor, or
+        ``names``); parts of tensors held in part come back for the agent to add up over the ranks."""
+        engine = getattr(self, "weight_transfer_engine", None)
+        if engine is None or not hasattr(engine, "prove_state"):
+            return {"ok": False, "version": None, "reason": "no deltasync weight-transfer engine", "parts": {}}
+        result: dict[str, Any] = engine.prove_state(names)
+        return result
+
+    def deltasync_drift(self, tensors: list[str], by: str = "the agent") -> dict[str, Any]:
+        """The agent found, adding up the ranks' parts, tensors that differ from the published checksums: the
+        engine drops its version and waits for an anchor."""
+        engine = getattr(self, "weight_transfer_engine", None)
+        if engine is None or not hasattr(engine, "report_drift"):
+            return {"ok": False}
+        engine.report_drift(list(tensors), by=by)
+        return {"ok": True}
 
     def deltasync_effective(self, checksums: bool = True) -> dict[str, Any]:
         """This rank's effective weights, as the kernels see them, by vLLM module/parameter name.

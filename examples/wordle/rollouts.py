@@ -248,10 +248,17 @@ class RolloutWorkers:
 
 
 class ServedVersions:
-    """Polls vLLM's ``/weight_info`` and records when each version was first served (and waits for one)."""
+    """Polls vLLM's ``/weight_info`` and records when each version was first served (and waits for one).
+
+    ``/weight_info`` is an administrative route: this measurement needs the engine credential
+    (``DELTASYNC_ENGINE_TOKEN``, the operator's); the rollout workers never send it."""
 
     def __init__(self, vllm_url: str, interval_s: float = 0.02) -> None:
-        self._http = httpx.Client(base_url=vllm_url, timeout=30)
+        from deltasync.vllm.guard import ENGINE_TOKEN_HEADER, load_engine_token
+
+        token = load_engine_token()
+        headers = {} if token is None else {ENGINE_TOKEN_HEADER: token}
+        self._http = httpx.Client(base_url=vllm_url, timeout=30, headers=headers)
         self.interval_s = interval_s
         self.first_seen: dict[int, float] = {}
         self.current: int | None = None
@@ -274,6 +281,10 @@ class ServedVersions:
                     self.first_seen.setdefault(version, now)
                     self._cond.notify_all()
             self._stop.wait(self.interval_s)
+
+    def label(self) -> str:
+        """vLLM's ``weight_version`` now."""
+        return str(self._http.get("/weight_info").json()["weight_version"])
 
     def wait_for(self, version: int, timeout_s: float = 300) -> float:
         """Seconds until vLLM serves ``version`` or later."""

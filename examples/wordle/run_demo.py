@@ -311,14 +311,17 @@ def run_once(out: Path, model: Path, args: argparse.Namespace, *, sync: bool) ->
         print(f"[demo] vLLM {vllm.url} up; starting the sidecar agent and the trainer, {mode}", flush=True)
         agent_args = ["--vllm-url", vllm.url, "--coordinator", coord_url, "--store", str(store), "--agent-id", "vllm-0"]
         agent_args += ["--poll-wait-s", "5", "--staging-dir", str(out / "staging"), "--backoff-s", "0.2"]
-        procs.start("agent", [py, "-m", "deltasync.cli", "agent", *agent_args], agent_env)
+        # the engine credential: the agent changes the engine with it, the trainer's final check reads with it;
+        # the rollout workers and the environment never get it and reach only inference routes
+        engine = {"DELTASYNC_ENGINE_TOKEN_FILE": str(vllm.engine_token_file)}
+        procs.start("agent", [py, "-m", "deltasync.cli", "agent", *agent_args], {**agent_env, **engine})
         train_args = ["--model", str(model), "--vllm-url", vllm.url, "--env-url", env_url, "--coordinator", coord_url]
         train_args += ["--store", str(store), "--out", str(out / "run"), "--steps", str(args.steps)]
         train_args += ["--warmup-steps", "0", "--learning-rate", str(args.learning_rate)]  # warm-started already
         train_args += ["--max-staleness", str(args.max_staleness), "--seed", str(args.seed)] + (
             ["--sync"] if sync else []
         )
-        trainer = procs.start("trainer", [py, "-m", "examples.wordle.train", *train_args], publisher_env)
+        trainer = procs.start("trainer", [py, "-m", "examples.wordle.train", *train_args], {**publisher_env, **engine})
         rows, pauses, seen, cpu = follow(trainer, out, coord_url, procs, publisher_env["DELTASYNC_PUBLISHER_TOKEN"])
         if trainer.returncode != 0:
             print((out / "logs" / "trainer.log").read_text()[-3000:], file=sys.stderr)

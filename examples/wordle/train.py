@@ -136,11 +136,20 @@ def take_groups(
     return [g for g, _ in taken], sum(waited for _, waited in taken)
 
 
-def served_differs(vllm: httpx.Client, model: Any) -> tuple[list[str], int]:
-    """Tensors whose checksum, as vLLM computes with them, differs from the trainer's; and how many were checked."""
+def served_differs(vllm_url: str, model: Any) -> tuple[list[str], int]:
+    """Tensors whose checksum, as vLLM computes with them, differs from the trainer's; and how many were checked.
+
+    An operator's check through vLLM's administrative ``/collective_rpc``: it needs the engine credential
+    (``DELTASYNC_ENGINE_TOKEN``); the rollout workers never get it and reach only inference routes."""
+    from deltasync.vllm.guard import ENGINE_TOKEN_HEADER, load_engine_token
+
+    token = load_engine_token()
+    if token is None:
+        raise SystemExit("the final check needs DELTASYNC_ENGINE_TOKEN (or pass --skip-final-check)")
     trained = {n: p.detach().to("cpu", torch.bfloat16) for n, p in model.state_dict().items() if n != "lm_head.weight"}
     expected = qwen3_effective_checksums(trained, model.config.num_hidden_layers)
-    got = vllm.post("/collective_rpc", json={"method": "deltasync_effective"}, timeout=120).json()["results"][0]
+    with httpx.Client(base_url=vllm_url, timeout=120, headers={ENGINE_TOKEN_HEADER: token}) as admin:
+        got = admin.post("/collective_rpc", json={"method": "deltasync_effective"}).json()["results"][0]
     return sorted(k for k in expected if got.get(k) != expected[k]), len(expected)
 
 
@@ -180,7 +189,9 @@ def main() -> None:
         help="CPU threads for training (default on CPU: all cores but one, which vLLM's CPU worker binds to itself)",
     )
     parser.add_argument(
-        "--skip-final-check", action="store_true", help="no bit-exact check (it needs vLLM's dev-mode /collective_rpc)"
+        "--skip-final-check",
+        action="store_true",
+        help="no bit-exact check (it needs the engine credential for vLLM's /collective_rpc)",
     )
     args = parser.parse_args()
     if args.max_staleness < 0 or args.steps < 1 or args.rollout_workers < 1:
@@ -277,8 +288,8 @@ def main() -> None:
     workers.stop()
     transfer.destroy()
     final_apply_wait_s = served.wait_for(version)
-    differ, checked = ([], 0) if args.skip_final_check else served_differs(vllm, model)
-    weight_version = vllm.get("/weight_info", timeout=30).json()["weight_version"]
+    differ, checked = ([], 0) if args.skip_final_check else served_differs(args.vllm_url, model)
+    weight_version = served.label()
     final = {
         "mode": "sync" if args.sync else "async",
         "max_staleness": staleness,

@@ -169,6 +169,17 @@ def _metrics(registry: Registry, fleet: Fleet, settings: Settings) -> tuple[Coll
             buckets = [(str(b), c) for b, c in zip((*LAG_BUCKETS, "+Inf"), lags, strict=True)]
             lag.add_metric([], buckets, sum_value=None)
             yield lag
+            yield CounterMetricFamily(
+                "deltasync_engine_drifts",
+                "engines found serving weights that differ from their version",
+                value=fleet.drifts,
+            )
+            drifted = GaugeMetricFamily(
+                "deltasync_engine_drift", "1 per engine whose drift is not re-proven yet", labels=["agent", "detail"]
+            )
+            for agent, detail in fleet.drifted():  # only drifted engines: a handful of series, never the fleet
+                drifted.add_metric([agent, detail[:200]], 1)
+            yield drifted
 
     out.register(_Ledger())
     return out, latency

@@ -30,6 +30,8 @@ class Fleet:
     def __init__(self, db: LedgerDatabase, registry: Registry) -> None:
         self.db, self.registry = db, registry
         self._clock = db.clock
+        self.drifts = 0
+        """Drift reports received by this process (a new drift of an agent counts once)."""
         with db.read() as c:
             self._alerts: dict[str, tuple[int | None, str]] = {
                 r["key"]: (r["version"], r["detail"]) for r in c.execute("SELECT * FROM alerts ORDER BY at")
@@ -52,6 +54,14 @@ class Fleet:
             )
             self.raise_alert(f"behind:{agent_id}", detail, hb.applied_version)
             raise Invalid(f"applied_version {hb.applied_version} is above the latest version {latest}; {detail}")
+        key = f"drift:{agent_id}"
+        if hb.drift is not None:  # an engine served weights that differ from their version: said until re-proven
+            if self._alerts.get(key, (None, ""))[1] != f"agent {agent_id}: {hb.drift}":
+                self.drifts += 1
+                logger.warning("agent %s: %s", agent_id, hb.drift)
+            self.raise_alert(key, f"agent {agent_id}: {hb.drift}", hb.applied_version)
+        elif key in self._alerts:
+            self._clear_alert(key)
         honest = f"behind:{agent_id}" in self._alerts  # it reports a version the ledger has now: its alert goes
         with self.db.tx(durable=False) as c:
             c.execute(
@@ -131,7 +141,8 @@ class Fleet:
         with self.db.tx(durable=False) as c:
             gone = [r[0] for r in c.execute("SELECT agent_id FROM agents WHERE last_seen < ?", (cutoff,))]
             c.execute("DELETE FROM agents WHERE last_seen < ?", (cutoff,))
-            keys = [f"behind:{a}" for a in gone if f"behind:{a}" in self._alerts] + self._cleared()
+            keys = [f"{k}:{a}" for a in gone for k in ("behind", "drift") if f"{k}:{a}" in self._alerts]
+            keys += self._cleared()
             c.executemany("DELETE FROM alerts WHERE key=?", [(k,) for k in keys])
         for key in keys:
             self._alerts.pop(key, None)
@@ -152,6 +163,15 @@ class Fleet:
         (the ledger forgets it at the next expiry round)."""
         cleared = set(self._cleared())
         return [detail for key, (_, detail) in self._alerts.items() if key not in cleared]
+
+    def drifted(self) -> list[tuple[str, str]]:
+        """``(agent id, detail)`` of every engine whose weights drifted and are not re-proven yet."""
+        return [(k.removeprefix("drift:"), d) for k, (_, d) in self._alerts.items() if k.startswith("drift:")]
+
+    def _clear_alert(self, key: str) -> None:
+        self._alerts.pop(key, None)
+        with self.db.tx(durable=False) as c:
+            c.execute("DELETE FROM alerts WHERE key=?", (key,))
 
     def raise_alert(self, key: str, detail: str, version: int | None = None) -> None:
         """Record (or refresh) an alert, in memory and in the ledger (it survives a restart)."""

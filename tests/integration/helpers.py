@@ -11,7 +11,6 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-import httpx
 import torch
 from safetensors.torch import load_file
 
@@ -46,13 +45,18 @@ def sidecar_command(vllm_url: str, coordinator_url: str, store_root: Path, stagi
         str(staging),
         "--backoff-s",
         "0.1",
+        "--audit-interval-s",
+        "2",
     ]
 
 
-def assert_served(vllm_url: str, version: int, weights: dict[str, torch.Tensor], num_layers: int = 2) -> None:
+def assert_served(
+    server: VllmServerProcess, version: int, weights: dict[str, torch.Tensor], num_layers: int = 2
+) -> None:
     """vLLM serves ``version``, and its effective weights are ``weights``, bit for bit."""
-    assert httpx.get(vllm_url + "/weight_info", timeout=30).json()["weight_version"] == str(version)
-    got = httpx.post(vllm_url + "/collective_rpc", json={"method": "deltasync_effective"}, timeout=60).json()
+    with server.admin() as admin:
+        assert admin.get("/weight_info").json()["weight_version"] == str(version)
+        got = admin.post("/collective_rpc", json={"method": "deltasync_effective"}).json()
     expected = qwen3_effective_checksums(weights, num_layers)
     assert {k: got["results"][0].get(k) for k in expected} == expected, f"v{version}: served weights differ"
 
@@ -80,7 +84,10 @@ class ServerStack:
         """``python *args`` with agent ``agent_id``'s token in its environment."""
         with open(self.log, "ab") as log:  # the child holds its own descriptor
             proc = subprocess.Popen(
-                [sys.executable, *args], env={**os.environ, **agent_env(agent_id)}, stdout=log, stderr=subprocess.STDOUT
+                [sys.executable, *args],
+                env={**os.environ, **agent_env(agent_id), "DELTASYNC_ENGINE_TOKEN_FILE": str(self.server.engine_token_file)},
+                stdout=log,
+                stderr=subprocess.STDOUT,
             )
         self.procs.append(proc)
         return proc
@@ -114,14 +121,15 @@ class ServerStack:
         """Until the server's ``weight_version`` is ``version``; returns the seconds waited."""
         t0 = time.monotonic()
         while time.monotonic() - t0 < timeout_s:
-            info = httpx.get(self.server.url + "/weight_info", timeout=30).json()
+            with self.server.admin() as admin:
+                info = admin.get("/weight_info").json()
             if info["weight_version"] == str(version):
                 return time.monotonic() - t0
             time.sleep(0.1)
         raise AssertionError(f"vLLM did not reach v{version}: {self.log.read_text()[-3000:]}")
 
     def assert_served(self, version: int) -> None:
-        assert_served(self.server.url, version, self.publisher.truth[version])
+        assert_served(self.server, version, self.publisher.truth[version])
 
     def stop_agents(self) -> None:
         for proc in self.procs:

@@ -282,8 +282,10 @@ def test_an_agent_pointed_at_another_models_run_reports_refused_and_keeps_servin
                         m = read_manifest(foreign, listing.version, kind)  # type: ignore[arg-type]
                         data = foreign.get(manifest_key(listing.version, kind))  # type: ignore[arg-type]
                         pub.register_version(VersionCreate.for_manifest(m, data), lease=lease)
-        with CoordinatorClient(server.url, token=agent_token("stray")) as client:
-            config = AgentConfig(agent_id="stray", staging_dir=str(tmp_path / "s"), retries=0, allow_rollback=True)
+        # the engine's own agent, restarted by an operator against another model's run (another agent id is
+        # refused even earlier: an engine obeys the one agent that claimed it)
+        with CoordinatorClient(server.url, token=agent_token("offline-0")) as client:
+            config = AgentConfig(agent_id="offline-0", staging_dir=str(tmp_path / "s"), retries=0, allow_rollback=True)
             stray = Agent.for_llm(vllm_engine, store=foreign, coordinator=client, config=config)
             with pytest.raises(UpdateRefused) as exc:  # even an operator's allow_rollback never takes another model
                 stray.sync()

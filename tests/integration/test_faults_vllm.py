@@ -9,7 +9,6 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-import httpx
 import pytest
 
 from deltasync.agent import Agent
@@ -54,7 +53,7 @@ def test_sidecar_killed_mid_fetch_or_mid_apply_converges(world: ServerStack, poi
     proc.send_signal(signal.SIGKILL)
     proc.wait(10)
     if point == "apply":  # the server was left paused, inside an update session
-        assert httpx.get(world.server.url + "/is_paused", timeout=30).json()["is_paused"] is True
+        assert world.server.admin_json("GET", "/is_paused")["is_paused"] is True
     for _ in range(2):
         pub.step()
     t0 = time.monotonic()
@@ -62,7 +61,7 @@ def test_sidecar_killed_mid_fetch_or_mid_apply_converges(world: ServerStack, poi
     world.wait_served(pub.version)
     recovery_s = time.monotonic() - t0
     world.assert_served(pub.version)
-    assert httpx.get(world.server.url + "/is_paused", timeout=30).json()["is_paused"] is False
+    assert world.server.admin_json("GET", "/is_paused")["is_paused"] is False
     # regression, found by this test: recover() called /finish_weight_update with no session open, which raises
     # in every worker (and with TP > 1 desyncs vLLM's executor, vLLM #49972); it now asks the workers first
     assert "without a matching start_weight_update" not in (world.tmp / "vllm.log").read_text()

@@ -52,6 +52,18 @@ def _corrupt_a_written_element(worker: Any) -> str:
     return str(op.param)
 
 
+def _drift(worker: Any) -> str | None:
+    """Runs in a vLLM worker: rank 0 flips one bit of one element of a live parameter that no update is
+    writing, by a path outside deltasync (a stray write, a flipped bit in memory). At TP=2 rank 0 holds a column
+    slice of ``down_proj``: only the sum of both ranks' parts can see it."""
+    if worker.rank != 0:
+        return None
+    name = "model.layers.0.mlp.down_proj.weight"
+    flat = worker.model_runner.get_model().get_parameter(name).data.view(-1).view(torch.int16)
+    flat[5] ^= 1 << 3
+    return name
+
+
 def _hostile(staging: Path, store: LocalStore, version: int, base: dict[str, torch.Tensor], how: str):
     """A staged delta whose raw shard has an index past its tensor's end or one value changed (well-formed,
     self-consistent), or whose manifest has a wrong shape."""
@@ -118,7 +130,9 @@ def test_inplace_through_the_map_is_bit_exact_against_a_fresh_engine(
         ):
             store = LocalStore(tmp_path / "store")
             publisher = StreamPublisher(store, pub, load_file(model_dir / "model.safetensors"), lr=1e-5)
-            config = AgentConfig(agent_id="inplace", staging_dir=str(tmp_path / "staging"), tp_size=tp)
+            config = AgentConfig(
+                agent_id="inplace", staging_dir=str(tmp_path / "staging"), tp_size=tp, audit_interval_s=1e-6
+            )  # a whole-state proof at every sync: no false drift over the whole stream
             agent = Agent.for_llm(llm, store=store, coordinator=agt, config=config)
             assert agent.sync().route == "anchor"  # an anchor, scattered in place as well
             for st in _statuses(llm):
@@ -168,6 +182,24 @@ def test_inplace_through_the_map_is_bit_exact_against_a_fresh_engine(
                 assert result.route == "anchor" and result.to_version == at + 1
             else:
                 assert agent.sync().to_version == at + 1
+            # drift (issue 20): one element changed outside deltasync is caught by the whole-state proof, the
+            # label is dropped, and an anchor restores the engine
+            assert agent.sync().route == "none" and agent.drift is None  # proven whole: no drift yet
+            assert llm.collective_rpc(_drift)[0] == "model.layers.0.mlp.down_proj.weight"
+            with pytest.raises(ApplyError, match=r"drift: 1 tensors differ from v\d+'s published checksums"):
+                target.prove()
+            assert llm.get_weight_version() == "unhealthy"
+            states = _statuses(llm)
+            assert not any(st["healthy"] for st in states) and "drift" in states[0]["detail"]
+            assert states[0]["drift"]["tensors"] == ["model.layers.0.mlp.down_proj.weight"]
+            result = agent.sync()  # the engine is unhealthy: the anchor route restores it
+            assert result.route == "anchor" and result.to_version == at + 1
+            assert agent.sync().route == "none" and agent.drift is None  # re-proven whole
+            # the agent's own periodic proof finds it too, and restores the engine in the same sync
+            assert llm.collective_rpc(_drift)[0]
+            result = agent.sync()
+            assert result.route == "anchor" and agent.drift is not None and "down_proj" in agent.drift
+            assert agent.sync().route == "none" and agent.drift is None
             ranks = llm.collective_rpc("deltasync_effective")
             map_status = [st["map"] for st in _statuses(llm)]
             ours = generate(llm, PROMPTS)

@@ -14,6 +14,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from deltasync import LocalStore, list_versions, read_manifest, read_weights
 from deltasync.config import PublisherConfig
 from deltasync.publisher import Publisher
+from deltasync.sketch import tensor_sketch
 from tests.conftest import assert_bit_equal
 from tests.support.launchers import free_port
 
@@ -35,7 +36,8 @@ class Model(torch.nn.Module):
 
 
 class AllocationProbe(TorchDispatchMode):
-    """Records the largest tensor any torch op produces, and what every collective moves (this thread)."""
+    """Records the largest tensor any torch op produces (float64 apart: the sketch's exact scratch), and what
+    every collective moves (this thread)."""
 
     def __init__(self, record: dict) -> None:
         super().__init__()
@@ -53,7 +55,9 @@ class AllocationProbe(TorchDispatchMode):
             # storage, and a DTensor reports its global size while its local ops are seen on their own
             if type(t) is torch.Tensor and t.untyped_storage().data_ptr() not in seen:
                 nbytes = t.untyped_storage().nbytes()
-                if nbytes > self.record["max_bytes"]:
+                if t.dtype == torch.float64:
+                    self.record["f64_bytes"] = max(self.record["f64_bytes"], nbytes)
+                elif nbytes > self.record["max_bytes"]:
                     self.record["max_bytes"], self.record["max_op"] = nbytes, name
         return out
 
@@ -69,7 +73,7 @@ def _rank(rank: int, world: int, port: int, tmp: str) -> None:
         fully_shard(module)
     fully_shard(model)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    record = {"max_bytes": 0, "collectives": set()}
+    record = {"max_bytes": 0, "f64_bytes": 0, "collectives": set()}
     pub = Publisher(LocalStore(Path(tmp) / "store"), config=PublisherConfig(anchor_every=4, anchor_bytes_fraction=None))
     process = pub._process
 
@@ -95,6 +99,7 @@ def _rank(rank: int, world: int, port: int, tmp: str) -> None:
         {
             "max_bytes": record["max_bytes"],
             "max_op": record.get("max_op"),
+            "f64_bytes": record["f64_bytes"],
             "collectives": sorted(record["collectives"]),
         },
         Path(tmp) / f"probe-{rank}.pt",
@@ -110,6 +115,10 @@ def test_fsdp2_two_ranks_exact_without_a_gather(tmp_path: Path) -> None:
     for v in range(STEPS):
         truth = torch.load(tmp_path / f"truth-{v}.pt")
         assert_bit_equal(read_weights(store, v), truth)
+        # every manifest gives each tensor's sketch: rank 0 sums the ranks' span sketches, old spans carried forward
+        for kind in ["delta"] * (v > 0) + ["anchor"] * (v in (0, 4)):
+            sketches = {n: e.sketch for n, e in read_manifest(store, v, kind).tensors.items()}
+            assert sketches == {n: tensor_sketch(t) for n, t in truth.items()}, (kind, v)
     for v in range(1, STEPS):
         m = read_manifest(store, v)
         assert [s.file for s in m.shards] == ["shard-00000.safetensors", "shard-00001.safetensors"]
@@ -121,3 +130,5 @@ def test_fsdp2_two_ranks_exact_without_a_gather(tmp_path: Path) -> None:
         # the only gathers are the publisher's metadata (object collectives: int64 sizes, uint8 pickles)
         assert gathers and all(set(dtypes) <= {"torch.int64", "torch.uint8"} for _, dtypes in gathers), gathers
         assert 0 < probe["max_bytes"] <= 2001 * 32 * 2 < full_bf16_bytes, probe  # never a full-size tensor
+        # the sketch reads a span's 16-bit words as exact float64 (deltasync.sketch): a rank's span at most
+        assert probe["f64_bytes"] <= 2001 * 32 * 8 < 4 * full_bf16_bytes, probe

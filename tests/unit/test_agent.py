@@ -36,7 +36,7 @@ from deltasync.config import AgentConfig
 from deltasync.layout import manifest_key
 from deltasync.reader import load_object, read_manifest
 from deltasync.staging import StagedUpdate, stage_object
-from deltasync.targets import InMemoryTarget
+from deltasync.targets import EngineClaim, InMemoryTarget
 from deltasync.tokens import make_agent_token
 from tests.conftest import SMALL_QWEN3, ServerThread, agent_token, assert_bit_equal, coordinator_settings, overwrite
 from tests.support.models import qwen3_shapes
@@ -141,7 +141,8 @@ def test_the_engine_never_goes_below_its_high_water_unless_an_operator_allows_it
     with pytest.raises(UpdateRefused, match="the update would end at v2, this engine has served v4") as exc:
         target.apply(StagedUpdate(objects=(staged,)))
     assert exc.value.reason is RefusalReason.ROLLBACK and (target.version, target.label) == (4, "4")
-    target.apply(StagedUpdate(objects=(staged,), allow_rollback=True))
+    target.init(EngineClaim(agent_id=str(target.owner), allow_rollback=True))  # the operator's, at the claim
+    target.apply(StagedUpdate(objects=(staged,)))
     assert (target.version, target.label) == (2, "2")
     assert_bit_equal(target.weights, w.publisher.truth[2])
 

@@ -31,7 +31,7 @@ from deltasync.errors import ApplyError, RefusalReason, UpdateRefused
 from deltasync.layout import manifest_key, signature_key
 from deltasync.reader import load_object, read_manifest
 from deltasync.staging import StagedUpdate, stage_object
-from deltasync.targets import InMemoryTarget
+from deltasync.targets import EngineClaim, InMemoryTarget
 from tests.conftest import assert_bit_equal
 from tests.support.world import World, world
 
@@ -104,7 +104,7 @@ def test_an_update_message_cannot_name_files_outside_the_staging_directory(tmp_p
     store = LocalStore(tmp_path / "store")
     m0 = write_anchor(ObjectWriter(store=store, run_id="run-a"), weights, version=0)
     target = InMemoryTarget()
-    target.init(staging_root=str(tmp_path / "staging"))
+    target.init(EngineClaim(agent_id="agent-0", staging_root=str(tmp_path / "staging")))
     target.apply(
         StagedUpdate(objects=(stage_object(tmp_path / "staging" / "v0", m0, m0.to_json(), load_object(store, m0)),))
     )
@@ -149,7 +149,7 @@ def test_a_malformed_staged_file_is_a_refusal_not_an_engine_failure(tmp_path: Pa
     store = LocalStore(tmp_path / "store")
     m0 = write_anchor(store, weights, version=0)
     target = InMemoryTarget()
-    target.init(staging_root=str(tmp_path / "staging"))
+    target.init(EngineClaim(agent_id="agent-0", staging_root=str(tmp_path / "staging")))
     target.apply(
         StagedUpdate(objects=(stage_object(tmp_path / "staging" / "v0", m0, m0.to_json(), load_object(store, m0)),))
     )
@@ -165,11 +165,11 @@ def test_a_malformed_staged_file_is_a_refusal_not_an_engine_failure(tmp_path: Pa
 
 
 def test_init_never_relabels_a_version_the_engine_knows(w: World) -> None:
-    """Before: ``init(base_version=0)`` on an engine serving v1 relabelled it '0' and reset its high water."""
+    """Before: ``init`` with ``base_version=0`` on an engine serving v1 relabelled it '0' and reset its high water."""
     w.publisher.step()
     agent = w.agent("agent-0")
     agent.sync()
-    agent.target.init(base_version=0)
+    agent.target.init(EngineClaim(agent_id=agent.config.agent_id, base_version=0))
     st = agent.target.state()
     assert (st.version, st.label, st.high_water) == (1, "1", 1)
 
@@ -184,7 +184,7 @@ def test_a_staged_shard_swapped_after_verification_never_serves(tmp_path: Path, 
     m1 = write_delta(store, compute_delta(weights, new), state=new, version=1, base=m0)
     root = tmp_path / "staging"
     target = InMemoryTarget()
-    target.init(staging_root=str(root))
+    target.init(EngineClaim(agent_id="agent-0", staging_root=str(root)))
     target.apply(StagedUpdate(objects=(stage_object(root / "v0", m0, m0.to_json(), load_object(store, m0)),)))
     d1 = load_object(store, m1, base=weights)
     obj = stage_object(root / "v1", m1, m1.to_json(), d1)
@@ -199,11 +199,8 @@ def test_a_staged_shard_swapped_after_verification_never_serves(tmp_path: Path, 
     with pytest.raises(UpdateRefused) as exc:
         target.apply(StagedUpdate(objects=(stage_object(root / "v1b", m1, m1.to_json(), d1),)))
     assert exc.value.reason is RefusalReason.UNHEALTHY
-    target.apply(
-        StagedUpdate(
-            objects=(stage_object(root / "v0b", m0, m0.to_json(), load_object(store, m0)),), allow_rollback=True
-        )
-    )
+    target.init(EngineClaim(agent_id="agent-0", allow_rollback=True))  # the operator's policy, at the claim
+    target.apply(StagedUpdate(objects=(stage_object(root / "v0b", m0, m0.to_json(), load_object(store, m0)),)))
     assert target.state().healthy and target.label == "0"
 
 

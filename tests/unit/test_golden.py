@@ -24,6 +24,7 @@ from deltasync import (
     encode_shard,
     tensor_checksum,
 )
+from deltasync.sketch import tensor_sketch
 from tests.conftest import bits
 
 GOLDEN = Path(__file__).parents[1] / "data" / "golden"
@@ -117,6 +118,7 @@ def _cases() -> dict[str, bytes]:
                 nnz={"model.embed_tokens.weight": 2, "model.norm.weight": 4, "lm_head.bias": 1}[k],
                 shards=(0,),
                 checksums=((0, v.numel(), tensor_checksum(v)),),
+                sketch=tensor_sketch(v),
             )
             for k, v in new.items()
         },
@@ -151,14 +153,15 @@ def test_golden(name: str) -> None:
         assert produced == golden
 
 
-@pytest.mark.parametrize("directory", [GOLDEN, GOLDEN / "1.0"], ids=["1.1", "1.0"])
+@pytest.mark.parametrize("directory", [GOLDEN, GOLDEN / "1.1", GOLDEN / "1.0"], ids=["1.2", "1.1", "1.0"])
 def test_golden_files_decode_to_the_documented_values(directory: Path) -> None:
-    """Files of format 1.0 (before the model fingerprint and run identity) stay readable."""
+    """Files of format 1.0 (before the model fingerprint and run identity) and 1.1 (before the sketch) stay
+    readable."""
     base, new = _inputs()
     for name in ("delta-raw", "delta-packed", "anchor-raw", "anchor-packed"):
         header, out = decode_shard((directory / f"{name}.safetensors").read_bytes(), name=name, base=base)
         assert header.target_version == 7
-        assert header.format_version == directory.name if directory != GOLDEN else header.format_version == "1.1"
+        assert header.format_version == (directory.name if directory != GOLDEN else "1.2")
         for t, d in out.items():
             full = base[t].clone().reshape(-1)
             if d.indices is None:
@@ -170,6 +173,8 @@ def test_golden_files_decode_to_the_documented_values(directory: Path) -> None:
     m = DeltaManifest.from_json((directory / "manifest-delta.json").read_bytes(), name="golden")
     assert m.shards[0].bytes == len((directory / "delta-packed.safetensors").read_bytes())
     assert m.model_fingerprint.startswith("sha256:")
+    sketches = {t: e.sketch for t, e in m.tensors.items()}
+    assert sketches == {t: tensor_sketch(v) if directory == GOLDEN else None for t, v in new.items()}
 
 
 def test_documented_example_header() -> None:

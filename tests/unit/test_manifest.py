@@ -11,6 +11,7 @@ from deltasync import DeltaManifest, FormatError, ShardEntry, TensorEntry, Unsup
 
 SCHEMA = json.loads((Path(__file__).parents[2] / "docs" / "manifest.schema.json").read_text())
 C0, C1 = "xxh3_128:" + "0" * 32, "xxh3_128:" + "1" * 32
+S0, S1 = "wsum4:" + "0" * 64, "wsum4:" + "0123456789abcdef" * 4
 SHA = "a" * 64
 
 
@@ -25,8 +26,10 @@ def _manifest() -> DeltaManifest:
             ShardEntry(file="shard-00001.safetensors", bytes=20, sha256=SHA),
         ),
         tensors={
-            "a": TensorEntry(shape=(2, 3), dtype="BF16", nnz=2, shards=(0, 1), checksums=((0, 3, C0), (3, 6, C1))),
-            "b": TensorEntry(shape=(4,), dtype="F32", nnz=0, shards=(), checksums=((0, 4, C0),)),
+            "a": TensorEntry(
+                shape=(2, 3), dtype="BF16", nnz=2, shards=(0, 1), checksums=((0, 3, C0), (3, 6, C1)), sketch=S1
+            ),
+            "b": TensorEntry(shape=(4,), dtype="F32", nnz=0, shards=(), checksums=((0, 4, C0),), sketch=S0),
         },
     )
 
@@ -121,7 +124,28 @@ CASES = [
     (
         ["tensors", "b", "nnz"],
         KeyError,
-        "m: tensors['b'] must have exactly the keys ['checksums', 'dtype', 'nnz', 'shape', 'shards'], found ['checksums', 'dtype', 'shape', 'shards']",
+        "m: tensors['b'] must have exactly the keys ['checksums', 'dtype', 'nnz', 'shape', 'shards', 'sketch'], found ['checksums', 'dtype', 'shape', 'shards', 'sketch']",
+    ),
+    # format 1.2: every tensor's linear sketch (deltasync.sketch), canonical text only
+    (
+        ["tensors", "a", "sketch"],
+        "wsum4:00",
+        "m: tensors['a'].sketch must be 'wsum4:' and 64 lowercase hex digits, found 'wsum4:00'",
+    ),
+    (
+        ["tensors", "a", "sketch"],
+        S1.upper(),
+        f"m: tensors['a'].sketch must be 'wsum4:' and 64 lowercase hex digits, found {S1.upper()!r}",
+    ),
+    (
+        ["tensors", "b", "sketch"],
+        None,
+        "m: tensors['b'].sketch must be 'wsum4:' and 64 lowercase hex digits, found None",
+    ),
+    (
+        ["tensors", "b", "sketch"],
+        KeyError,
+        "m: tensors['b'] must have exactly the keys ['checksums', 'dtype', 'nnz', 'shape', 'shards', 'sketch'], found ['checksums', 'dtype', 'nnz', 'shape', 'shards']",
     ),
 ]
 
@@ -171,12 +195,52 @@ def test_format_1_0_manifests_still_read_and_newer_minors_may_add_keys() -> None
     old = json.loads(_manifest().to_json())
     for key in ("model_fingerprint", "model_id", "run_id"):
         del old[key]
+    for t in old["tensors"].values():
+        del t["sketch"]
     old["format_version"] = "1.0"
     jsonschema.validate(old, SCHEMA)
     m = DeltaManifest.from_json(json.dumps(old), name="m")
     assert m.format_version == "1.0" and m.run_id is None and "model_fingerprint" not in m.to_json().decode()
     assert DeltaManifest.from_json(m.to_json(), name="m") == m
     newer = json.loads(_manifest().to_json()) | {"format_version": "1.7", "something_new": [1, 2]}
-    assert DeltaManifest.from_json(json.dumps(newer), name="m").version == 5  # a newer minor: unknown keys ignored
+    newer["tensors"]["a"]["something_new"] = 1  # at every level
+    newer["shards"][0]["something_new"] = 1
+    back = DeltaManifest.from_json(json.dumps(newer), name="m")  # a newer minor: unknown keys ignored
+    assert (back.version, back.tensors["a"].sketch, back.shards[0].bytes) == (5, S1, 10)
     with pytest.raises(FormatError, match=r"must have exactly the keys"):  # our own minor: no stray keys
         DeltaManifest.from_json(json.dumps(json.loads(_manifest().to_json()) | {"something_new": 1}), name="m")
+
+
+def test_sketches_round_trip_and_old_manifests_have_none() -> None:
+    """Format 1.2 writes every tensor's sketch; a 1.1 manifest has none (``None``) and stays byte-exact."""
+    m = _manifest()
+    data = m.to_json()
+    assert b'"sketch": "' + S1.encode() + b'"' in data
+    back = DeltaManifest.from_json(data, name="m")
+    assert {n: e.sketch for n, e in back.tensors.items()} == {"a": S1, "b": S0}
+    old = json.loads(data) | {"format_version": "1.1"}
+    for t in old["tensors"].values():
+        del t["sketch"]
+    jsonschema.validate(old, SCHEMA)
+    m11 = DeltaManifest.from_json(json.dumps(old), name="m")
+    assert m11.format_version == "1.1" and {e.sketch for e in m11.tensors.values()} == {None}
+    assert b"sketch" not in m11.to_json() and DeltaManifest.from_json(m11.to_json(), name="m") == m11
+    assert m11.model_fingerprint == m.model_fingerprint  # the sketch is not part of the model's identity
+    with pytest.raises(jsonschema.ValidationError):  # 1.2 requires it
+        jsonschema.validate(json.loads(data) | {"tensors": old["tensors"]}, SCHEMA)
+    stray = json.loads(data) | {"format_version": "1.1"}  # a 1.1 manifest has no sketch
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate(stray, SCHEMA)
+    with pytest.raises(
+        FormatError, match=r"^m: tensors\['a'\] must have exactly the keys \['checksums', 'dtype', 'nnz', "
+    ):
+        DeltaManifest.from_json(json.dumps(stray), name="m")
+
+
+def test_a_manifest_without_sketches_is_never_written_as_1_2() -> None:
+    """A 1.2 manifest whose entries lack the sketch serializes to something every reader refuses, so
+    ObjectWriter.commit (which parses before writing) can never commit it."""
+    m = _manifest()
+    bare = dataclasses.replace(m, tensors={n: dataclasses.replace(e, sketch=None) for n, e in m.tensors.items()})
+    with pytest.raises(FormatError, match=r"^m: tensors\['a'\]\.sketch must be 'wsum4:' .* found None$"):
+        DeltaManifest.from_json(bare.to_json(), name="m")

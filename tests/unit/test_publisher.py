@@ -5,14 +5,26 @@ from __future__ import annotations
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 
-from deltasync import LocalStore, StoreError, list_versions, read_manifest, read_weights
+from deltasync import (
+    LocalStore,
+    ObjectWriter,
+    StoreError,
+    _commit,
+    compute_delta,
+    list_versions,
+    read_manifest,
+    read_weights,
+)
+from deltasync._sharding import TensorView, dense_entries, globalize
 from deltasync.config import PublisherConfig
 from deltasync.names import NameMap, checkpoint_state
 from deltasync.publisher import Publisher
+from deltasync.sketch import tensor_sketch
 from tests.conftest import SMALL_QWEN3, assert_bit_equal
 from tests.support.models import TINY_QWEN3_CONFIG, qwen3_shapes
 from tests.support.stream import UpdateStream
@@ -30,6 +42,117 @@ def test_twenty_step_stream_every_version_exact(local_store: LocalStore, update_
     assert [x.version for x in listing if x.anchor] == [0, 7, 14]
     for version, weights in truth.items():
         assert_bit_equal(read_weights(local_store, version), weights)
+
+
+def test_every_manifest_carries_the_sketch_of_every_tensor(
+    local_store: LocalStore, update_stream: UpdateStream
+) -> None:
+    """Format 1.2: each delta and anchor gives every tensor's sketch at its version; a tensor a delta leaves
+    unchanged keeps the one before (carried forward, never recomputed)."""
+    names = list(update_stream.bf16())
+    weights = update_stream.bf16()
+    truth = {}
+    with Publisher(local_store, config=PublisherConfig(anchor_every=3, anchor_bytes_fraction=None)) as pub:
+        for step in range(6):
+            if step:  # sparse changes, and each step leaves two thirds of the tensors as they were
+                stepped = update_stream.step()
+                weights = {n: stepped[n] if i % 3 == step % 3 else weights[n] for i, n in enumerate(names)}
+            truth[pub.publish(weights, step)] = {n: t.clone() for n, t in weights.items()}
+    published = pub.published
+    assert [(m.kind, m.version) for m in published] == [
+        ("anchor", 0),
+        ("delta", 1),
+        ("delta", 2),
+        ("delta", 3),
+        ("anchor", 3),
+        ("delta", 4),
+        ("delta", 5),
+    ]
+    for m in published:
+        assert m.format_version == "1.2" and list(m.tensors) == sorted(truth[m.version])
+        for name, entry in m.tensors.items():
+            assert entry.sketch == tensor_sketch(truth[m.version][name]), (m.kind, m.version, name)
+        assert read_manifest(local_store, m.version, m.kind).tensors == m.tensors  # as committed
+        if m.kind == "delta":  # the carried-forward path ran
+            assert sum(e.nnz == 0 for e in m.tensors.values()) >= len(names) // 2, m.version
+
+
+class _ThreadRanks:
+    """torch.distributed's object collectives for ranks that are threads of one process (rank: thread-local)."""
+
+    def __init__(self, world: int) -> None:
+        self.barrier = threading.Barrier(world, timeout=10)
+        self.box: list[Any] = [None] * world
+        self.local = threading.local()
+
+    def all_gather_object(self, out: list[object], obj: object, group: object = None) -> None:
+        self.box[self.local.rank] = obj
+        self.barrier.wait()
+        out[:] = list(self.box)
+        self.barrier.wait()
+
+    def broadcast_object_list(self, objs: list[object], src: int = 0, group: object = None) -> None:
+        if self.local.rank == src:
+            self.box[src] = list(objs)
+        self.barrier.wait()
+        objs[:] = self.box[src]
+        self.barrier.wait()
+
+
+def test_two_ranks_spans_sum_to_each_tensors_sketch(local_store: LocalStore, monkeypatch: pytest.MonkeyPatch) -> None:
+    """FSDP in one process: rank 0 sums the ranks' span sketches, and a span a rank did not change keeps its
+    sketch from the version before (here rank 1's rows of ``w`` at v1, rank 0's at v2)."""
+    ranks = _ThreadRanks(2)
+    monkeypatch.setattr(_commit, "dist", ranks)
+    spans = {0: (0, 16), 1: (16, 28)}  # w is 7 x 4: rows 0-3 on rank 0, rows 4-6 on rank 1; b is rank 0's alone
+    views = {r: {"w": TensorView((7, 4), spans[r], True), "b": TensorView((3,), None, r == 0)} for r in spans}
+    g = torch.Generator().manual_seed(0)
+    full = {"w": torch.randn(7, 4, generator=g).bfloat16(), "b": torch.randn(3, generator=g).bfloat16()}
+    truth = [{n: t.clone() for n, t in full.items()}]
+    for rows, b in (((0, 2), False), ((5,), False), ((), True)):  # v1: rank 0's rows; v2: rank 1's; v3: b only
+        full = {n: t.clone() for n, t in full.items()}
+        for row in rows:
+            full["w"][row] += 1
+        if b:
+            full["b"] += 1
+        truth.append(full)
+
+    def local(r: int, v: int) -> dict[str, torch.Tensor]:
+        rows = truth[v]["w"][spans[r][0] // 4 : spans[r][1] // 4].clone()
+        return {"w": rows, "b": truth[v]["b"].clone()} if r == 0 else {"w": rows}
+
+    errors: list[BaseException] = []
+
+    def rank(r: int) -> None:  # what Publisher._process does on each rank
+        ranks.local.rank = r
+        commit = _commit.RankCommit(ObjectWriter(store=local_store), None, None, rank=r, world=2, group="gloo")
+        try:
+            anchor = dense_entries(local(r, 0), views[r])
+            commit.publish(0, "anchor", anchor, base_version=None, views=views[r], dtype_name="BF16")
+            for v in range(1, len(truth)):
+                prev, new = local(r, v - 1), local(r, v)
+                deltas = [
+                    globalize(d, new[d.ckpt_name], views[r][d.ckpt_name]) for d in compute_delta(prev, new).values()
+                ]
+                commit.publish(v, "delta", deltas, base_version=v - 1, views=views[r], dtype_name="BF16")
+        except BaseException as exc:  # reported below; the other rank must not wait for this one
+            errors.append(exc)
+            ranks.barrier.abort()
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in spans]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(20)
+    assert not errors, errors
+    assert [x.version for x in list_versions(local_store)] == [0, 1, 2, 3]
+    for v, expected in enumerate(truth):
+        m = read_manifest(local_store, v, "anchor" if v == 0 else "delta")
+        assert {n: e.sketch for n, e in m.tensors.items()} == {n: tensor_sketch(t) for n, t in expected.items()}, v
+        assert_bit_equal(read_weights(local_store, v), expected)
+    # a rank that changed nothing wrote nothing: its span's sketch came from the version before
+    files = [[s.file for s in read_manifest(local_store, v).shards] for v in (1, 2, 3)]
+    assert files == [["shard-00000.safetensors"], ["shard-00001.safetensors"], ["shard-00000.safetensors"]]
 
 
 def test_module_publishing_with_fp32_master_weights(local_store: LocalStore) -> None:

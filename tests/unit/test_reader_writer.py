@@ -21,6 +21,8 @@ from deltasync import (
 )
 from deltasync.layout import manifest_key
 from deltasync.reader import read_chain
+from deltasync.sketch import tensor_sketch
+from deltasync.vocab import Kind
 from tests.conftest import assert_bit_equal, overwrite, remove
 from tests.support.stream import UpdateStream
 
@@ -153,3 +155,40 @@ def test_a_version_is_never_written_twice(local_store: LocalStore) -> None:
         write_anchor(local_store, {"w": torch.ones(4, dtype=torch.bfloat16)}, version=0)
     assert {k: local_store.get(k) for k in local_store.list()} == before
     assert_bit_equal(read_weights(local_store, 0), a)
+
+
+def test_write_anchor_and_write_delta_give_every_tensors_sketch(
+    local_store: LocalStore, update_stream: UpdateStream
+) -> None:
+    truth = _publish_stream(local_store, update_stream, 4, encoding="packed", anchor_every=2)
+    objects: list[tuple[int, Kind]] = [(0, "anchor"), (1, "delta"), (2, "delta"), (2, "anchor"), (3, "delta")]
+    objects += [(4, "delta"), (4, "anchor")]
+    for v, kind in objects:
+        expected = truth[v]
+        m = read_manifest(local_store, v, kind)
+        assert {n: e.sketch for n, e in m.tensors.items()} == {n: tensor_sketch(t) for n, t in expected.items()}
+
+
+def test_a_delta_on_a_base_without_sketches_computes_them_from_state(
+    local_store: LocalStore, update_stream: UpdateStream
+) -> None:
+    """A base written before format 1.2 has no sketches: the delta takes the unchanged tensors' from ``state``."""
+    prev = update_stream.bf16()
+    m0 = write_anchor(local_store, prev, version=0)
+    old = dataclasses.replace(
+        m0, format_version="1.1", tensors={n: dataclasses.replace(e, sketch=None) for n, e in m0.tensors.items()}
+    )
+    curr = {n: t.clone() for n, t in prev.items()}
+    changed = sorted(curr)[0]
+    curr[changed].view(-1)[:3] += 1
+    changes = compute_delta(prev, curr)
+    assert list(changes) == [changed]
+    m1 = write_delta(local_store, changes, state=curr, version=1, base=old)
+    assert {n: e.sketch for n, e in m1.tensors.items()} == {n: tensor_sketch(t) for n, t in curr.items()}
+    other = sorted(curr)[1]
+    with pytest.raises(ValueError) as exc:
+        write_delta(local_store, changes, state={changed: curr[changed]}, version=2, base=old)
+    assert str(exc.value) == (
+        f"tensor {other!r} has no sketch in base v0 (written before format 1.2) and state does not hold it; "
+        "pass every tensor in state, or publish an anchor"
+    )

@@ -1,0 +1,209 @@
+"""The linear sketch: a tensor checksum that adds up over any partition of its elements.
+
+``xxh3_128`` (:func:`~deltasync.format.tensor_checksum`) proves a whole tensor or a contiguous span, and only
+that: a TP rank holding a column slice of ``o_proj`` cannot prove its part against it, and a delta cannot
+update it from the changed elements. The sketch can do both. A tensor's elements are read as little-endian
+16-bit words ``b_i`` (one per bf16/fp16 element, two per fp32 element); word ``i`` of the flat tensor has
+four public weights ``w_k(i) = W[i mod 2**16, k] + V[i // 2**16, k]``, each in ``[1, 2**20)``, and
+
+    sketch_k(T) = sum_i b_i * w_k(i)  mod 2**64,   k = 0..3   (written ``"wsum4:" + 4 x 16 hex digits``)
+
+Why it serves:
+
+* **Any partition.** The sketch is a sum over elements, so the sketches of disjoint parts (FSDP spans on the
+  trainer, TP slices in any layout on the engine, the elements a rank holds) add up to the whole tensor's:
+  ranks prove their parts, and whoever holds the parts' sums proves the whole.
+* **From what changed.** A delta changes the sketch by ``sum over changed i of (new_i - old_i) * w_k(i)``:
+  an engine keeps it current at O(changed elements).
+* **What it catches.** A change of one element is always caught (every weight is odd, so never 0, and
+  ``|new - old| < 2**16``, so ``(new - old) * w`` is a non-zero number below ``2**36``). Several changed
+  elements cancel only if their weighted differences sum to 0 mod ``2**64`` in all four lanes: for an error
+  that does not depend on the weights (a bit flip, a stray write, a kernel writing at a wrong offset) each lane
+  is a 19-bit-or-better independent test, so a miss is about ``2**-76`` likely. It is a checksum against
+  accidents, not against a forger who knows the weights: authenticity comes from the sha256 of every shard
+  file, the registered manifest digest and the publisher's signature, and only the engine's agent (which
+  checked all of them) can hand the engine an update.
+* **Speed.** Per 65,536-word chunk the four lanes are one exact float64 matrix-vector product (each product
+  is below ``2**36`` and a chunk's sum below ``2**52``), so a whole tensor costs about 2-3 x a memcpy.
+
+Pure: torch and numpy only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import numpy as np
+import torch
+
+__all__ = [
+    "LANES",
+    "SKETCH_PREFIX",
+    "ZERO",
+    "Sketch",
+    "add_sketches",
+    "format_sketch",
+    "parse_sketch",
+    "sketch_at",
+    "sketch_range",
+    "sub_sketches",
+    "tensor_sketch",
+]
+
+LANES = 4
+"""Independent weighted sums per sketch."""
+SKETCH_PREFIX = "wsum4:"
+"""How a sketch is written: this prefix and ``LANES`` x 16 lowercase hex digits."""
+
+Sketch = tuple[int, int, int, int]
+"""The four lanes, each in ``[0, 2**64)``."""
+ZERO: Sketch = (0, 0, 0, 0)
+
+_CHUNK_BITS = 16
+_CHUNK = 1 << _CHUNK_BITS
+_MASK64 = (1 << 64) - 1
+_BLOCK_CHUNKS = 16  # chunks per matrix-vector product (1 Mi words: cache-sized float64 buffer)
+
+
+def _splitmix64(x: np.ndarray) -> np.ndarray:
+    with np.errstate(over="ignore"):
+        z = x + np.uint64(0x9E3779B97F4A7C15)
+        z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+        return z ^ (z >> np.uint64(31))
+
+
+def _weights(stream: int, rows: np.ndarray) -> np.ndarray:
+    """``rows x LANES`` pseudo-random 19-bit integers of one stream, the same on every machine."""
+    keys = (rows.astype(np.uint64)[:, None] * np.uint64(LANES) + np.arange(LANES, dtype=np.uint64)[None, :]) + (
+        np.uint64(stream) << np.uint64(56)
+    )
+    return (_splitmix64(keys) >> np.uint64(45)).astype(np.int64)
+
+
+_W_INT = torch.from_numpy(_weights(1, np.arange(_CHUNK)) | 1)  # odd, in [1, 2**19): never a zero weight
+_W_F64 = _W_INT.to(torch.float64)
+_V_CACHE: dict[int, torch.Tensor] = {}
+
+
+def _v(chunk: int) -> torch.Tensor:
+    """The per-chunk offsets ``V[chunk]`` (int64, ``LANES``), in ``[0, 2**19)``."""
+    v = _V_CACHE.get(chunk)
+    if v is None:
+        v = torch.from_numpy(_weights(2, np.array([chunk]))[0] & ~np.int64(1))  # even: W + V stays odd
+        if len(_V_CACHE) < 1 << 16:
+            _V_CACHE[chunk] = v
+    return v
+
+
+def _v_many(chunks: torch.Tensor) -> torch.Tensor:
+    return torch.from_numpy(_weights(2, chunks.numpy()) & ~np.int64(1))
+
+
+def _words(values: torch.Tensor) -> torch.Tensor:
+    """A tensor's elements as flat little-endian uint16 words (a contiguous CPU copy only if needed)."""
+    flat = values.detach().reshape(-1)
+    if flat.device.type != "cpu":
+        flat = flat.cpu()
+    if flat.element_size() % 2:
+        raise ValueError(f"the sketch takes 16-bit, 32-bit or 64-bit elements, got {flat.dtype}")
+    return flat.contiguous().view(torch.uint16)
+
+
+def _lanes(acc: Iterable[int]) -> Sketch:
+    a, b, c, d = (int(x) & _MASK64 for x in acc)
+    return a, b, c, d
+
+
+def _sum_words(words: torch.Tensor, start: int) -> list[int]:
+    """Exact lane sums of ``words`` (uint16, 1-D) placed at word indices ``start, start + 1, ...``."""
+    total = [0] * LANES
+    n, pos = words.numel(), 0
+    while pos < n:
+        word = start + pos
+        chunk, offset = word >> _CHUNK_BITS, word & (_CHUNK - 1)
+        if offset == 0 and n - pos >= _CHUNK:  # whole chunks: one matrix-vector product per block
+            count = min((n - pos) >> _CHUNK_BITS, _BLOCK_CHUNKS)
+            block = words[pos : pos + count * _CHUNK].view(count, _CHUNK).to(torch.float64)
+            per_chunk = (block @ _W_F64).to(torch.int64)  # exact: each sum < 2**52
+            sums = block.sum(1).to(torch.int64)  # exact: < 2**32
+            offsets = torch.stack([_v(chunk + k) for k in range(count)])
+            lanes = per_chunk.sum(0) + (sums[:, None] * offsets).sum(0)  # int64, wraps mod 2**64
+            take = count * _CHUNK
+        else:  # a partial chunk
+            take = min(n - pos, _CHUNK - offset)
+            part = words[pos : pos + take].to(torch.float64)
+            lanes = (part @ _W_F64[offset : offset + take]).to(torch.int64) + int(part.sum()) * _v(chunk)
+        for k in range(LANES):
+            total[k] += int(lanes[k])
+        pos += take
+    return total
+
+
+def sketch_range(values: torch.Tensor, start: int = 0) -> Sketch:
+    """The sketch of consecutive elements of a tensor whose first element is flat element ``start``.
+
+    Args:
+        values: the elements (any shape; read flat, row-major), on any device.
+        start: the flat index of ``values``' first element in the whole tensor.
+    """
+    words = _words(values)
+    per = values.element_size() // 2
+    return _lanes(_sum_words(words, start * per))
+
+
+def sketch_at(values: torch.Tensor, indices: torch.Tensor) -> Sketch:
+    """The sketch of the elements at flat ``indices`` (any order, no repeats) with ``values``.
+
+    Vectorized (a gather of the weights); for a contiguous run :func:`sketch_range` is several times faster.
+    """
+    words = _words(values).to(torch.int64)
+    idx = indices.detach().reshape(-1).to(device="cpu", dtype=torch.int64)
+    per = values.element_size() // 2
+    if words.numel() != idx.numel() * per:
+        raise ValueError(f"sketch_at: {idx.numel()} indices for {words.numel() // per} values")
+    if per > 1:
+        idx = (idx[:, None] * per + torch.arange(per)).reshape(-1)
+    if idx.numel() == 0:
+        return ZERO
+    chunks = idx >> _CHUNK_BITS
+    first = int(chunks.min())
+    table = _v_many(torch.arange(first, int(chunks.max()) + 1))  # one row per chunk in reach: numel / 65,536
+    w = _W_INT.index_select(0, idx & (_CHUNK - 1)) + table.index_select(0, chunks - first)
+    return _lanes((words[:, None] * w).sum(0).tolist())
+
+
+def add_sketches(*sketches: Sketch) -> Sketch:
+    """The sketch of the union of disjoint parts."""
+    return _lanes(sum(s[k] for s in sketches) for k in range(LANES))
+
+
+def sub_sketches(a: Sketch, b: Sketch) -> Sketch:
+    """``a - b``: e.g. a tensor's sketch less one part's."""
+    return _lanes(a[k] - b[k] for k in range(LANES))
+
+
+def format_sketch(s: Sketch) -> str:
+    """``"wsum4:" + 64 hex digits``."""
+    return SKETCH_PREFIX + "".join(f"{x & _MASK64:016x}" for x in s)
+
+
+def parse_sketch(text: str) -> Sketch:
+    """The lanes of a :func:`format_sketch` string.
+
+    Raises:
+        ValueError: not ``"wsum4:"`` and 64 lowercase hex digits.
+    """
+    body = text[len(SKETCH_PREFIX) :] if isinstance(text, str) and text.startswith(SKETCH_PREFIX) else ""
+    if len(body) != 16 * LANES or any(c not in "0123456789abcdef" for c in body):
+        raise ValueError(f"a sketch must be {SKETCH_PREFIX!r} and {16 * LANES} lowercase hex digits, got {text!r}")
+    return _lanes(int(body[16 * k : 16 * (k + 1)], 16) for k in range(LANES))
+
+
+def tensor_sketch(tensor: torch.Tensor, span: tuple[int, int] | None = None) -> str:
+    """The sketch of a whole tensor (or of its flat elements ``[start, stop)``, placed where they are), as text."""
+    flat = tensor.detach().reshape(-1)
+    start = 0
+    if span is not None:
+        start, flat = span[0], flat[span[0] : span[1]]
+    return format_sketch(sketch_range(flat, start))

@@ -1,0 +1,189 @@
+"""The linear sketch: it adds up over any partition, follows a delta from the changed elements, catches any
+one-element change, and its weights never change (a golden value and an independent reference)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from deltasync.sketch import (
+    ZERO,
+    Sketch,
+    add_sketches,
+    format_sketch,
+    parse_sketch,
+    sketch_at,
+    sketch_range,
+    sub_sketches,
+    tensor_sketch,
+)
+
+DTYPES = [torch.bfloat16, torch.float16, torch.float32]
+_M64 = (1 << 64) - 1
+
+
+def _random(numel: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(numel, generator=g).to(dtype)
+
+
+def _splitmix64(x: int) -> int:
+    z = (x + 0x9E3779B97F4A7C15) & _M64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _M64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _M64
+    return z ^ (z >> 31)
+
+
+def _reference(values: torch.Tensor, start: int = 0) -> Sketch:
+    """The definition in docs/FORMAT.md, one word at a time in plain Python."""
+    per = values.element_size() // 2
+    words = values.reshape(-1).contiguous().view(torch.uint16).tolist()
+    lanes = [0, 0, 0, 0]
+    for j, b in enumerate(words):
+        i = start * per + j
+        for k in range(4):
+            w = (_splitmix64((i % 2**16) * 4 + k + (1 << 56)) >> 45) | 1  # W: odd, below 2**19
+            v = (_splitmix64((i // 2**16) * 4 + k + (2 << 56)) >> 45) & ~1  # V: even, below 2**19
+            lanes[k] = (lanes[k] + b * (w + v)) & _M64
+    return lanes[0], lanes[1], lanes[2], lanes[3]
+
+
+def test_golden_values_pin_the_weights() -> None:
+    """These strings are in published manifests: a change of the weights or the word order breaks every one."""
+    bf16 = torch.tensor([0.5, -0.25, 1.0, 2.0, -0.0, 0.125, 3.0, -1.5], dtype=torch.bfloat16)
+    f32 = torch.tensor([1.0, 0.5, 1.5, -1.0], dtype=torch.float32)
+    assert tensor_sketch(bf16) == "wsum4:0000002a50aa61000000001b579d78000000001e85766e800000001d7a67b780"
+    assert tensor_sketch(f32) == "wsum4:0000001426fe06400000000c119b86400000000f42fae5c00000000dc61d0840"
+    far = 2**32 + 65535  # across a chunk boundary, far into a huge tensor
+    assert format_sketch(sketch_range(bf16, far)) == (
+        "wsum4:00000021cfc350800000001358ebd1000000000ec878e600000000217cbc0700"
+    )
+    assert tensor_sketch(bf16.to(torch.float16)) == (
+        "wsum4:0000002891b8c8000000001a148e00000000001d41e534000000001c28aafc00"
+    )
+    for values, start in ((bf16, 0), (f32, 0), (bf16, far), (_random(300, torch.float32, 0), 65_400)):
+        assert sketch_range(values, start) == _reference(values, start)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_any_partition_adds_up(dtype: torch.dtype) -> None:
+    # f32: 1.06 M words, more than one block of whole chunks, and a ragged end
+    t = _random(530_003 if dtype == torch.float32 else 200_003, dtype, 1)
+    whole = sketch_range(t)
+    g = torch.Generator().manual_seed(2)
+    for cuts in (1, 7, 30):
+        bounds = [0, *sorted(torch.randint(0, t.numel(), (cuts,), generator=g).tolist()), t.numel()]
+        spans = list(zip(bounds, bounds[1:], strict=False))
+        assert add_sketches(*[sketch_range(t[a:b], a) for a, b in spans]) == whole
+        assert add_sketches(*[parse_sketch(tensor_sketch(t, span)) for span in spans]) == whole
+    # a TP rank's column slice of a matrix is no span: any subset of positions adds up
+    rows = t[: 300 * 400].view(300, 400)
+    idx = torch.arange(rows.numel()).view(300, 400)
+    slices = [sketch_at(rows[:, c : c + 100].contiguous(), idx[:, c : c + 100]) for c in range(0, 400, 100)]
+    assert add_sketches(*slices) == sketch_range(rows)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_sketch_at_equals_sketch_range_in_any_order(dtype: torch.dtype) -> None:
+    t = _random(140_000, dtype, 3)
+    g = torch.Generator().manual_seed(4)
+    for a, b in ((0, 140_000), (65_530, 65_540), (123, 131_200), (139_999, 140_000), (7, 7)):
+        perm = torch.randperm(b - a, generator=g)
+        idx = torch.arange(a, b)[perm]
+        assert sketch_at(t[idx], idx) == sketch_range(t[a:b], a)
+    idx = torch.randperm(140_000, generator=g)[:500]
+    assert sketch_at(t[idx], idx) == add_sketches(*(sketch_range(t[i : i + 1], i) for i in idx.tolist()))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_a_one_element_change_always_changes_it(dtype: torch.dtype) -> None:
+    t = _random(70_000, dtype, 5)
+    ints = torch.int16 if dtype != torch.float32 else torch.int32
+    bits = torch.iinfo(ints).bits
+    whole = sketch_range(t)
+    for i in (0, 65_535, 65_536, 69_999, 12_345):
+        for bit in (0, 9, bits - 1):  # a bit flip in the low word, the middle, the sign
+            changed = t.clone()
+            changed.view(ints)[i] ^= 1 << bit if bit < bits - 1 else -(1 << bit)
+            assert sketch_range(changed) != whole, (i, bit)
+    # any new value at one place, anywhere in a huge tensor: its weighted difference is never 0 mod 2**64
+    g = torch.Generator().manual_seed(6)
+    at = torch.randint(0, 2**40, (300,), generator=g).tolist()
+    old, new = _random(300, dtype, 7), _random(300, dtype, 8)
+    for k, i in enumerate(at):
+        if old[k : k + 1].view(ints) != new[k : k + 1].view(ints):
+            assert sketch_range(new[k : k + 1], i) != sketch_range(old[k : k + 1], i), (i, old[k], new[k])
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_an_update_from_the_changed_elements_equals_the_new_sketch(dtype: torch.dtype) -> None:
+    old = _random(200_000, dtype, 9)
+    new = old.clone()
+    g = torch.Generator().manual_seed(10)
+    idx = torch.randperm(old.numel(), generator=g)[:4000]  # 2% of the elements, in no particular order
+    new[idx] = _random(4000, dtype, 11)
+    step = sub_sketches(sketch_at(new[idx], idx), sketch_at(old[idx], idx))
+    assert add_sketches(sketch_range(old), step) == sketch_range(new)
+    assert tensor_sketch(new) == format_sketch(add_sketches(sketch_range(old), step))
+    # and over a span (one rank's rows), from the rank's own elements only
+    a, b = 50_000, 150_000
+    inside = idx[(idx >= a) & (idx < b)]
+    step = sub_sketches(sketch_at(new[inside], inside), sketch_at(old[inside], inside))
+    assert add_sketches(sketch_range(old[a:b], a), step) == sketch_range(new[a:b], a)
+
+
+def test_the_lanes_wrap_modulo_2_64() -> None:
+    big: Sketch = (_M64, _M64 - 1, 1 << 63, 12345)
+    other: Sketch = (1, 2, 1 << 63, _M64)
+    total = add_sketches(big, other)
+    assert total == (0, 0, 0, 12344)
+    assert sub_sketches(total, other) == big and sub_sketches(ZERO, big) == (1, 2, 1 << 63, _M64 - 12344)
+    assert add_sketches() == ZERO and sketch_range(torch.zeros(0, dtype=torch.bfloat16)) == ZERO
+    assert sketch_at(torch.zeros(0, dtype=torch.float32), torch.zeros(0, dtype=torch.int64)) == ZERO
+
+
+def test_format_and_parse_round_trip() -> None:
+    g = torch.Generator().manual_seed(12)
+    for _ in range(50):
+        a, b, c, d = (
+            int.from_bytes(bytes(torch.randint(0, 256, (8,), generator=g).tolist()), "little") for _ in "abcd"
+        )
+        s: Sketch = (a, b, c, d)
+        text = format_sketch(s)
+        assert len(text) == 6 + 64 and parse_sketch(text) == s and format_sketch(parse_sketch(text)) == text
+    assert format_sketch(ZERO) == "wsum4:" + "0" * 64
+    assert format_sketch((_M64, 0, 1, 2)) == "wsum4:" + "f" * 16 + "0" * 16 + "0" * 15 + "1" + "0" * 15 + "2"
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("wsum4:00", "a sketch must be 'wsum4:' and 64 lowercase hex digits, got 'wsum4:00'"),
+        ("wsum4:" + "A" * 64, f"a sketch must be 'wsum4:' and 64 lowercase hex digits, got {'wsum4:' + 'A' * 64!r}"),
+        (
+            "xxh3_128:" + "0" * 61,
+            f"a sketch must be 'wsum4:' and 64 lowercase hex digits, got {'xxh3_128:' + '0' * 61!r}",
+        ),
+        ("wsum4:" + "0" * 65, f"a sketch must be 'wsum4:' and 64 lowercase hex digits, got {'wsum4:' + '0' * 65!r}"),
+        (
+            "wsum4:" + "0" * 63 + "g",
+            f"a sketch must be 'wsum4:' and 64 lowercase hex digits, got {'wsum4:' + '0' * 63 + 'g'!r}",
+        ),
+        (None, "a sketch must be 'wsum4:' and 64 lowercase hex digits, got None"),
+        (42, "a sketch must be 'wsum4:' and 64 lowercase hex digits, got 42"),
+    ],
+    ids=["short", "upper", "prefix", "long", "not-hex", "none", "int"],
+)
+def test_parse_errors(text: object, message: str) -> None:
+    with pytest.raises(ValueError) as exc:
+        parse_sketch(text)  # type: ignore[arg-type]
+    assert str(exc.value) == message
+
+
+def test_argument_errors() -> None:
+    with pytest.raises(ValueError) as exc:
+        sketch_at(torch.zeros(2, dtype=torch.bfloat16), torch.arange(3))
+    assert str(exc.value) == "sketch_at: 3 indices for 2 values"
+    with pytest.raises(ValueError) as exc:
+        sketch_range(torch.zeros(2, dtype=torch.int8))
+    assert str(exc.value) == "the sketch takes 16-bit, 32-bit or 64-bit elements, got torch.int8"
