@@ -82,7 +82,7 @@ def _weights(stream: int, rows: np.ndarray) -> np.ndarray:
 
 
 _W_INT = torch.from_numpy(_weights(1, np.arange(_CHUNK)) | 1)  # odd, in [1, 2**19): never a zero weight
-_W_F64 = _W_INT.to(torch.float64)
+_W_F64 = torch.cat([_W_INT, torch.ones(_CHUNK, 1, dtype=torch.int64)], 1).to(torch.float64)  # + the plain sum
 _V_CACHE: dict[int, torch.Tensor] = {}
 
 
@@ -125,15 +125,15 @@ def _sum_words(words: torch.Tensor, start: int) -> list[int]:
         if offset == 0 and n - pos >= _CHUNK:  # whole chunks: one matrix-vector product per block
             count = min((n - pos) >> _CHUNK_BITS, _BLOCK_CHUNKS)
             block = words[pos : pos + count * _CHUNK].view(count, _CHUNK).to(torch.float64)
-            per_chunk = (block @ _W_F64).to(torch.int64)  # exact: each sum < 2**52
-            sums = block.sum(1).to(torch.int64)  # exact: < 2**32
+            per_chunk = (block @ _W_F64).to(torch.int64)  # exact: each lane's sum < 2**52, the plain sum < 2**32
             offsets = torch.stack([_v(chunk + k) for k in range(count)])
-            lanes = per_chunk.sum(0) + (sums[:, None] * offsets).sum(0)  # int64, wraps mod 2**64
+            lanes = per_chunk[:, :LANES].sum(0) + (per_chunk[:, LANES:] * offsets).sum(0)  # int64, wraps mod 2**64
             take = count * _CHUNK
         else:  # a partial chunk
             take = min(n - pos, _CHUNK - offset)
             part = words[pos : pos + take].to(torch.float64)
-            lanes = (part @ _W_F64[offset : offset + take]).to(torch.int64) + int(part.sum()) * _v(chunk)
+            sums = (part @ _W_F64[offset : offset + take]).to(torch.int64)
+            lanes = sums[:LANES] + int(sums[LANES]) * _v(chunk)
         for k in range(LANES):
             total[k] += int(lanes[k])
         pos += take

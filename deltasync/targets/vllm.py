@@ -104,7 +104,8 @@ class _VllmTarget:
             )
         if failed:
             raise ApplyError(f"the engine could not prove its state: {failed[0]}")
-        return unproven
+        # an engine that knows no published checksums for its version (assume_version): nothing is proven yet
+        return unproven + [str(r.get("reason")) for r in ranks if r.get("proven") is False][:1]
 
     def _call(self, method: str, body: dict[str, Any] | None = None) -> None:
         """One lifecycle call: ``init_weight_transfer_engine``, ``start_weight_update``, ``update_weights``,

@@ -228,13 +228,13 @@ class PatchMap:
             for r in self.runs[name]:
                 flat = source[r.param] if source is not None else self.param(r.param).data.view(-1)
                 n = r.ckpt_start.numel()
-                if n <= 64:  # a few long runs (column-parallel rows, whole tensors): sliced, no index arrays
+                if n <= 4096:  # runs (whole tensors, rows, a row-parallel slice's rows): sliced, no index arrays
                     s = ZERO
                     for c, p, length in zip(
                         r.ckpt_start.tolist(), r.param_start.tolist(), r.length.tolist(), strict=True
                     ):
                         s = add_sketches(s, sketch_range(flat[p : p + length].to(dtype), c))
-                else:  # many short runs (row-parallel column slices): one gather
+                else:  # very many short runs: one gather
                     total = int(r.length.sum())
                     run_of = torch.repeat_interleave(torch.arange(n), r.length)
                     within = torch.arange(total) - (torch.cumsum(r.length, 0) - r.length)[run_of]

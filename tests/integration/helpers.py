@@ -85,7 +85,11 @@ class ServerStack:
         with open(self.log, "ab") as log:  # the child holds its own descriptor
             proc = subprocess.Popen(
                 [sys.executable, *args],
-                env={**os.environ, **agent_env(agent_id), "DELTASYNC_ENGINE_TOKEN_FILE": str(self.server.engine_token_file)},
+                env={
+                    **os.environ,
+                    **agent_env(agent_id),
+                    "DELTASYNC_ENGINE_TOKEN_FILE": str(self.server.engine_token_file),
+                },
                 stdout=log,
                 stderr=subprocess.STDOUT,
             )
