@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import secrets
 import shutil
 import tempfile
 import threading
@@ -136,6 +137,8 @@ class Agent:
         self.last_error: str | None = None
         self._paused_for_lag = False
         self._integrity_failures = 0
+        self.session = secrets.token_hex(8)
+        """This agent process's claim on its engine (:class:`~deltasync.targets.EngineClaim`)."""
         self.drift: str | None = None
         """The last drift a proof found, reported with every heartbeat until a whole-state proof passes again."""
         self._proved_at: float | None = None  # monotonic time of the last whole-state proof that passed
@@ -178,11 +181,13 @@ class Agent:
         run = self._check_run(st)
         claim = EngineClaim(
             agent_id=self.config.agent_id,
+            session=self.session,
+            ttl_s=max(3 * self.config.poll_wait_s, 30.0),
             run_id=run,
             staging_root=str(self.staging),
             allow_rollback=self.config.allow_rollback,
             raise_errors=False if self.config.tp_size > 1 else None,
-            mode=self.config.apply_mode,
+            mode=self.config.apply_mode or "auto",  # always said: a restart resets what another claim set
         )
         self.target.init(claim)
         self.target.recover()
@@ -520,6 +525,8 @@ class Agent:
             raise
         except UpdateRefused as exc:
             if exc.reason is not RefusalReason.UNHEALTHY:
+                # nothing was written; an engine that was unhealthy before (drift, a failed update) stays paused
+                ok_to_serve = self._engine_healthy()
                 raise
             # the engine went unhealthy before this update's first write (building its patch map changed live
             # weights): never serve them; only an anchor restores it
@@ -554,6 +561,12 @@ class Agent:
                 self.target.pause()  # never serve weights that fail their checksums
                 raise
             timings["audit"] = time.perf_counter() - ta
+
+    def _engine_healthy(self) -> bool:
+        try:
+            return self.target.state().healthy
+        except Exception:  # noqa: BLE001 - no answer: do not serve what cannot be vouched for
+            return False
 
     def _restore_from_anchor(self, before: int | None, timings: dict[str, float]) -> SyncResult:
         """After a failure past the first write (TP = 1): the anchor route at once; the engine stays paused

@@ -148,7 +148,14 @@ def admit(
 
 
 def refuse_claim(
-    *, owner: str | None, agent_id: str | None, holding: Holding, run_id: str | None, allow_rollback: bool
+    *,
+    owner: str | None,
+    agent_id: str | None,
+    holding: Holding,
+    run_id: str | None,
+    allow_rollback: bool,
+    owner_alive_s: float | None = None,
+    same_session: bool = True,
 ) -> str | None:
     """Why an engine must refuse an agent's claim (``None``: it may take charge). Nothing has changed when this
     says no: a second agent pointed at the same engine (another run's coordinator, another store) never
@@ -160,6 +167,9 @@ def refuse_claim(
         holding: what the engine holds.
         run_id: the run the claiming agent follows.
         allow_rollback: the operator lets the agent take the engine to another run.
+        owner_alive_s: seconds since the owner's session was last heard from, if it is still alive (``None``:
+            expired, or none).
+        same_session: the claim comes from the owner's own session (the same process).
     """
     if not agent_id:
         return "deltasync: init_info.agent_id is required: an engine obeys the one agent that claimed it"
@@ -167,6 +177,12 @@ def refuse_claim(
         return (
             f"deltasync: this engine is driven by agent {owner!r}, agent {agent_id!r} may not take it (each engine "
             "has one agent: point this agent at its own engine, or stop the other and restart vLLM)"
+        )
+    if owner is not None and not same_session and owner_alive_s is not None:
+        return (
+            f"deltasync: agent {owner!r} drives this engine from another process, heard from {owner_alive_s:.0f} s "
+            "ago; two agents with one id? stop the other one (a restarted agent takes over once the old one has "
+            "been silent for its claim's ttl)"
         )
     if holding.run_id is not None and run_id is not None and run_id != holding.run_id and not allow_rollback:
         return (

@@ -83,6 +83,7 @@ def _weights(stream: int, rows: np.ndarray) -> np.ndarray:
 
 _W_INT = torch.from_numpy(_weights(1, np.arange(_CHUNK)) | 1)  # odd, in [1, 2**19): never a zero weight
 _W_F64 = torch.cat([_W_INT, torch.ones(_CHUNK, 1, dtype=torch.int64)], 1).to(torch.float64)  # + the plain sum
+_W_T = _W_F64.t().contiguous()  # (LANES + 1, chunk): F.linear's layout, ~3x faster than ``block @ _W_F64`` here
 _V_CACHE: dict[int, torch.Tensor] = {}
 
 
@@ -125,7 +126,9 @@ def _sum_words(words: torch.Tensor, start: int) -> list[int]:
         if offset == 0 and n - pos >= _CHUNK:  # whole chunks: one matrix-vector product per block
             count = min((n - pos) >> _CHUNK_BITS, _BLOCK_CHUNKS)
             block = words[pos : pos + count * _CHUNK].view(count, _CHUNK).to(torch.float64)
-            per_chunk = (block @ _W_F64).to(torch.int64)  # exact: each lane's sum < 2**52, the plain sum < 2**32
+            per_chunk = torch.nn.functional.linear(block, _W_T).to(
+                torch.int64
+            )  # exact: each lane's sum < 2**52, the plain sum < 2**32
             offsets = torch.stack([_v(chunk + k) for k in range(count)])
             lanes = per_chunk[:, :LANES].sum(0) + (per_chunk[:, LANES:] * offsets).sum(0)  # int64, wraps mod 2**64
             take = count * _CHUNK

@@ -45,7 +45,14 @@ class EngineClaim:
     """
 
     agent_id: str
-    """The claiming agent; the engine's owner from then on (the same id may claim again: a restarted agent)."""
+    """The claiming agent; the engine's owner from then on."""
+    session: str = ""
+    """This agent process's claim (random per :class:`~deltasync.agent.Agent`). Another process with the same
+    ``agent_id`` (a copy-pasted command line) is refused while this session is alive; a restarted agent takes
+    over once the old session has been silent for ``ttl_s``."""
+    ttl_s: float = 90.0
+    """How long the engine keeps the claim alive without hearing from this session (every status read renews
+    it)."""
     run_id: str | None = None
     """The run the agent follows (its coordinator's)."""
     staging_root: str | None = None
@@ -64,6 +71,8 @@ class EngineClaim:
         """The JSON ``init_info`` (fields left ``None`` are omitted)."""
         fields = {
             "agent_id": self.agent_id,
+            "session": self.session or None,
+            "ttl_s": self.ttl_s,
             "run_id": self.run_id,
             "staging_root": self.staging_root,
             "allow_rollback": self.allow_rollback,
@@ -186,8 +195,8 @@ def check_claim(ranks: Sequence[Mapping[str, Any]], claim: EngineClaim) -> None:
         UpdateRefused: (reason ``run``) with the engine's own explanation; nothing changed there.
     """
     for rank in ranks:
-        if rank.get("agent") != claim.agent_id:
-            outcome = rank.get("outcome") or {}
+        outcome = rank.get("outcome") or {}
+        if rank.get("agent") != claim.agent_id or outcome.get("refused") == RefusalReason.RUN.value:
             why = outcome.get("message") or f"the engine is claimed by agent {rank.get('agent')!r}"
             raise UpdateRefused(str(why), reason=RefusalReason.RUN)
 

@@ -93,7 +93,7 @@ class InMemoryTarget:
             holding=self.holding,
             run_id=claim.run_id,
             allow_rollback=claim.allow_rollback,
-        )
+        )  # in one process: no other session to tell apart
         if refusal is not None:
             raise UpdateRefused(refusal, reason=RefusalReason.RUN)
         self.owner, self.allow_rollback = claim.agent_id, claim.allow_rollback

@@ -146,7 +146,10 @@ class _VllmTarget:
             logger.warning("weight_version said %s, the engine holds v%d: relabelled", st.label, st.version)
             self._set_label(str(st.version))
 
+    _session: str | None = None
+
     def init(self, claim: EngineClaim) -> None:
+        self._session = claim.session or None
         self._call("init_weight_transfer_engine", {"init_info": claim.to_init_info()})
         ranks = self._ranks()
         check_claim(ranks, claim)
@@ -217,7 +220,7 @@ class OfflineLLMTarget(_VllmTarget):
 
     def _ranks(self) -> list[dict[str, Any]]:
         try:
-            ranks: list[dict[str, Any]] = self.llm.collective_rpc("deltasync_status")
+            ranks: list[dict[str, Any]] = self.llm.collective_rpc("deltasync_status", kwargs={"session": self._session})
         except Exception as exc:
             raise ApplyError(
                 f"the engine has no deltasync_status RPC ({exc}); start vLLM with "
@@ -339,7 +342,9 @@ class HttpVllmTarget(_VllmTarget):
         return response
 
     def _ranks(self) -> list[dict[str, Any]]:
-        response = self._http.post("/collective_rpc", json={"method": "deltasync_status"})
+        response = self._http.post(
+            "/collective_rpc", json={"method": "deltasync_status", "kwargs": {"session": self._session}}
+        )
         if response.status_code >= 400:
             raise ApplyError(
                 f"POST {self.url}/collective_rpc deltasync_status: {response.status_code} {response.text[:300]}; "

@@ -31,8 +31,6 @@ class DeltaSyncEndpoints:
     required_tasks: tuple[str, ...] | None = None
 
     def attach_router(self, app: Any) -> None:
-        from fastapi.responses import JSONResponse
-
         from .guard import EngineGuard, load_engine_token
 
         token = load_engine_token()  # a bad credential file stops the server here, with the reason
@@ -52,8 +50,8 @@ class DeltaSyncEndpoints:
             attach_cache(app)
         configured = token is not None
 
-        async def guard_info() -> JSONResponse:
-            return JSONResponse({"guard": "deltasync", "credential_configured": configured})
+        async def guard_info() -> dict[str, Any]:  # a plain dict: vLLM's OpenAPI schema must still build
+            return {"guard": "deltasync", "credential_configured": configured}
 
         app.add_api_route(GUARD_ROUTE, guard_info, methods=["GET"])
 

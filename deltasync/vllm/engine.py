@@ -96,6 +96,10 @@ class DeltaSyncInitInfo(WeightTransferInitInfo):
     allow_rollback: bool | None = None
     """The operator's permission to go below the highest version served, or to another run (fixed at the claim;
     no update message carries it)."""
+    session: str | None = None
+    """The claiming agent process's session: another process with the same agent id is refused while it lives."""
+    ttl_s: float | None = None
+    """How long a silent session stays alive."""
 
     def __post_init__(self) -> None:
         if self.mode is not None and self.mode not in MODES:
@@ -137,6 +141,9 @@ class DeltaSyncWeightTransferEngine(WeightTransferEngine[DeltaSyncInitInfo, Delt
         self.detail = ""
         self.owner: str | None = None
         """The agent that claimed this engine."""
+        self._session: str | None = None
+        self._session_seen = 0.0
+        self._session_ttl_s = 90.0
         self.allow_rollback = False
         self.outcome: dict[str, Any] = {"ok": True, "refused": None, "message": ""}
         self._shadow: Shadow | None = None
@@ -166,18 +173,24 @@ class DeltaSyncWeightTransferEngine(WeightTransferEngine[DeltaSyncInitInfo, Delt
     def init_transfer_engine(self, init_info: DeltaSyncInitInfo) -> None:
         """An agent's claim (:class:`~deltasync.targets.EngineClaim`). A refused claim changes nothing and is only
         recorded (``status()["outcome"]``; the agent reads it): a raising worker desyncs vLLM's executor."""
+        silent_s = time.monotonic() - self._session_seen
         refusal = apply.refuse_claim(
             owner=self.owner,
             agent_id=init_info.agent_id,
             holding=self.holding(),
             run_id=init_info.run_id,
             allow_rollback=bool(init_info.allow_rollback),
+            owner_alive_s=silent_s if self._session is not None and silent_s < self._session_ttl_s else None,
+            same_session=init_info.session == self._session,
         )
         if refusal is not None:
             self.outcome = {"ok": False, "refused": RefusalReason.RUN.value, "message": refusal}
             logger.warning("%s", refusal)
             return
-        self.owner = init_info.agent_id
+        self.owner, self._session = init_info.agent_id, init_info.session
+        self._session_seen = time.monotonic()
+        if init_info.ttl_s is not None:
+            self._session_ttl_s = init_info.ttl_s
         if init_info.allow_rollback is not None:
             self.allow_rollback = init_info.allow_rollback
         if init_info.mode is not None:
@@ -307,6 +320,11 @@ class DeltaSyncWeightTransferEngine(WeightTransferEngine[DeltaSyncInitInfo, Delt
             run_id=self.run_id,
             high_water=self.high_water,
         )
+
+    def touch(self, session: str | None) -> None:
+        """The owner's session is alive (its agent read the status)."""
+        if session is not None and session == self._session:
+            self._session_seen = time.monotonic()
 
     def status(self) -> dict[str, Any]:
         """What the worker extension reports (``deltasync_status``)."""
@@ -667,7 +685,12 @@ class DeltaSyncWeightTransferEngine(WeightTransferEngine[DeltaSyncInitInfo, Delt
                 if pm is not None and name in pm:
                     held = pm.sketch_parts(name, dtype)
                     whole = pm.read_whole(name) if published is None else None
-                elif self._shadow is not None and not self._shadow.empty and name in self._shadow.spec():
+                elif (
+                    self.mode != "patches"  # patches mode never writes the shadow: it proves nothing there
+                    and self._shadow is not None
+                    and not self._shadow.empty
+                    and name in self._shadow.spec()
+                ):
                     t = self._shadow.get(name).reshape(-1)
                     held, whole = [("shadow", sketch_range(t), t.numel())], t
                 else:
@@ -682,6 +705,10 @@ class DeltaSyncWeightTransferEngine(WeightTransferEngine[DeltaSyncInitInfo, Delt
                 if published is None:  # a manifest from before the sketch: xxh3 proves what is held whole
                     if whole is None or any(tensor_checksum(whole, (a, b)) != d for a, b, d in entry.checksums):
                         (bad if whole is not None else unproven).append(name)
+            if names is None:  # the whole state: also what the kernels of repacked modules compute with
+                kernel_bad, kernel_unproven = self._prove_kernels()
+                bad += kernel_bad
+                unproven += kernel_unproven
         except Exception as exc:  # noqa: BLE001 - a proof that cannot run proves nothing: said, never raised
             return {"ok": False, "version": version, "reason": f"{type(exc).__name__}: {exc}", "parts": {}}
         elapsed = time.perf_counter() - t0
@@ -699,6 +726,39 @@ class DeltaSyncWeightTransferEngine(WeightTransferEngine[DeltaSyncInitInfo, Delt
             "unproven": unproven[:16],
             "prove_s": round(elapsed, 4),
         }
+
+    def _prove_kernels(self) -> tuple[list[str], list[str]]:
+        """vLLM's CPU build repacks linear weights after loading (the parameter left empty, the kernel holding
+        its own copy): read each such module back through its kernel (an identity matrix: one non-zero term per
+        output, exact) and compare with the weight its loader built from the proven shadow, recorded right before
+        the repacking (:attr:`LayerwiseReloader.kernel_refs`). Returns ``(drifted, unproven)`` module names."""
+        from ..format import tensor_checksum
+
+        refs = self._reloader.kernel_refs if self.mode != "patches" else {}
+        bad, unproven = [], []
+        with torch.no_grad():
+            for qualname, module in self.model.named_modules():
+                if not hasattr(module, "cpu_linear") or "embed_tokens" in qualname:
+                    continue
+                weight = getattr(module, "weight", None)
+                if not isinstance(weight, torch.Tensor):
+                    continue
+                ref = refs.get(qualname)
+                if ref is None:
+                    if weight.numel() == 0:  # repacked, never reloaded by deltasync: nothing to compare with
+                        unproven.append(f"{qualname} (kernel)")
+                    continue
+                k = weight.shape[1] if weight.numel() else int(module.input_size_per_partition)
+                eye = torch.eye(
+                    k,
+                    dtype=self.model_config.dtype
+                    if isinstance(self.model_config.dtype, torch.dtype)
+                    else torch.bfloat16,
+                )
+                seen = module.cpu_linear(eye, weight, None).t().contiguous()
+                if tensor_checksum(seen) != ref:
+                    bad.append(f"{qualname} (as its kernel computes)")
+        return bad, unproven
 
     def _proof_map(self) -> PatchMap | None:
         """The patch map, built on first use in every mode: in ``reload`` mode too, the parameters vLLM keeps

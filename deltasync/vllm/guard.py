@@ -23,6 +23,7 @@ import logging
 import os
 import re
 import secrets
+import time
 from collections.abc import Mapping
 from typing import Any
 
@@ -45,6 +46,9 @@ ENGINE_TOKEN_FILE_ENV = "DELTASYNC_ENGINE_TOKEN_FILE"
 ENGINE_TOKEN_HEADER = "X-DeltaSync-Engine-Token"
 """The request header that carries it."""
 MIN_TOKEN_CHARS = 16
+LOG_BURST = 20
+"""Refusals logged one by one per window; the rest are counted (a caller cannot flood the server's log)."""
+LOG_WINDOW_S = 60.0
 
 # The inference surface of vLLM 0.32's OpenAI server (vllm/entrypoints/launchers/api_server/routers.py and the
 # routers it attaches), classified by reading each handler: these read the model or serve requests and change
@@ -156,7 +160,8 @@ class EngineGuard:
             request is refused.
 
     Refusals are JSON ``{"error": ...}`` with status 401 (no credential) or 403 (a wrong credential, or none
-    configured on the server), and one WARNING line naming the caller's address, method and path.
+    configured on the server), and one WARNING line naming the caller's address, method and (escaped) path, at
+    most :data:`LOG_BURST` a minute.
     """
 
     def __init__(self, app: Any, token: str | None = None) -> None:
@@ -166,12 +171,34 @@ class EngineGuard:
         self._digest = None if token is None else _digest(token)
         self.refused = 0
         """Requests refused so far."""
+        self._window_start, self._logged, self._suppressed = 0.0, 0, 0
         if self._digest is None:
             logger.warning(
                 "deltasync guard: no engine credential (%s or %s): every administrative request is refused",
                 ENGINE_TOKEN_ENV,
                 ENGINE_TOKEN_FILE_ENV,
             )
+
+    def _log_refusal(self, method: str, path: str, caller: str, status: int) -> None:
+        """One WARNING per refusal, the path escaped (a caller cannot forge log lines with ``%0a`` or ``%00``), at
+        most :data:`LOG_BURST` a window of :data:`LOG_WINDOW_S`; the rest are counted in the next line."""
+        now = time.monotonic()
+        if now - self._window_start > LOG_WINDOW_S:
+            self._window_start, self._logged = now, 0
+        if self._logged >= LOG_BURST:
+            self._suppressed += 1
+            return
+        self._logged += 1
+        shown = path[:200].encode("unicode_escape").decode("ascii").replace('"', '\\"')
+        more, self._suppressed = self._suppressed, 0
+        logger.warning(
+            'deltasync guard: refused %s "%s" from %s (%d)%s',
+            method,
+            shown,
+            caller,
+            status,
+            f"; {more} more refusals not logged" if more else "",
+        )
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         kind = scope["type"]
@@ -183,7 +210,9 @@ class EngineGuard:
         root = str(scope.get("root_path", ""))
         if root and path.startswith(root):
             path = path[len(root) :] or "/"
-        if method == "OPTIONS" or is_inference_route(method, path):
+        if is_inference_route(method, path) or (
+            method == "OPTIONS" and any(is_inference_route(m, path) for m in ("GET", "POST"))
+        ):  # OPTIONS (CORS preflight) only where vLLM serves inference: an admin route's existence is not told
             await self.app(scope, receive, send)
             return
         supplied = None
@@ -206,7 +235,7 @@ class EngineGuard:
             status, why = 403, f"the engine credential in {ENGINE_TOKEN_HEADER} is wrong"
         self.refused += 1
         client = scope.get("client") or ("?", 0)
-        logger.warning("deltasync guard: refused %s %s from %s:%s (%d)", method, path, client[0], client[1], status)
+        self._log_refusal(method, path, f"{client[0]}:{client[1]}", status)
         message = (
             f"deltasync: {method} {path} is not an inference route: {why}; only the engine's deltasync agent "
             "may change this engine"

@@ -40,6 +40,9 @@ class LayerwiseReloader:
         self.reprocess_tied = reprocess_tied
         self._module_of_name: dict[str, str | None] = {}
         self.stats: dict[str, Any] = {}
+        self.kernel_refs: dict[str, str] = {}
+        """Module -> ``xxh3_128`` of the weight its loader built from the shadow, taken right before vLLM's
+        post-load processing repacked it: what its kernel must compute with (the engine's proof reads it back)."""
 
     def _load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         load: Callable[[Iterable[tuple[str, torch.Tensor]]], object] = getattr(self.model, "load_weights")  # noqa: B009
@@ -131,6 +134,7 @@ class LayerwiseReloader:
         t1 = time.perf_counter()
         for module in targets.values():
             initialize_layerwise_reload(module)
+        unwatch = self._watch_processing(targets)
         try:
             with disable_mtp_completeness_check(), torch.no_grad():
                 self._load_weights((n, shadow.get(n)) for n in names)
@@ -142,6 +146,7 @@ class LayerwiseReloader:
             ]
             for module in targets.values():
                 finalize_layerwise_reload(module, self.model_config)  # type: ignore[no-untyped-call]
+            unwatch()
         if partial:
             raise ApplyError(f"deltasync: modules reloaded with partial data: {partial[:5]}")
         tied = self._reprocess_tied(targets) if self.reprocess_tied and not unmapped else 0
@@ -152,6 +157,46 @@ class LayerwiseReloader:
             map_s=t1 - t0,
             reload_s=time.perf_counter() - t1,
         )
+
+    def _watch_processing(self, targets: dict[str, torch.nn.Module]) -> Callable[[], None]:
+        """Until the returned function is called, record each processed module's freshly loaded weight
+        (:attr:`kernel_refs`) before vLLM's post-load processing runs on it."""
+        from ..format import tensor_checksum
+
+        inside = [q for q in targets]
+        names: dict[int, str] = {}
+        methods: dict[int, Any] = {}
+        for qualname, module in self.model.named_modules():
+            if not any(q == "" or qualname == q or qualname.startswith(q + ".") for q in inside):
+                continue
+            method = getattr(module, "quant_method", None)
+            if method is None or not hasattr(method, "process_weights_after_loading"):
+                continue
+            self.kernel_refs.pop(qualname, None)
+            names[id(module)] = qualname
+            methods.setdefault(id(method), method)
+        originals = {key: m.process_weights_after_loading for key, m in methods.items()}
+
+        def watched(original: Callable[..., Any]) -> Callable[..., Any]:
+            def process(layer: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
+                weight = getattr(layer, "weight", None)
+                if id(layer) in names and isinstance(weight, torch.Tensor) and weight.numel():
+                    self.kernel_refs[names[id(layer)]] = tensor_checksum(weight.detach().cpu())
+                return original(layer, *args, **kwargs)
+
+            return process
+
+        for key, method in methods.items():
+            try:
+                method.process_weights_after_loading = watched(originals[key])
+            except AttributeError:  # a slotted method object: its modules stay unproven (the engine says so)
+                continue
+
+        def unwatch() -> None:
+            for method in methods.values():
+                method.__dict__.pop("process_weights_after_loading", None)
+
+        return unwatch
 
     def _reprocess_tied(self, targets: dict[str, torch.nn.Module]) -> int:
         """Modules sharing a parameter with a reloaded one (a tied lm_head) keep derived state, such as the
@@ -165,6 +210,11 @@ class LayerwiseReloader:
                 continue
             quant_method = getattr(module, "quant_method", None)
             if quant_method is not None and hasattr(quant_method, "process_weights_after_loading"):
+                from ..format import tensor_checksum
+
+                weight = getattr(module, "weight", None)
+                if isinstance(weight, torch.Tensor) and weight.numel():
+                    self.kernel_refs[qualname] = tensor_checksum(weight.detach().cpu())
                 quant_method.process_weights_after_loading(module)
                 count += 1
                 logger.debug("deltasync: re-processed tied module %s", qualname)

@@ -19,15 +19,18 @@ register()
 class DeltaSyncWorkerExtension:
     """Mixed into vLLM's worker class."""
 
-    def deltasync_status(self) -> dict[str, Any]:
+    def deltasync_status(self, session: str | None = None) -> dict[str, Any]:
         """This rank's engine: backend class, mode, version, health, its last updates, and whether an update
-        session is open (started, not finished: an agent died inside it)."""
+        session is open (started, not finished: an agent died inside it). ``session``: the owning agent's, which
+        this read keeps alive."""
         engine = getattr(self, "weight_transfer_engine", None)
-        session = bool(getattr(self, "_weight_update_active", False))
+        if engine is not None and hasattr(engine, "touch"):
+            engine.touch(session)
+        active = bool(getattr(self, "_weight_update_active", False))
         if engine is None or not hasattr(engine, "status"):
-            return {"engine": None if engine is None else type(engine).__name__, "session_active": session}
+            return {"engine": None if engine is None else type(engine).__name__, "session_active": active}
         status: dict[str, Any] = engine.status()
-        return {**status, "session_active": session}
+        return {**status, "session_active": active}
 
     def deltasync_prepare(self, update_info: str | dict[str, Any]) -> dict[str, Any]:
         """Read, validate and plan an update before the pause (``inplace`` mode: the scatters are ready when the

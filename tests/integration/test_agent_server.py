@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import shutil
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -10,6 +11,8 @@ from typing import Any
 
 import httpx
 import pytest
+import torch
+from safetensors.torch import save_file
 
 from tests.conftest import PUBLISHER_TOKEN
 from tests.integration.helpers import ServerStack, server_stack, sidecar_command
@@ -116,7 +119,7 @@ def test_without_the_engine_credential_no_request_changes_the_engine(stack: Serv
         assert wrong.status_code == 403 and "is wrong" in wrong.json()["error"], (method, path, wrong.text)
     # every other administrative route of the pinned vLLM, enumerated from its own app: test_engine_guard.py
     log = (stack.tmp / "vllm.log").read_text()
-    assert "deltasync guard: refused POST /collective_rpc from 127.0.0.1:" in log
+    assert 'deltasync guard: refused POST "/collective_rpc" from 127.0.0.1:' in log
     # inference works as vLLM configures it
     completion = httpx.post(
         url + "/v1/completions",
@@ -136,13 +139,25 @@ def test_a_second_agent_is_refused_before_it_changes_anything(stack: ServerStack
     stack.wait_applied(pub.version)
     before = _served(stack)
     cmd = sidecar_command(stack.server.url, stack.coordinator.url, stack.store.root, stack.tmp / "staging-2")
-    cmd[cmd.index("sidecar-0")] = "sidecar-1"
-    proc = stack.spawn(*cmd[1:], agent_id="sidecar-1")
-    time.sleep(8)  # it starts, is refused, and backs off
-    proc.terminate()
-    proc.wait(30)
-    assert "this engine is driven by agent 'sidecar-0'; refusing to touch it" in stack.log.read_text()
-    assert _served(stack) == before
+    other = [*cmd[1:], "--apply-mode", "patches", "--allow-rollback"]  # another policy, too
+    other[other.index("sidecar-0")] = "sidecar-1"
+    procs = [stack.spawn(*other, agent_id="sidecar-1")]
+    # the same id, copy-pasted into a second process: refused while the running agent's session is alive
+    same = sidecar_command(stack.server.url, stack.coordinator.url, stack.store.root, stack.tmp / "staging-3")
+    same = [*same[1:], "--apply-mode", "patches", "--allow-rollback"]
+    procs.append(stack.spawn(*same, agent_id="sidecar-0"))
+    expected = (
+        "this engine is driven by agent 'sidecar-0'; refusing to touch it",
+        "agent 'sidecar-0' drives this engine from another process, heard from",
+    )
+    deadline = time.monotonic() + 180
+    while not all(e in stack.log.read_text() for e in expected):  # they start, are refused, and back off
+        assert time.monotonic() < deadline and all(p.poll() is None for p in procs), stack.log.read_text()[-5000:]
+        time.sleep(0.5)
+    for proc in procs:
+        proc.terminate()
+        proc.wait(30)
+    assert _served(stack) == before  # mode, rollback policy, owner: unchanged
     pub.step()  # the rightful agent is never locked out (its staging root is unchanged)
     stack.wait_applied(pub.version)
     stack.assert_served(pub.version)
@@ -171,13 +186,23 @@ def test_an_update_message_carries_no_policy(stack: ServerStack) -> None:
 
 
 def test_drift_drops_the_label_and_an_anchor_restores_the_engine(stack: ServerStack) -> None:
-    """A path outside deltasync (vLLM's own ``reset_weights``, called here with the credential) zeroes the served
+    """A path outside deltasync (vLLM's own ``reload_weights``, called here with the credential) changes the served
     weights under a registered label: the sidecar's whole-state proof (every 2 s here) catches it, unlabels and
     pauses the engine, says so to the coordinator, and restores it through an anchor, bit-exact."""
     pub = stack.publisher
     stack.wait_applied(pub.version)
+    # vLLM's own reload_weights (a path outside deltasync) with q_proj alone changed: on the CPU build only the
+    # repacked copy in the qkv kernel changes (the parameter is empty), which the proof reads back through the kernel
+    evil = stack.tmp / "evil"
+    evil.mkdir()
+    for f in Path(stack.server.model).iterdir():
+        if f.suffix == ".json" or f.name.startswith("tokenizer"):
+            shutil.copy(f, evil / f.name)
+    name = "model.layers.0.self_attn.q_proj.weight"
+    save_file({name: (pub.truth[pub.version][name].float() * -3).to(torch.bfloat16)}, str(evil / "model.safetensors"))
     with stack.server.admin() as admin:
-        assert admin.post("/collective_rpc", json={"method": "reset_weights"}).status_code == 200
+        r = admin.post("/collective_rpc", json={"method": "reload_weights", "kwargs": {"weights_path": str(evil)}})
+        assert r.status_code == 200, r.text
     seen: set[str] = set()
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:

@@ -400,3 +400,32 @@ async def test_no_credentials_no_coordinator_unless_insecure(tmp_path: Path, cap
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://c") as c:
         assert (await c.get("/v1/versions")).status_code == 200  # explicitly open
     app.state.db.close()
+
+
+async def test_a_drifted_engine_degrades_health_and_shows_in_metrics_until_re_proven(coord: Coordinator) -> None:
+    """Issue 20: an agent's ``drift`` (which tensors, when) makes /healthz degraded and /metrics name it, until a
+    heartbeat without it (a whole-state proof of the restored engine passed)."""
+    await coord.publish(0, "anchor")
+    drift = "drift: 1 tensors differ from v0's published checksums (e.g. model.norm.weight), found 2026-12-02T00:00:00Z"
+    r = await coord.http.post(
+        "/v1/agents/vllm-0/heartbeat",
+        headers=auth("vllm-0"),
+        json={"applied_version": None, "state": "unhealthy", "drift": drift},
+    )
+    assert r.status_code == 200
+    health = (await coord.http.get("/healthz")).json()
+    assert health["status"] == "degraded" and f"agent vllm-0: {drift}" in health["reasons"]
+    text = (await coord.http.get("/metrics", headers=PUB)).text
+    assert "deltasync_engine_drifts_total 1.0" in text and 'deltasync_engine_drift{agent="vllm-0"' in text
+    for state in ("unhealthy", "idle"):  # still drifted until re-proven: counted once
+        body = {"applied_version": 0, "state": state, "drift": drift}
+        assert (
+            await coord.http.post("/v1/agents/vllm-0/heartbeat", headers=auth("vllm-0"), json=body)
+        ).status_code == 200
+    assert "deltasync_engine_drifts_total 1.0" in (await coord.http.get("/metrics", headers=PUB)).text
+    body = {"applied_version": 0, "state": "idle"}
+    assert (await coord.http.post("/v1/agents/vllm-0/heartbeat", headers=auth("vllm-0"), json=body)).status_code == 200
+    health = (await coord.http.get("/healthz")).json()
+    assert health["status"] == "ok" and not health["reasons"]
+    text = (await coord.http.get("/metrics", headers=PUB)).text
+    assert 'deltasync_engine_drift{agent="vllm-0"' not in text and "deltasync_engine_drifts_total 1.0" in text

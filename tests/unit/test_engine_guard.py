@@ -4,6 +4,7 @@ surface or refused without the engine credential."""
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator
 from typing import Any
 
@@ -71,6 +72,11 @@ def test_every_route_of_vllm_is_inference_or_needs_the_credential(monkeypatch: p
         for method, path in sorted(routes - guarded):
             assert client.request(method, path, json={}).status_code not in (401, 403), (method, path)
         assert client.get("/deltasync/guard").json() == {"guard": "deltasync", "credential_configured": True}
+        if not dev:  # the plugin's routes keep vLLM's schema building (vLLM's own dev routes break it)
+            assert client.get("/openapi.json").status_code == 200
+        for path in ("/collective_rpc", "/sleep", "/v1/load_lora_adapter", "/pause/"):  # no route map by OPTIONS
+            assert client.options(path).status_code == 401, path
+        assert client.options("/v1/completions").status_code != 401  # CORS preflight where vLLM serves inference
 
 
 def test_inference_keeps_vllms_own_api_key(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -94,6 +100,7 @@ async def _ok(scope: dict[str, Any], receive: Any, send: Any) -> None:
 
 
 def test_a_server_without_a_credential_refuses_every_administrative_request(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Also: a refusal's log line cannot be forged through the path (``%0a``, ``%00``)."""
     from starlette.testclient import TestClient
 
     monkeypatch.delenv("DELTASYNC_ENGINE_TOKEN", raising=False)
@@ -105,6 +112,25 @@ def test_a_server_without_a_credential_refuses_every_administrative_request(monk
         assert r.status_code == 403 and "no engine credential configured" in r.json()["error"]
         assert client.post("/v1/completions").status_code == 200
     assert guard.refused == 1
+    records: list[str] = []
+
+    class _Catch(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            records.append(record.getMessage())
+
+    handler = _Catch()
+    log = logging.getLogger("vllm.deltasync.guard")
+    log.addHandler(handler)
+    disabled, level = log.disabled, log.level
+    log.disabled = False  # vLLM's logging config (an earlier test imported vLLM) may disable or quiet it
+    log.setLevel(logging.WARNING)
+    try:
+        client.post("/x%0a(APIServer%20pid=1)%20INFO%20FORGED%00")
+    finally:
+        log.removeHandler(handler)
+        log.disabled = disabled
+        log.setLevel(level)
+    assert records and "\n" not in records[0] and "\x00" not in records[0] and "\\n(APIServer" in records[0]
 
 
 def test_the_credential_comes_from_the_environment_or_a_file(tmp_path: Any) -> None:
