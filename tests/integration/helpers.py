@@ -45,8 +45,6 @@ def sidecar_command(vllm_url: str, coordinator_url: str, store_root: Path, stagi
         str(staging),
         "--backoff-s",
         "0.1",
-        "--audit-interval-s",
-        "2",
     ]
 
 
@@ -96,10 +94,10 @@ class ServerStack:
         self.procs.append(proc)
         return proc
 
-    def start_sidecar(self) -> subprocess.Popen[bytes]:
-        """``deltasync agent`` for this server (agent id ``sidecar-0``)."""
+    def start_sidecar(self, *extra: str) -> subprocess.Popen[bytes]:
+        """``deltasync agent`` for this server (agent id ``sidecar-0``), with ``extra`` flags."""
         cmd = sidecar_command(self.server.url, self.coordinator.url, self.store.root, self.tmp / "staging")
-        self.sidecar = self.spawn(*cmd[1:])
+        self.sidecar = self.spawn(*cmd[1:], *extra)
         return self.sidecar
 
     def kill_sidecar(self) -> None:

@@ -266,7 +266,7 @@ def test_the_offline_target_closes_its_own_dangling_session(vllm_engine: Any, wo
 
 
 def test_an_agent_pointed_at_another_models_run_reports_refused_and_keeps_serving(
-    vllm_engine: Any, world: World, foreign: LocalStore, tmp_path: Path
+    vllm_engine: Any, world: World, agent: Agent, foreign: LocalStore, tmp_path: Path
 ) -> None:
     """Issue 11 row 2, end to end: the agent refuses before fetching a shard and never takes the anchor route."""
     at = world.publisher.version
@@ -287,6 +287,7 @@ def test_an_agent_pointed_at_another_models_run_reports_refused_and_keeps_servin
         with CoordinatorClient(server.url, token=agent_token("offline-0")) as client:
             config = AgentConfig(agent_id="offline-0", staging_dir=str(tmp_path / "s"), retries=0, allow_rollback=True)
             stray = Agent.for_llm(vllm_engine, store=foreign, coordinator=client, config=config)
+            stray.session = agent.session  # the same agent process, reconfigured (another would be refused sooner)
             with pytest.raises(UpdateRefused) as exc:  # even an operator's allow_rollback never takes another model
                 stray.sync()
             assert exc.value.reason is RefusalReason.MODEL and not stray.needs_anchor

@@ -190,7 +190,10 @@ def test_drift_drops_the_label_and_an_anchor_restores_the_engine(stack: ServerSt
     weights under a registered label: the sidecar's whole-state proof (every 2 s here) catches it, unlabels and
     pauses the engine, says so to the coordinator, and restores it through an anchor, bit-exact."""
     pub = stack.publisher
-    stack.wait_applied(pub.version)
+    stack.kill_sidecar()  # the same agent, restarted with a 2 s audit: it takes over its engine after the ttl
+    stack.start_sidecar("--audit-interval-s", "2")
+    pub.step()
+    stack.wait_applied(pub.version, timeout_s=300)
     # vLLM's own reload_weights (a path outside deltasync) with q_proj alone changed: on the CPU build only the
     # repacked copy in the qkv kernel changes (the parameter is empty), which the proof reads back through the kernel
     evil = stack.tmp / "evil"
