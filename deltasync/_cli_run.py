@@ -36,7 +36,21 @@ def add_s3_endpoint(parser: Any) -> None:
     )
 
 
+def password_in_url(url: str | None) -> bool:
+    """Whether a database URL carries a password (``scheme://user:password@host``)."""
+    if not url or "://" not in url:
+        return False
+    authority = url.split("://", 1)[1].split("/", 1)[0]
+    return "@" in authority and ":" in authority.rsplit("@", 1)[0]
+
+
 def _cmd_coordinator(args: argparse.Namespace) -> int:
+    if password_in_url(getattr(args, "db", None)):
+        logger.warning(
+            "the database password is on the command line (--db), where every local user can read it in "
+            "/proc/PID/cmdline: set DELTASYNC_DB in the environment instead, or keep the password in PGPASSWORD "
+            "or ~/.pgpass"
+        )
     try:
         import uvicorn
         from deltasync_coordinator.app import create_app

@@ -195,3 +195,15 @@ def test_token_prints_an_agent_token_bound_to_its_id(monkeypatch, capsys: pytest
     monkeypatch.delenv("DELTASYNC_AGENT_SECRET")
     with pytest.raises(SystemExit, match="set DELTASYNC_AGENT_SECRET"):
         main(["token", "--agent-id", "vllm-3"])
+
+
+def test_a_database_password_on_the_command_line_is_recognised() -> None:
+    """Issue 21: the README no longer puts the PostgreSQL password in argv, and the CLI warns when it is there."""
+    from deltasync._cli_run import password_in_url
+
+    assert password_in_url("postgresql://deltasync:secret@db-host:5432/run1")
+    assert not password_in_url("postgresql://deltasync@db-host:5432/run1")
+    assert not password_in_url("postgresql://db-host:5432/run1")
+    assert not password_in_url("ledger.db") and not password_in_url(None)
+    readme = (Path(__file__).parents[2] / "README.md").read_text()
+    assert "--db postgresql://deltasync:PW@" not in readme
