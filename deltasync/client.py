@@ -185,7 +185,27 @@ def _parse_urls(urls: str | Sequence[str]) -> tuple[str, ...]:
         out.append(url)
     if not out:
         raise ValueError(f"need at least one coordinator URL, got {urls!r}")
+    schemes = {u.split("://", 1)[0] for u in out}
+    if len(schemes) > 1:  # after a failover the token would go in clear to the http:// ones
+        raise ValueError(
+            f"coordinator URLs {urls!r} mix https:// and http://: a failover would send the token in clear; "
+            "list replicas of one scheme"
+        )
     return tuple(out)
+
+
+def _warn_if_clear(urls: tuple[str, ...]) -> None:
+    """A token sent over plain HTTP to another host travels in clear: said loudly, once per client."""
+    for url in urls:
+        if not url.startswith("http://"):
+            continue
+        host = httpx.URL(url).host
+        if host not in ("127.0.0.1", "localhost", "::1") and not host.startswith("127."):
+            logger.warning(
+                "coordinator %s is plain http:// on another host: the bearer token travels in clear; use https:// "
+                "(with ca_bundle= / --ca-bundle)",
+                url,
+            )
 
 
 def _outcome(response: httpx.Response) -> str:
@@ -273,6 +293,8 @@ class CoordinatorClient:
                 f"need retries >= 0, backoff_s >= 0, timeout_s > 0; got {retries}, {backoff_s}, {timeout_s}"
             )
         self.urls: tuple[str, ...] = _parse_urls(base_url)
+        if token:
+            _warn_if_clear(self.urls)
         """Every replica, in the order given."""
         headers = {"Authorization": f"Bearer {token}"} if token else {}
         verify: Any = True

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Iterator
@@ -187,3 +188,15 @@ def test_4xx_is_not_retried_and_bad_answers_are_named() -> None:
 def test_invalid_arguments() -> None:
     with pytest.raises(ValueError, match="need retries >= 0"):
         CoordinatorClient("http://c", retries=-1)
+
+
+def test_tokens_never_travel_in_clear_by_accident(caplog: pytest.LogCaptureFixture) -> None:
+    """Issue 21: a replica list mixing https:// and http:// is refused (a failover would send the token in clear);
+    a token to plain http:// on another host is warned about, loopback is not."""
+    with pytest.raises(ValueError, match="mix https:// and http://: a failover would send the token in clear"):
+        CoordinatorClient("https://a:8600,http://b:8600", token="t")
+    with caplog.at_level(logging.WARNING, logger="deltasync.client"):
+        CoordinatorClient("http://127.0.0.1:8600", token="t").close()
+        assert not caplog.records
+        CoordinatorClient("http://coordinator:8600", token="t").close()
+    assert any("the bearer token travels in clear" in r.getMessage() for r in caplog.records)
