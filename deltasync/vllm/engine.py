@@ -52,8 +52,9 @@ from ..errors import ApplyError, RefusalReason, UpdateRefused
 from ..format import TensorDelta
 from ..manifest import DeltaManifest, model_fingerprint
 from ..staging import StagedUpdate, read_staged
+from ..vocab import DTYPES
 from .patch_map import MapCorruption, PatchMap, build_map
-from .plain import plain_parameters
+from .plain import kernel_modules, plain_parameters, read_through_kernel
 from .reload import LayerwiseReloader
 from .shadow import Shadow, spec_from_config
 
@@ -67,7 +68,6 @@ __all__ = ["DeltaSyncInitInfo", "DeltaSyncUpdateInfo", "DeltaSyncWeightTransferE
 logger = logging.getLogger("vllm.deltasync.engine")
 
 MODES = ("auto", "inplace", "patches", "reload")
-_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 _EXPERT = re.compile(r"\.experts\.")  # per-expert (experts.3.up_proj) and fused (experts.gate_up_proj) names
 
 
@@ -671,7 +671,6 @@ class DeltaSyncWeightTransferEngine(WeightTransferEngine[DeltaSyncInitInfo, Delt
         from ..format import tensor_checksum
         from ..sketch import format_sketch, parse_sketch, sketch_range
 
-        spec = self.served_spec() or {}
         pm = self._proof_map()
         wanted = list(manifest.tensors) if names is None else [n for n in names if n in manifest.tensors]
         bad: list[str] = []
@@ -681,7 +680,7 @@ class DeltaSyncWeightTransferEngine(WeightTransferEngine[DeltaSyncInitInfo, Delt
             for name in wanted:
                 entry = manifest.tensors[name]
                 published = None if entry.sketch is None else parse_sketch(entry.sketch)
-                dtype = _DTYPES.get(spec.get(name, (entry.dtype,))[0], torch.bfloat16)
+                dtype = DTYPES[entry.dtype]  # the published tensor's: the sketch is over its bits
                 if pm is not None and name in pm:
                     held = pm.sketch_parts(name, dtype)
                     whole = pm.read_whole(name) if published is None else None
@@ -735,11 +734,10 @@ class DeltaSyncWeightTransferEngine(WeightTransferEngine[DeltaSyncInitInfo, Delt
         from ..format import tensor_checksum
 
         refs = self._reloader.kernel_refs if self.mode != "patches" else {}
+        dtype = self.model_config.dtype if isinstance(self.model_config.dtype, torch.dtype) else None
         bad, unproven = [], []
         with torch.no_grad():
-            for qualname, module in self.model.named_modules():
-                if not hasattr(module, "cpu_linear") or "embed_tokens" in qualname:
-                    continue
+            for qualname, module in kernel_modules(self.model):
                 weight = getattr(module, "weight", None)
                 if not isinstance(weight, torch.Tensor):
                     continue
@@ -748,15 +746,7 @@ class DeltaSyncWeightTransferEngine(WeightTransferEngine[DeltaSyncInitInfo, Delt
                     if weight.numel() == 0:  # repacked, never reloaded by deltasync: nothing to compare with
                         unproven.append(f"{qualname} (kernel)")
                     continue
-                k = weight.shape[1] if weight.numel() else int(module.input_size_per_partition)
-                eye = torch.eye(
-                    k,
-                    dtype=self.model_config.dtype
-                    if isinstance(self.model_config.dtype, torch.dtype)
-                    else torch.bfloat16,
-                )
-                seen = module.cpu_linear(eye, weight, None).t().contiguous()
-                if tensor_checksum(seen) != ref:
+                if tensor_checksum(read_through_kernel(module, dtype)) != ref:
                     bad.append(f"{qualname} (as its kernel computes)")
         return bad, unproven
 

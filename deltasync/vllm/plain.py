@@ -16,9 +16,10 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Iterator
 from typing import Any
 
-__all__ = ["ENV", "enabled", "install", "plain_parameters"]
+__all__ = ["ENV", "enabled", "install", "kernel_modules", "plain_parameters", "read_through_kernel"]
 
 logger = logging.getLogger("vllm.deltasync.plain")
 
@@ -69,3 +70,23 @@ def plain_parameters(model: Any) -> tuple[bool, list[str]]:
         if weight is None or weight.numel() == 0 or module.cpu_linear is not _plain_linear:
             packed.append(name)
     return not packed, packed
+
+
+def kernel_modules(model: Any) -> Iterator[tuple[str, Any]]:
+    """``(qualified name, module)`` of every module whose GEMM goes through ``layer.cpu_linear`` (vLLM's CPU
+    build; ``embed_tokens`` aside: it is a lookup, its ``lm_head`` twin is not)."""
+    for qualname, module in model.named_modules():
+        if hasattr(module, "cpu_linear") and "embed_tokens" not in qualname:
+            yield qualname, module
+
+
+def read_through_kernel(module: Any, dtype: Any = None) -> Any:
+    """The weight ``module``'s kernel really computes with, ``(out, in)`` as the checkpoint lays it out: an identity
+    matrix multiplied through ``cpu_linear`` (one non-zero term per output element, so exact), which also reads a
+    repacked copy whose parameter is left empty."""
+    import torch
+
+    weight = getattr(module, "weight", None)
+    k = weight.shape[1] if weight is not None and weight.numel() else int(module.input_size_per_partition)
+    eye = torch.eye(k, dtype=torch.bfloat16 if dtype is None else dtype)
+    return module.cpu_linear(eye, weight, None).t().contiguous()

@@ -86,6 +86,7 @@ class DeltaSyncWorkerExtension:
         import torch
 
         from ..format import tensor_checksum
+        from .plain import kernel_modules, read_through_kernel
 
         model = self.model_runner.get_model()  # type: ignore[attr-defined]
         out: dict[str, Any] = {}
@@ -94,11 +95,8 @@ class DeltaSyncWorkerExtension:
                 for pname, p in module.named_parameters(recurse=False):
                     if p.numel():
                         out[f"{qualname}.{pname}"] = p.detach().cpu().clone()
-                if hasattr(module, "cpu_linear") and "embed_tokens" not in qualname:
-                    w = getattr(module, "weight", None)
-                    k = w.shape[1] if w is not None and w.numel() else module.input_size_per_partition
-                    eye = torch.eye(k, dtype=torch.bfloat16)
-                    out[qualname] = module.cpu_linear(eye, w, None).t().contiguous()
+            for qualname, module in kernel_modules(model):
+                out[qualname] = read_through_kernel(module)
         if checksums:
             return {name: tensor_checksum(t) for name, t in out.items()}
         return out
