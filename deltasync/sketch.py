@@ -15,11 +15,12 @@ Why it serves:
   ranks prove their parts, and whoever holds the parts' sums proves the whole.
 * **From what changed.** A delta changes the sketch by ``sum over changed i of (new_i - old_i) * w_k(i)``:
   an engine keeps it current at O(changed elements).
-* **What it catches.** A change of one element is always caught (every weight is odd, so never 0, and
-  ``|new - old| < 2**16``, so ``(new - old) * w`` is a non-zero number below ``2**36``). Several changed
-  elements cancel only if their weighted differences sum to 0 mod ``2**64`` in all four lanes: for an error
-  that does not depend on the weights (a bit flip, a stray write, a kernel writing at a wrong offset) each lane
-  is a 19-bit-or-better independent test, so a miss is about ``2**-76`` likely. It is a checksum against
+* **What it catches.** A change of one 16-bit word (one bf16/fp16 element, or half of an fp32 one) is always
+  caught (every weight is odd, so never 0, and ``|new - old| < 2**16``, so ``(new - old) * w`` is a non-zero
+  number below ``2**36``). Several changed words cancel only if their weighted differences sum to 0 mod
+  ``2**64`` in all four lanes: for an error that does not depend on the weights (a bit flip, a stray write, a
+  kernel writing at a wrong offset) each lane acts as a roughly 19-bit test, so a miss is estimated at about
+  ``2**-76`` (an estimate, not a proof). It is a checksum against
   accidents, not against a forger who knows the weights: authenticity comes from the sha256 of every shard
   file, the registered manifest digest and the publisher's signature, and only the engine's agent (which
   checked all of them) can hand the engine an update.
