@@ -10,7 +10,14 @@ from typing import Any
 
 import pytest
 
-from deltasync.vllm.guard import ENGINE_TOKEN_HEADER, EngineGuard, is_inference_route, load_engine_token
+from deltasync.vllm.guard import (
+    ENGINE_TOKEN_HEADER,
+    LOG_BURST,
+    LOG_WINDOW_S,
+    EngineGuard,
+    is_inference_route,
+    load_engine_token,
+)
 
 pytestmark = pytest.mark.vllm  # imports vLLM (no engine is started)
 
@@ -131,6 +138,21 @@ def test_a_server_without_a_credential_refuses_every_administrative_request(monk
         log.disabled = disabled
         log.setLevel(level)
     assert records and "\n" not in records[0] and "\x00" not in records[0] and "\\n(APIServer" in records[0]
+    records.clear()  # a flood of refusals costs at most LOG_BURST lines a window; the rest are counted
+    log.addHandler(handler)
+    log.disabled = False
+    log.setLevel(logging.WARNING)
+    try:
+        guard._window_start = -LOG_WINDOW_S  # a fresh window
+        for _ in range(LOG_BURST + 5):
+            client.post("/pause")
+        guard._window_start = -LOG_WINDOW_S  # the window is over: the next line says how many were not logged
+        client.post("/pause")
+    finally:
+        log.removeHandler(handler)
+        log.disabled = disabled
+        log.setLevel(level)
+    assert len(records) == LOG_BURST + 1 and records[-1].endswith("; 5 more refusals not logged")
 
 
 def test_the_credential_comes_from_the_environment_or_a_file(tmp_path: Any) -> None:
