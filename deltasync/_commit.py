@@ -13,8 +13,9 @@ import torch.distributed as dist
 
 from ._sharding import TensorView
 from .client import CoordinatorClient, Lease
-from .errors import LeaseError
+from .errors import LeaseError, ObjectNotFound
 from .format import TensorDelta
+from .layout import manifest_key, signature_key
 from .manifest import ChecksumPart, DeltaManifest, TensorEntry
 from .schemas import VersionCreate
 from .sketch import Sketch, add_sketches, format_sketch, parse_sketch
@@ -195,11 +196,38 @@ class RankCommit:
             shards=[(entry, names) for _, entry, names in shards],
             tensors=tensors,
         )
-        if self.lease is not None:
-            self.lease.refresh()  # a fenced publisher never commits into another's run
-        data = self.writer.commit(manifest)
+        # a fenced publisher never commits into another's run: the lease is proven at the last moment before
+        # the commit marker, and an object committed while the lease moved on is withdrawn (its epoch, older
+        # than the next publisher's recorded one, makes readers refuse it and gc delete it if this process
+        # dies before the withdrawal)
+        fence = self.lease.refresh if self.lease is not None else None
+        try:
+            data = self.writer.commit(manifest, fence=fence)
+        except LeaseError:
+            self._withdraw(manifest, committed=False)
+            raise
         if self.coordinator is not None:
             lease = self.lease.lease if self.lease is not None else None
-            self.coordinator.register_version(VersionCreate.for_manifest(manifest, data), lease=lease)
+            try:
+                self.coordinator.register_version(VersionCreate.for_manifest(manifest, data), lease=lease)
+            except LeaseError:
+                self._withdraw(manifest, committed=True)
+                raise
         self.published.append(manifest)
         return manifest.total_bytes
+
+    def _withdraw(self, manifest: DeltaManifest, *, committed: bool) -> None:
+        """Take back a fenced commit: the manifest (the commit marker) first, then its signature."""
+        store, what = self.writer.store, f"{manifest.kind} v{manifest.version}"
+        keys = [manifest_key(manifest.version, manifest.kind)] if committed else []
+        keys.append(signature_key(manifest.version, manifest.kind))
+        for key in keys:
+            try:
+                store.delete(key)
+            except ObjectNotFound:
+                pass
+            except Exception as exc:  # noqa: BLE001 - readers and gc still refuse it by its epoch
+                logger.warning("fenced: could not withdraw %s (%s: %s)", key, type(exc).__name__, exc)
+        logger.error(
+            "fenced: another publisher took the run; %s was %s", what, "withdrawn" if committed else "not committed"
+        )

@@ -16,9 +16,10 @@ from typing import Any
 from . import apply
 from ._logging import setup_logging
 from ._shard_header import parse_shard
-from .errors import DeltaSyncError, ObjectNotFound
-from .layout import object_prefix
+from .errors import DeltaSyncError, FencedObject, ForeignObject, ObjectNotFound, SignatureError
+from .layout import manifest_key, object_prefix
 from .reader import Trust, list_versions, read_chain, read_manifest, read_weights
+from .runrecord import read_run_view
 from .signing import VerifyKey, generate_key_files
 from .store import open_store
 from .vocab import Kind
@@ -76,16 +77,32 @@ def _print_rows(rows: list[dict[str, Any]]) -> None:
 
 def _cmd_ls(args: argparse.Namespace) -> int:
     store = open_store(args.store, s3_endpoint=args.s3_endpoint)
+    verify_key = VerifyKey.from_file(args.public_key) if args.public_key else None
+    view = read_run_view(store, run_id=args.run_id, verify_key=verify_key)
+    trust = Trust(verify_key=verify_key) if verify_key is not None else None
     out = []
     for listing in list_versions(store):
         pairs: tuple[tuple[Kind, bool], ...] = (("delta", listing.delta), ("anchor", listing.anchor))
         for kind, present in pairs:
             if present:
                 m = read_manifest(store, listing.version, kind)
+                status = "ok"
+                try:
+                    if trust is not None:
+                        trust.check(store, m.version, kind, store.get(manifest_key(m.version, kind)))
+                    view.admit(m, name=f"{kind} v{m.version}")
+                except ForeignObject:
+                    status = f"FOREIGN: run {m.run_id or '(none)'}"
+                except FencedObject:
+                    status = f"FENCED: epoch {m.lease_epoch}"
+                except SignatureError:
+                    status = "UNSIGNED: not by the key"
                 out.append(
                     {
                         "version": m.version,
                         "kind": kind,
+                        "run_id": m.run_id,
+                        "status": status,
                         "base_version": m.base_version,
                         "encoding": m.encoding,
                         "tensors_changed": sum(1 for t in m.tensors.values() if t.nnz),
@@ -101,16 +118,24 @@ def _cmd_ls(args: argparse.Namespace) -> int:
         return 0
     print(
         f"{'version':>8s} {'kind':6s} {'base':>6s} {'encoding':8s} {'changed':>9s} {'nnz':>12s} "
-        f"{'fraction':>8s} {'bytes':>12s}"
+        f"{'fraction':>8s} {'bytes':>12s}  status"
     )
     for r in out:
         base = "-" if r["base_version"] is None else str(r["base_version"])
         print(
             f"{r['version']:8d} {r['kind']:6s} {base:>6s} {r['encoding']:8s} "
             f"{r['tensors_changed']:4d}/{r['tensors']:<4d} {r['nnz']:12d} "
-            f"{r['changed_fraction']:8.3%} {r['bytes']:12d}"
+            f"{r['changed_fraction']:8.3%} {r['bytes']:12d}  {r['status']}"
         )
-    print(f"{len(out)} objects in {store.uri}")
+    pinned = f"run {view.run_id} ({view.pinned_by})" if view.run_id else "no run pinned (no run.json, no --run-id)"
+    print(f"{len(out)} objects in {store.uri}; {pinned}")
+    refused = [r for r in out if r["status"] != "ok"]
+    if refused:
+        print(
+            f"{len(refused)} objects are not this run's own registered writes (FOREIGN, FENCED or UNSIGNED): "
+            "readers refuse them",
+            file=sys.stderr,
+        )
     return 0
 
 
@@ -153,7 +178,8 @@ def _cmd_verify(args: argparse.Namespace) -> int:
     store = open_store(args.store, s3_endpoint=args.s3_endpoint)
     verify_key = VerifyKey.from_file(args.public_key) if args.public_key else None
     client = _client(args.coordinator, "DELTASYNC_TOKEN", args.ca_bundle) if args.coordinator else None
-    trust = Trust(verify_key=verify_key, ledger=None if client is None else client.registered_digest)
+    ledger = None if client is None else client.registered_digest
+    trust = Trust(verify_key=verify_key, ledger=ledger, run_id=args.run_id)
     try:
         chain = read_chain(store, args.version, trust=trust)
         weights = read_weights(store, args.version, trust=trust, verify=True)
@@ -166,6 +192,8 @@ def _cmd_verify(args: argparse.Namespace) -> int:
         checks.append(f"every manifest signed by {verify_key.key_id[:19]}...")
     if client is not None:
         checks.append(f"every manifest registered with {args.coordinator}")
+    if chain[-1].run_id is not None and (args.run_id or (verify_key is not None and client is None)):
+        checks.append(f"every manifest of run {chain[-1].run_id}")
     result = {
         "version": args.version,
         "ok": True,
@@ -175,6 +203,7 @@ def _cmd_verify(args: argparse.Namespace) -> int:
         "elements": sum(t.numel() for t in weights.values()),
         "signed": verify_key is not None,
         "ledger": client is not None,
+        "run_id": chain[-1].run_id,
     }
     if args.json:
         print(json.dumps(result))
@@ -202,6 +231,7 @@ def _cmd_gc(args: argparse.Namespace) -> int:
         "candidates": [[v.version, v.kind] for v in report.candidates],
         "deleted": [[v.version, v.kind] for v in report.deleted],
         "problems": list(report.problems),
+        "leftovers": list(report.leftovers),
     }
     if args.json:
         print(json.dumps(out))
@@ -211,6 +241,8 @@ def _cmd_gc(args: argparse.Namespace) -> int:
     print(f"kept anchor: {report.kept_anchor}; deltas above {report.keep_from} kept")
     for v in objects:
         print(f"{verb} {v.kind} v{v.version} ({v.bytes} bytes)")
+    for prefix in report.leftovers:
+        print(f"{verb} {prefix} (never registered)")
     for problem in report.problems:
         print(f"problem: {problem}")
     print(f"{len(objects)} objects {verb}")
@@ -242,6 +274,8 @@ def _parser() -> argparse.ArgumentParser:
     ls = sub.add_parser("ls", help="list the committed versions of a store")
     ls.add_argument("store", help="store URI or path")
     ls.add_argument("--json", action="store_true", help="print JSON")
+    ls.add_argument("--public-key", help="mark manifests not signed by this Ed25519 public key (PEM)")
+    ls.add_argument("--run-id", help="mark objects of any other run (default: the run the store's run.json names)")
     add_s3_endpoint(ls)
     ls.set_defaults(func=_cmd_ls)
     inspect = sub.add_parser("inspect", help="tensors, nnz, density and bytes of a shard file or a store version")
@@ -255,6 +289,10 @@ def _parser() -> argparse.ArgumentParser:
     verify.add_argument("store", help="store URI or path")
     verify.add_argument("--version", type=int, required=True, help="version to rebuild")
     verify.add_argument("--public-key", help="refuse manifests not signed by this Ed25519 public key (PEM)")
+    verify.add_argument(
+        "--run-id",
+        help="refuse objects of any other run (with --public-key alone: the run the store's signed run.json names)",
+    )
     verify.add_argument(
         "--coordinator",
         help="refuse manifests whose sha256 is not the one registered there (token: DELTASYNC_TOKEN); several "

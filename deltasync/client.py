@@ -127,6 +127,9 @@ class GcReport:
     """The anchor proven intact before anything was deleted."""
     problems: tuple[str, ...]
     """Why something was not deleted."""
+    leftovers: tuple[str, ...] = ()
+    """Object prefixes the ledger never registered, deleted (a dry run: that would be): a fenced publisher's
+    late writes and a crashed one's shards."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -645,6 +648,7 @@ class CoordinatorClient:
             keep_from=g.keep_from,
             kept_anchor=g.kept_anchor,
             problems=tuple(g.problems),
+            leftovers=tuple(g.leftovers),
         )
 
     def health(self) -> dict[str, Any]:

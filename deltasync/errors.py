@@ -8,6 +8,8 @@ nearest builtin, so ``except FileNotFoundError`` or ``except ValueError`` keep w
     |   +-- UnsupportedFormatVersion(FormatError)      a major format version this reader does not know
     |   +-- IntegrityError(FormatError)                size, sha256, checksum or ledger digest mismatch
     |       +-- SignatureError(IntegrityError)         a manifest unsigned, or not signed by the trusted key
+    |       +-- ForeignObject(IntegrityError)          an object of another run than the pinned one
+    |       +-- FencedObject(IntegrityError)           a fenced publisher's late write, never registered
     +-- UpdateRefused(DeltaSyncError)                  refused before any write; ``reason`` says why
     |   +-- VersionGapError(UpdateRefused)             a delta's base is not the version held
     +-- StoreError(DeltaSyncError, OSError)            the store could not read or write an object
@@ -31,6 +33,8 @@ __all__ = [
     "ApplyError",
     "CoordinatorError",
     "DeltaSyncError",
+    "FencedObject",
+    "ForeignObject",
     "FormatError",
     "IntegrityError",
     "LeaseError",
@@ -66,6 +70,14 @@ class IntegrityError(FormatError):
 
 class SignatureError(IntegrityError):
     """A manifest has no signature, or one that the trusted public key does not verify."""
+
+
+class ForeignObject(IntegrityError):
+    """An object (or a whole store) belongs to another run than the one the reader or publisher is pinned to."""
+
+
+class FencedObject(IntegrityError):
+    """An object a fenced publisher wrote after a later publisher took the run: never registered, never read."""
 
 
 class RefusalReason(enum.StrEnum):

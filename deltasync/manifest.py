@@ -56,6 +56,7 @@ _RUN_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 _MODEL_ID_MAX = 256
 _KEYS_1_0 = {"format_version", "kind", "version", "base_version", "encoding", "shards", "tensors"}
 _KEYS_1_1 = _KEYS_1_0 | {"model_fingerprint", "model_id", "run_id"}
+_KEYS_1_3 = _KEYS_1_1 | {"lease_epoch"}
 _TENSOR_KEYS_1_0 = {"shape", "dtype", "nnz", "shards", "checksums"}
 _TENSOR_KEYS_1_2 = _TENSOR_KEYS_1_0 | {"sketch"}
 
@@ -155,7 +156,11 @@ class DeltaManifest:
     model_id: str | None = None
     """An optional name of the model lineage (e.g. ``Qwen/Qwen3-0.6B``), checked when both sides set one."""
     run_id: str | None = None
-    """The run (the coordinator ledger's identity) that published the object; ``None`` without a coordinator."""
+    """The run that published the object: the coordinator ledger's identity, or the store's own run record
+    without a coordinator (``None`` in objects written before 1.3 without a coordinator)."""
+    lease_epoch: int | None = None
+    """The epoch of the publisher lease its writer held (since 1.3; ``None`` without a coordinator). A reader
+    refuses an object whose epoch a later publisher of the run fenced (see :mod:`deltasync.runrecord`)."""
     format_version: str = FORMAT_VERSION
     """``major.minor`` of the format."""
 
@@ -215,6 +220,8 @@ class DeltaManifest:
         }
         if self.format_version != "1.0":
             head.update(model_fingerprint=self.model_fingerprint, model_id=self.model_id, run_id=self.run_id)
+        if self.format_version not in ("1.0", "1.1", "1.2"):
+            head.update(lease_epoch=self.lease_epoch)
         lines = [f" {dump(k)}: {dump(v)}," for k, v in sorted(head.items())]
         body = "\n".join(
             [
@@ -286,7 +293,7 @@ def _parse_manifest(obj: object, name: str) -> DeltaManifest:
         )
     # a newer minor version may only add keys (at any level): accept and ignore them
     newer = minor > ours_minor
-    top = c.keys("manifest", obj, _KEYS_1_0 if minor == 0 else _KEYS_1_1, extra_ok=newer)
+    top = c.keys("manifest", obj, _KEYS_1_0 if minor == 0 else _KEYS_1_1 if minor < 3 else _KEYS_1_3, extra_ok=newer)
     kind, encoding = top["kind"], top["encoding"]
     if kind not in KINDS:
         raise c.fail("kind", f"must be one of {list(KINDS)}, found {kind!r}")
@@ -328,6 +335,9 @@ def _parse_manifest(obj: object, name: str) -> DeltaManifest:
             raise c.fail("model_id", f"must be null or a string of 1 to {_MODEL_ID_MAX} characters, found {model_id!r}")
         if run_id is not None and (not isinstance(run_id, str) or not _RUN_ID.fullmatch(run_id)):
             raise c.fail("run_id", f"must be null or a run identity like 'run-2f1c...', found {run_id!r}")
+    lease_epoch = None
+    if minor >= 3 and top["lease_epoch"] is not None:
+        lease_epoch = c.int_in("lease_epoch", top["lease_epoch"], 1, MAX_INT)
     manifest = DeltaManifest(
         kind=kind,
         version=version,
@@ -337,6 +347,7 @@ def _parse_manifest(obj: object, name: str) -> DeltaManifest:
         tensors=tensors,
         model_id=model_id,
         run_id=run_id,
+        lease_epoch=lease_epoch,
         format_version=fmt,
     )
     if minor >= 1:

@@ -35,6 +35,7 @@ from .format import TensorDelta
 from .layout import version_of_key
 from .manifest import DeltaManifest
 from .names import NameMap
+from .runrecord import adopt_run, claim_run, record_epoch
 from .signing import SigningKey
 from .store import Store, open_store
 from .vocab import DTYPE_NAMES, Kind
@@ -111,8 +112,8 @@ class Publisher:
         self.world = dist.get_world_size() if distributed else 1
         self._group = dist.new_group(backend="gloo") if self.world > 1 else None
         self._lease = self._take_lease()
-        run_id = self._broadcast(self._lease.lease.run_id if self._lease is not None else None)
         signing = SigningKey.from_file(self.config.signing_key) if self.config.signing_key else None
+        run_id, epoch = self._start_run(signing)
         writer = ObjectWriter(
             store=self.store,
             encoding=self.config.encoding,
@@ -121,6 +122,7 @@ class Publisher:
             signing_key=signing,
             model_id=self.config.model_id,
             run_id=run_id,
+            lease_epoch=epoch,
         )
         self._commit = RankCommit(
             writer,
@@ -188,6 +190,43 @@ class Publisher:
                 time.sleep(min(1.0, self.config.lease_ttl_s / 10))
         logger.info("publisher lease taken: run %s, epoch %d", lease.run_id, lease.epoch)
         return LeaseKeeper(self.coordinator, lease, self.config.lease_ttl_s)
+
+    def _start_run(self, signing: SigningKey | None) -> tuple[str, int | None]:
+        """Every rank: the run and epoch rank 0 recorded; a refusal is raised on every rank."""
+        found: tuple[str, int | None] | None = None
+        error: BaseException | None = None
+        if self.rank == 0:
+            try:
+                found = self._record_run(signing)
+            except BaseException as exc:
+                error = exc
+                if self._lease is not None:
+                    self._lease.close()  # the next publisher need not wait for the lease to lapse
+        shared = self._broadcast((found, None if error is None else f"{type(error).__name__}: {error}"))
+        if error is not None:
+            raise error
+        if shared[1] is not None:
+            raise RuntimeError(f"rank 0 could not start the run: {shared[1]}")
+        assert shared[0] is not None
+        return shared[0]
+
+    def _record_run(self, signing: SigningKey | None) -> tuple[str, int | None]:
+        """Rank 0: the run and lease epoch every manifest names, recorded in the store (:mod:`.runrecord`).
+
+        With a coordinator the run is the ledger's, and this publisher's epoch is recorded with the newest
+        version the ledger had registered: an older epoch's object above it is a fenced writer's. Without
+        one the run is the store's own (made now for a new store).
+
+        Raises:
+            ForeignObject: the store belongs to another run.
+        """
+        if self._lease is None:
+            return adopt_run(self.store, signing), None
+        lease = self._lease.lease
+        claim_run(self.store, lease.run_id, signing)
+        through = lease.next_version - 1 if lease.next_version > 0 else None
+        record_epoch(self.store, lease.run_id, lease.epoch, through, signing)
+        return lease.run_id, lease.epoch
 
     def _first_version(self) -> int:
         version = self.config.start_version

@@ -27,6 +27,7 @@ from .errors import FormatError, IntegrityError, ObjectNotFound, StoreError
 from .format import TensorDelta, decode_shard
 from .layout import manifest_key, object_prefix, parse_manifest_key, signature_key
 from .manifest import MAX_MANIFEST_BYTES, DeltaManifest, ShardEntry
+from .runrecord import RunView, read_run_view
 from .signing import MAX_SIGNATURE_BYTES, VerifyKey
 from .store.base import Store
 from .vocab import Kind
@@ -64,9 +65,26 @@ class Trust:
     """
 
     verify_key: VerifyKey | None = None
-    """Require each manifest to be signed by this key."""
+    """Require each manifest to be signed by this key, and (without :attr:`run_id`) to belong to the run the
+    store's signed ``run.json`` names."""
     ledger: LedgerLookup | None = None
     """Require each manifest's sha256 to be the digest the coordinator registered."""
+    run_id: str | None = None
+    """Require each manifest to belong to this run (one key often signs many runs: pin the one you read)."""
+
+    def run_view(self, store: Store) -> RunView:
+        """The run this trust pins in ``store`` and its publisher epochs (see :mod:`deltasync.runrecord`).
+
+        A reader with the ledger needs no record (a fenced or foreign object was never registered), unless it
+        pins a run itself.
+
+        Raises:
+            ForeignObject: the store's run record names another run than :attr:`run_id`.
+            SignatureError: the store's run record is not signed by :attr:`verify_key`.
+        """
+        if self.run_id is None and (self.ledger is not None or self.verify_key is None):
+            return RunView(run_id=None)
+        return read_run_view(store, run_id=self.run_id, verify_key=self.verify_key)
 
     def check(self, store: Store, version: int, kind: Kind, data: bytes) -> None:
         """Authenticate a manifest's bytes.
@@ -125,7 +143,13 @@ def read_manifest(store: Store, version: int, kind: Kind = "delta", *, trust: Tr
         ObjectTooLarge: the manifest is over the cap (nothing read).
         FormatError: the manifest is malformed or describes another object than its key says.
         IntegrityError, SignatureError: ``trust`` refused it.
+        ForeignObject, FencedObject: ``trust`` pins a run, and the object is another run's or a fenced
+            publisher's.
     """
+    return _read_manifest(store, version, kind, trust, None if trust is None else trust.run_view(store))
+
+
+def _read_manifest(store: Store, version: int, kind: Kind, trust: Trust | None, view: RunView | None) -> DeltaManifest:
     key = manifest_key(version, kind)
     data = store.get(key, max_bytes=MAX_MANIFEST_BYTES)
     if trust is not None:
@@ -136,6 +160,8 @@ def read_manifest(store: Store, version: int, kind: Kind = "delta", *, trust: Tr
             f"{store.uri}/{key}: manifest describes {manifest.kind} v{manifest.version}, "
             f"expected {kind} v{version} (a file copied to the wrong place?)"
         )
+    if view is not None:
+        view.admit(manifest, name=f"{store.uri}/{key}")
     return manifest
 
 
@@ -254,21 +280,24 @@ def load_object(
 def read_chain(store: Store, version: int, *, trust: Trust | None = None) -> list[DeltaManifest]:
     """Manifests to rebuild ``version``: the newest anchor on its delta chain, then the deltas.
 
-    An anchor that cannot be read or authenticated is passed over for the delta at the same version (a planted
-    or damaged anchor must not hide an intact chain). The chain must be of one model and one run, and each
-    delta must claim, for every tensor it leaves unchanged, exactly the checksums of the object before it.
+    An anchor that cannot be read or authenticated, or that belongs to another run than ``trust`` pins, is
+    passed over for the delta at the same version (a planted or damaged anchor must not hide an intact chain).
+    The chain must be of one model and one run, and each delta must claim, for every tensor it leaves
+    unchanged, exactly the checksums of the object before it.
 
     Raises:
         ObjectNotFound: a version on the chain has neither a delta nor an anchor.
         FormatError: the chain mixes models or runs, or a delta contradicts its base.
+        ForeignObject, FencedObject: a delta on the chain is another run's or a fenced publisher's.
     """
+    view = None if trust is None else trust.run_view(store)
     chain: list[DeltaManifest] = []
     v = version
     while True:
         has_delta = store.exists(manifest_key(v, "delta"))
         if store.exists(manifest_key(v, "anchor")):
             try:
-                chain.append(read_manifest(store, v, "anchor", trust=trust))
+                chain.append(_read_manifest(store, v, "anchor", trust, view))
                 break
             except (FormatError, StoreError) as exc:
                 if not has_delta:
@@ -277,7 +306,7 @@ def read_chain(store: Store, version: int, *, trust: Trust | None = None) -> lis
         if not has_delta:
             needed = f" (needed to rebuild v{version})" if v != version else ""
             raise ObjectNotFound(f"{store.uri}: version {v} is not committed{needed}")
-        m = read_manifest(store, v, "delta", trust=trust)
+        m = _read_manifest(store, v, "delta", trust, view)
         chain.append(m)
         assert m.base_version is not None
         v = m.base_version

@@ -193,6 +193,11 @@ class GcPublic(_Model):
     keep_from: int | None = Field(description="deltas above this version and the kept anchor are kept")
     kept_anchor: int | None = Field(None, description="the anchor proven present and intact before any deletion")
     problems: list[str] = Field(default_factory=list, description="why something was not deleted")
+    leftovers: list[str] = Field(
+        default_factory=list,
+        description="object prefixes the ledger never registered, deleted (or, for a dry run, that would be): a "
+        "fenced publisher's late writes and a crashed one's shards",
+    )
 
 
 class HealthPublic(_Model):

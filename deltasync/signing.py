@@ -6,8 +6,9 @@ manifest (the commit marker)::
 
     {"alg": "ed25519", "key_id": "sha256:<hex of the raw public key>", "signature": "<base64>"}
 
-The signed message is ``b"deltasync-manifest-v1\\n" + manifest bytes``, so a signature can never be replayed
-as a signature over anything else. Keys are PEM files: ``deltasync keygen PATH`` writes ``PATH`` (private,
+The signed message is ``b"deltasync-manifest-v1\\n" + manifest bytes`` (``b"deltasync-run-v1\\n" + record
+bytes`` for a store's run records, :mod:`deltasync.runrecord`), so a signature can never be replayed as a
+signature over anything else. Keys are PEM files: ``deltasync keygen PATH`` writes ``PATH`` (private,
 mode 0600) and ``PATH.pub``.
 """
 
@@ -25,6 +26,7 @@ from .errors import FormatError, SignatureError
 
 __all__ = [
     "MAX_SIGNATURE_BYTES",
+    "RUN_CONTEXT",
     "SigningKey",
     "VerifyKey",
     "generate_key_files",
@@ -34,6 +36,8 @@ MAX_SIGNATURE_BYTES = 4096
 """Readers refuse larger signature files (checked before reading)."""
 
 _CONTEXT = b"deltasync-manifest-v1\n"
+RUN_CONTEXT = b"deltasync-run-v1\n"
+"""The signing context of a store's run records (a manifest's signature never verifies one, nor the reverse)."""
 
 
 def _crypto() -> Any:
@@ -78,7 +82,9 @@ class VerifyKey:
             raise FormatError(f"{path}: the public key is {type(key).__name__}, expected Ed25519")
         return cls(key.public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw))
 
-    def verify(self, manifest_bytes: bytes, signature_file: bytes | None, *, name: str) -> None:
+    def verify(
+        self, manifest_bytes: bytes, signature_file: bytes | None, *, name: str, context: bytes = _CONTEXT
+    ) -> None:
         """Check ``signature_file`` over ``manifest_bytes``.
 
         Raises:
@@ -101,7 +107,7 @@ class VerifyKey:
         from cryptography.exceptions import InvalidSignature
 
         try:
-            _crypto().Ed25519PublicKey.from_public_bytes(self.raw).verify(sig, _CONTEXT + manifest_bytes)
+            _crypto().Ed25519PublicKey.from_public_bytes(self.raw).verify(sig, context + manifest_bytes)
         except InvalidSignature:
             raise SignatureError(
                 f"{name}: the signature does not match the manifest's bytes (a modified or forged manifest)"
@@ -143,9 +149,9 @@ class SigningKey:
         """A new random key."""
         return cls(_crypto().Ed25519PrivateKey.generate())
 
-    def sign(self, manifest_bytes: bytes) -> bytes:
-        """The signature file (JSON) over ``manifest_bytes``."""
-        sig = self._key.sign(_CONTEXT + manifest_bytes)
+    def sign(self, manifest_bytes: bytes, *, context: bytes = _CONTEXT) -> bytes:
+        """The signature file (JSON) over ``manifest_bytes`` (or a run record's, with :data:`RUN_CONTEXT`)."""
+        sig = self._key.sign(context + manifest_bytes)
         obj = {"alg": "ed25519", "key_id": self.verify_key.key_id, "signature": base64.b64encode(sig).decode()}
         return (json.dumps(obj, sort_keys=True) + "\n").encode()
 

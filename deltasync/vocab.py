@@ -33,7 +33,7 @@ __all__ = [
     "wide_dtypes",
 ]
 
-FORMAT_VERSION = "1.2"
+FORMAT_VERSION = "1.3"
 """``major.minor`` of shards and manifests: readers reject another major version and accept any minor
 version of theirs (1.1 added the model fingerprint and run identity, 1.2 the sketch of every tensor;
 docs/FORMAT.md)."""

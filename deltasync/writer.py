@@ -12,7 +12,7 @@ import dataclasses
 import hashlib
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -81,6 +81,7 @@ class ObjectWriter:
         signing_key: sign every manifest (``manifest.sig``, written before the manifest).
         model_id: the model id each manifest names.
         run_id: the run (coordinator ledger identity) each manifest names.
+        lease_epoch: the publisher lease epoch each manifest names (readers refuse a fenced epoch's writes).
     """
 
     store: Store
@@ -90,6 +91,7 @@ class ObjectWriter:
     signing_key: SigningKey | None = None
     model_id: str | None = None
     run_id: str | None = None
+    lease_epoch: int | None = None
 
     def encode(
         self,
@@ -148,10 +150,16 @@ class ObjectWriter:
             tensors=tensors,
             model_id=self.model_id,
             run_id=self.run_id,
+            lease_epoch=self.lease_epoch,
         )
 
-    def commit(self, manifest: DeltaManifest) -> bytes:
+    def commit(self, manifest: DeltaManifest, *, fence: Callable[[], None] | None = None) -> bytes:
         """Validate the manifest, write its signature (with a key) and then the manifest itself: the commit.
+
+        Args:
+            manifest: what to commit.
+            fence: called at the last moment before the manifest is written (a publisher proves it still
+                holds the run's lease there); what it raises aborts the commit.
 
         Returns:
             The manifest's bytes (register their sha256 with the coordinator).
@@ -163,6 +171,8 @@ class ObjectWriter:
         DeltaManifest.from_json(data, name=f"{manifest.kind} v{manifest.version}")  # never commit what readers refuse
         if self.signing_key is not None:
             self.store.put(signature_key(manifest.version, manifest.kind), self.signing_key.sign(data))
+        if fence is not None:
+            fence()
         self.store.put(manifest_key(manifest.version, manifest.kind), data)
         return data
 

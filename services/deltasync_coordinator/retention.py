@@ -5,6 +5,11 @@ every shard is there with its size and sha256), every object above it, every del
 live agent has applied, and every object of a plan issued within ``plan_lease_s`` (an agent may be fetching
 it). Nothing is deleted while no anchor can be proven. Deletion goes through the store, which never follows a
 link nor leaves its root; the manifest goes first, so an object stops being committed before its shards do.
+
+**Leftovers**, objects the ledger never registered, go too: one committed under an older publisher lease epoch
+than the live one (a fenced publisher's late write; readers already refuse it), and any unregistered object
+below the newest registered version (a crashed publisher's shards). The live publisher only ever writes above
+the newest registered version, so nothing it may still commit is touched.
 """
 
 from __future__ import annotations
@@ -14,11 +19,12 @@ import json
 import logging
 
 from deltasync.errors import ObjectNotFound
-from deltasync.layout import object_prefix
+from deltasync.layout import MANIFEST_FILE, manifest_key, object_prefix, version_of_key
 from deltasync.manifest import MAX_MANIFEST_BYTES, DeltaManifest
 from deltasync.reader import prove_object
 from deltasync.schemas import GcPublic, VersionPublic
 from deltasync.store import Store
+from deltasync.vocab import Kind
 
 from .db import LedgerDatabase
 from .fleet import Fleet
@@ -98,8 +104,16 @@ class Retention:
             problems.append("no anchor is proven intact: nothing is deleted")
             return GcPublic(candidates=[], keep_from=None, problems=problems)
         plan = self.candidates(kept)
+        leftovers = self._leftovers(store, problems)
         if dry_run:
-            return plan.model_copy(update={"problems": problems})
+            return plan.model_copy(update={"problems": problems, "leftovers": sorted(leftovers)})
+        gone = []
+        for prefix, (keys, why) in sorted(leftovers.items()):
+            problem = self._delete_leftover(store, prefix, keys, why)
+            if problem is None:
+                gone.append(prefix)
+            else:
+                problems.append(problem)
         deleted = []
         for obj in plan.candidates:
             problem = self._delete(store, obj)
@@ -113,7 +127,60 @@ class Retention:
             keep_from=plan.keep_from,
             kept_anchor=kept,
             problems=problems,
+            leftovers=gone,
         )
+
+    def _leftovers(self, store: Store, problems: list[str]) -> dict[str, tuple[list[str], str]]:
+        """Unregistered objects no live publisher can still commit: object prefix -> (its keys, why)."""
+        with self.db.read() as c:
+            registered = {(r["version"], r["kind"]) for r in c.execute("SELECT version, kind FROM versions")}
+            top = c.execute("SELECT MAX(version) FROM versions").fetchone()[0]
+            lease = c.execute("SELECT epoch FROM lease WHERE id=1").fetchone()
+        epoch = None if lease is None else lease["epoch"]
+        try:
+            keys = store.list()
+        except Exception as exc:  # noqa: BLE001 - a store we cannot list deletes nothing; reported, never a 500
+            problems.append(f"leftovers not collected: {type(exc).__name__}: {exc}")
+            return {}
+        objects: dict[tuple[int, Kind], list[str]] = {}
+        for key in keys:
+            version = version_of_key(key)
+            if version is not None:
+                kind: Kind = "anchor" if key.startswith(object_prefix(version, "anchor")) else "delta"
+                objects.setdefault((version, kind), []).append(key)
+        out: dict[str, tuple[list[str], str]] = {}
+        for (version, kind), found in objects.items():
+            if (version, kind) in registered:
+                continue
+            prefix, key, why = object_prefix(version, kind), manifest_key(version, kind), None
+            manifest = self._manifest(store, key) if key in found else None
+            if manifest is not None and manifest.lease_epoch is not None and epoch is not None:
+                if manifest.lease_epoch < epoch:
+                    why = f"committed under lease epoch {manifest.lease_epoch} after epoch {epoch} took the run"
+            if why is None and top is not None and version < top:
+                why = f"never registered, below the newest registered v{top}"
+            if why is not None:
+                out[prefix] = (found, why)
+        return out
+
+    @staticmethod
+    def _manifest(store: Store, key: str) -> DeltaManifest | None:
+        try:
+            return DeltaManifest.from_json(store.get(key, max_bytes=MAX_MANIFEST_BYTES), name=f"{store.uri}/{key}")
+        except Exception:  # noqa: BLE001 - unreadable: judged by its version alone
+            return None
+
+    def _delete_leftover(self, store: Store, prefix: str, keys: list[str], why: str) -> str | None:
+        first = [k for k in keys if k.endswith("/" + MANIFEST_FILE)]  # uncommit first, as for registered objects
+        for key in first + sorted(set(keys) - set(first)):
+            try:
+                store.delete(key)
+            except ObjectNotFound:
+                pass
+            except Exception as exc:  # noqa: BLE001 - left where it is, reported
+                return f"leftover {prefix} not deleted: {type(exc).__name__}: {exc}"
+        logger.warning("gc: deleted the unregistered %s (%d files): %s", prefix, len(keys), why)
+        return None
 
     def _delete(self, store: Store, obj: VersionPublic) -> str | None:
         prefix = object_prefix(obj.version, obj.kind)

@@ -1,6 +1,7 @@
 """Processes for the fault suite that stop at a chosen point, so a test can kill -9 them exactly there.
 
-python -m tests.integration.fault_scripts publish STORE COORD N --seed S --truth DIR [--pause-at KEY --marker F]
+python -m tests.integration.fault_scripts publish STORE COORD N --seed S --truth DIR [--pause-at KEY --marker F
+    [--freeze-window-s S [--stop-after]]]
 python -m tests.integration.fault_scripts agent VLLM COORD STORE STAGING --pause fetch|apply --marker F
 """
 
@@ -31,7 +32,16 @@ def publish(args: argparse.Namespace) -> None:
     class PausingStore(LocalStore):
         def put(self, key: str, data: Any) -> None:
             if args.pause_at and args.pause_at in key:
-                _pause(args.marker)
+                if args.freeze_window_s is None:
+                    _pause(args.marker)
+                # the test SIGSTOPs this process inside the window, past its lease refresh; once resumed it
+                # writes the key, and with --stop-after pauses again there (for a kill -9)
+                Path(args.marker).write_text(str(os.getpid()))
+                time.sleep(args.freeze_window_s)
+                super().put(key, data)
+                if args.stop_after:
+                    _pause(args.marker + ".written")
+                return
             super().put(key, data)
 
     shapes = qwen3_shapes({**TINY_QWEN3_CONFIG, "vocab_size": 300, "hidden_size": 64, "intermediate_size": 96})
@@ -89,6 +99,8 @@ if __name__ == "__main__":
     p.add_argument("--truth", required=True)
     p.add_argument("--pause-at")
     p.add_argument("--marker")
+    p.add_argument("--freeze-window-s", type=float, help="at --pause-at: mark, sleep this long, then write the key")
+    p.add_argument("--stop-after", action="store_true", help="with --freeze-window-s: pause after writing the key")
     a = sub.add_parser("agent")
     a.add_argument("vllm")
     a.add_argument("coordinator")

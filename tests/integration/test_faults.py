@@ -20,11 +20,13 @@ import pytest
 import torch
 
 from deltasync import (
+    FencedObject,
     IntegrityError,
     LocalStore,
     ObjectNotFound,
     RefusalReason,
     StoreError,
+    Trust,
     UpdateRefused,
     VersionGapError,
     list_versions,
@@ -107,6 +109,8 @@ def run_publisher(tmp: Path, url: str, n: int, seed: int, **pause) -> subprocess
     ]
     if pause:
         cmd += ["--pause-at", pause["at"], "--marker", str(pause["marker"])]
+    if "freeze_window_s" in pause:
+        cmd += ["--freeze-window-s", str(pause["freeze_window_s"])] + (["--stop-after"] if pause["stop_after"] else [])
     (tmp / "truth").mkdir(exist_ok=True)
     return subprocess.Popen(cmd, env={**os.environ, **ENV})
 
@@ -148,6 +152,63 @@ def test_publisher_killed_mid_version(tmp_path: Path, coordinator: CoordinatorPr
         f"\nRELIABILITY publisher kill -9 {point}: versions lost 0, partial version visible: no, "
         f"restart to v5 registered {recovery_s:.1f} s (incl. interpreter start and the lease's 3 s TTL)"
     )
+
+
+@pytest.mark.parametrize("then", ["resumed", "killed-after-its-late-write"])
+def test_a_frozen_publisher_past_its_lease_never_commits_a_version_readers_take(
+    tmp_path: Path, coordinator: CoordinatorProcess, then: str
+) -> None:
+    """SIGSTOP a publisher between its last lease refresh and its manifest write, past the lease TTL, while a
+    second publisher takes the run; then resume it (it writes its manifest late). Resumed, it withdraws what
+    registration refused; killed right after the late write, its leftover names an epoch the second publisher
+    fenced: key-only readers refuse it, `deltasync ls` marks it, and gc deletes it."""
+    marker = tmp_path / "paused"
+    first = run_publisher(
+        tmp_path,
+        coordinator.url,
+        6,
+        seed=0,
+        at="v00000003/manifest.json",
+        marker=marker,
+        freeze_window_s=2.0,
+        stop_after=then != "resumed",
+    )
+    wait_for(marker, first)
+    os.kill(first.pid, signal.SIGSTOP)  # every thread: no lease renewal, no write
+    try:
+        time.sleep(4)  # past the 3 s lease TTL
+        second = run_publisher(tmp_path, coordinator.url, 2, seed=1)
+        assert second.wait(120) == 0  # takes the run (epoch 2), starts above v3's shards: anchor v4, delta v5
+    finally:
+        os.kill(first.pid, signal.SIGCONT)
+    store = LocalStore(tmp_path / "store")
+    if then == "resumed":
+        assert first.wait(60) != 0  # registration refused it: fenced
+    else:
+        wait_for(Path(f"{marker}.written"), first)
+        os.kill(first.pid, signal.SIGKILL)
+        first.wait(10)
+    late = manifest_key(3, "delta")
+    run_id = httpx.get(f"{coordinator.url}/healthz").json()["run_id"]
+    pinned = Trust(run_id=run_id)
+    if then == "resumed":
+        assert not store.exists(late)  # withdrawn by the fenced publisher itself
+    else:
+        assert store.exists(late) and read_manifest(store, 3).lease_epoch == 1
+        with pytest.raises(FencedObject, match=r"epoch 1, but epoch 2 took run .* registered v2: a fenced"):
+            read_weights(store, 3, trust=pinned)
+        ls = subprocess.run(
+            [sys.executable, "-m", "deltasync.cli", "ls", str(tmp_path / "store")], capture_output=True, text=True
+        )
+        assert ls.returncode == 0 and "FENCED: epoch 1" in ls.stdout and "readers refuse them" in ls.stderr, ls
+    for v in (4, 5):  # the run goes on through the second publisher, exactly
+        assert_bit_equal(read_weights(store, v, trust=pinned), torch.load(tmp_path / "truth" / f"v{v}.pt"))
+    with CoordinatorClient(coordinator.url, token=PUBLISHER_TOKEN) as client:
+        report = client.collect_garbage()
+    assert "v00000003/" in report.leftovers  # the fenced (or crashed) publisher's v3, never registered
+    assert not [k for k in store.list() if k.startswith("v00000003/")]
+    assert [x.version for x in list_versions(store)] == [0, 1, 2, 4, 5] or report.deleted
+    print(f"\nRELIABILITY frozen publisher {then}: late write readable: no, gc deleted {report.leftovers}")
 
 
 # ---------------------------------------------------------------- 3. kill -9 and restart the coordinator

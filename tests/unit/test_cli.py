@@ -66,6 +66,7 @@ def test_verify(published: LocalStore, capsys: pytest.CaptureFixture[str]) -> No
         "elements": 0,
         "signed": False,
         "ledger": False,
+        "run_id": None,
     }
     assert main(["verify", str(published.root), "--version", "3"]) == 0
     assert "v3: ok, 24 tensors" in capsys.readouterr().out

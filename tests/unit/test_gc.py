@@ -134,3 +134,23 @@ async def test_a_dry_run_proves_and_lists_but_deletes_nothing(coord: Coordinator
     await coord.http.post("/v1/agents/x/heartbeat", headers=auth("x"), json={"applied_version": 1, "state": "idle"})
     dry = (await coord.http.post("/v1/gc", params={"dry_run": True}, headers=PUB)).json()
     assert [(x["version"], x["kind"]) for x in dry["candidates"]] == [(0, "anchor"), (1, "delta")]
+
+
+async def test_gc_deletes_unregistered_leftovers_but_never_what_the_live_publisher_may_still_commit(
+    coord: Coordinator, tmp_path: Path
+) -> None:
+    """Issue 21: objects the ledger never registered (a crashed publisher's shards, a committed but unregistered
+    version below the newest registered one) are deleted, manifest first; an unregistered version above the
+    newest registered one may be the live publisher's work in progress and is kept. The fenced case, by lease
+    epoch: `test_faults.py::test_a_frozen_publisher_past_its_lease_never_commits_a_version_readers_take`."""
+    store = LocalStore(tmp_path / "store")
+    await weights_store(coord, store, 4, anchors=(2,))
+    store.put("v00000003/anchor/shard-00000.safetensors", b"a crashed publisher's anchor shard")
+    store.put("v00000009/shard-00000.safetensors", b"the live publisher's next version, in progress")
+    dry = (await coord.http.post("/v1/gc?dry_run=true", headers=PUB)).json()
+    assert dry["leftovers"] == ["v00000003/anchor/"] and store.exists("v00000003/anchor/shard-00000.safetensors")
+    report = (await coord.http.post("/v1/gc", headers=PUB)).json()
+    assert report["leftovers"] == ["v00000003/anchor/"]
+    assert not store.list("v00000003/anchor/")
+    assert store.exists("v00000009/shard-00000.safetensors")
+    assert [v.version for v in list_versions(store)] == [2, 3, 4]

@@ -122,6 +122,8 @@ def _cases() -> dict[str, bytes]:
             )
             for k, v in new.items()
         },
+        run_id="run-golden",
+        lease_epoch=3,
     )
     out["manifest-delta.json"] = manifest.to_json()
     return out
@@ -153,15 +155,17 @@ def test_golden(name: str) -> None:
         assert produced == golden
 
 
-@pytest.mark.parametrize("directory", [GOLDEN, GOLDEN / "1.1", GOLDEN / "1.0"], ids=["1.2", "1.1", "1.0"])
+@pytest.mark.parametrize(
+    "directory", [GOLDEN, GOLDEN / "1.2", GOLDEN / "1.1", GOLDEN / "1.0"], ids=["1.3", "1.2", "1.1", "1.0"]
+)
 def test_golden_files_decode_to_the_documented_values(directory: Path) -> None:
-    """Files of format 1.0 (before the model fingerprint and run identity) and 1.1 (before the sketch) stay
-    readable."""
+    """Files of format 1.0 (before the model fingerprint and run identity), 1.1 (before the sketch) and 1.2
+    (before the lease epoch) stay readable."""
     base, new = _inputs()
     for name in ("delta-raw", "delta-packed", "anchor-raw", "anchor-packed"):
         header, out = decode_shard((directory / f"{name}.safetensors").read_bytes(), name=name, base=base)
         assert header.target_version == 7
-        assert header.format_version == (directory.name if directory != GOLDEN else "1.2")
+        assert header.format_version == (directory.name if directory != GOLDEN else "1.3")
         for t, d in out.items():
             full = base[t].clone().reshape(-1)
             if d.indices is None:
@@ -174,7 +178,9 @@ def test_golden_files_decode_to_the_documented_values(directory: Path) -> None:
     assert m.shards[0].bytes == len((directory / "delta-packed.safetensors").read_bytes())
     assert m.model_fingerprint.startswith("sha256:")
     sketches = {t: e.sketch for t, e in m.tensors.items()}
-    assert sketches == {t: tensor_sketch(v) if directory == GOLDEN else None for t, v in new.items()}
+    with_sketch = directory.name not in ("1.0", "1.1")
+    assert sketches == {t: tensor_sketch(v) if with_sketch else None for t, v in new.items()}
+    assert (m.run_id, m.lease_epoch) == (("run-golden", 3) if directory == GOLDEN else (m.run_id, None))
 
 
 def test_documented_example_header() -> None:
