@@ -57,9 +57,14 @@ Guarantees, and how:
   exponential backoff and jitter, ``retries`` times, then raise :class:`StoreError` naming the bucket and key.
   obstore's own retries are off, so a create-only put is never re-sent behind our back.
 * **Keys.** Every key passes :func:`check_key`; listed keys that do not (written by something else) are
-  skipped. S3 listings go through boto3 (also in the ``[s3]`` extra), which returns keys as stored: obstore
-  aborts a whole listing over one key it cannot parse (``a//b``, ``../x``: one hostile key would hide every
-  version), and lists a folder marker ``x/`` (what consoles' "create folder" writes) as a key ``x``.
+  skipped, with one warning per key. S3 listings go through boto3 (also in the ``[s3]`` extra), which returns
+  keys as stored: obstore aborts a whole listing over one key it cannot parse (``a//b``, ``../x``: one hostile
+  key would hide every version), and lists a folder marker ``x/`` (what consoles' "create folder" writes) as
+  a key ``x``. The one obstore listing left on S3, the bucket check after a HEAD's 404, takes such a key as
+  proof that the bucket exists and skips it with the same warning (the read is ObjectNotFound, as without it);
+  on ``gs://`` and ``az://``, which list through obstore, ``list()`` raises StoreError naming the key (issue
+  21). No request lets an obstore exception out: each is translated into ObjectNotFound, ObjectExists or
+  StoreError, naming the store, the request and the key.
 
 GCS and Azure: opened with obstore's ``GCSStore`` / ``AzureStore`` and the standard environment
 (``GOOGLE_APPLICATION_CREDENTIALS``; ``AZURE_STORAGE_ACCOUNT_NAME`` and a key or token). Only their

@@ -12,7 +12,7 @@ from typing import Any, BinaryIO, cast
 
 from ...errors import ObjectNotFound, ObjectTooLarge, StoreError
 from ..base import check_key
-from ._requests import S3Requests, Truncated, capture, first_error, first_line, status
+from ._requests import S3Requests, Truncated, UnparsableKey, capture, first_error, first_line, status
 
 __all__ = ["S3Reader"]
 
@@ -47,13 +47,20 @@ class S3Reader(S3Requests):
 
     def _check_bucket(self) -> None:
         """After a 404 to a HEAD (which has no body to say why): raise StoreError if the bucket is missing.
-        One listing request, once per store: a bucket seen once is not asked about again."""
+        One listing request, once per store: a bucket seen once is not asked about again. A key in that
+        listing that obstore cannot parse (written by something else) shows the bucket exists: it is skipped
+        with a warning, as :meth:`list` skips it."""
         import obstore
 
         if self._bucket_seen:
             return
         try:
             self._call("list", "", lambda: next(iter(obstore.list(self._store, None, chunk_size=1)), None))
+        except UnparsableKey as exc:  # the listing came back: the bucket is there
+            if exc.key is not None:
+                self._skip(exc.key, "not a deltasync key")
+            else:  # at most once per store: this listing is not asked again
+                logger.warning("%s", exc)
         except StoreError as exc:  # obstore's listing says 404 (NoSuchBucket) as a GenericError
             cause = exc.__cause__ or exc
             if not isinstance(exc, ObjectNotFound) and status(cause) != 404 and "NoSuchBucket" not in str(cause):
@@ -182,13 +189,15 @@ class S3Reader(S3Requests):
     def list(self, prefix: str = "") -> builtins.list[str]:
         """Keys under a directory-like ``prefix`` (``""`` or ending in ``/``), relative to the store's prefix,
         sorted. Keys that fail :func:`check_key` (hidden, ``..``, ``a//b``, folder markers ``x/``, odd
-        characters: written by something else) are skipped.
+        characters: written by something else) are skipped, with one warning per key.
 
         On S3 the listing is boto3's, which returns keys as stored: obstore refuses a whole listing over one key
         it cannot parse, and lists the folder marker ``x/`` as a key ``x`` that cannot be read.
 
         Raises:
             ObjectNotFound: the bucket does not exist.
+            StoreError: on ``gs://`` and ``az://`` (listed by obstore), the container holds a key obstore cannot
+                parse (``a//b``, ``../x``): it names the key, to be deleted.
         """
         if prefix and not prefix.endswith("/"):
             raise ValueError(f"prefix {prefix!r} must be empty or end with '/'")
@@ -213,19 +222,12 @@ class S3Reader(S3Requests):
 
     def _list_obstore(self, sub: str) -> builtins.list[str]:
         import obstore
-        from obstore.exceptions import InvalidPathError
 
         def listing() -> builtins.list[str]:
             batches = obstore.list(self._store, sub.rstrip("/") or None, chunk_size=1000)
             return [m["path"] for batch in batches for m in batch]
 
-        try:
-            return self._call("list", sub, listing)
-        except InvalidPathError as exc:
-            raise StoreError(
-                f"{self.uri}: the container holds a key that cannot be listed ({first_line(exc)}), written by "
-                "something other than deltasync: delete it"
-            ) from exc
+        return self._call("list", sub or "/", listing)  # a key obstore cannot parse: UnparsableKey, naming it
 
     def _list_s3(self, sub: str) -> builtins.list[str]:
         try:

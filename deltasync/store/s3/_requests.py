@@ -17,12 +17,13 @@ from ...errors import ObjectExists, ObjectNotFound, StoreError
 from .._s3_uri import format_uri
 from ..base import check_key
 
-__all__ = ["S3Requests", "Truncated", "capture", "first_error", "first_line", "is_conflict", "status"]
+__all__ = ["S3Requests", "Truncated", "UnparsableKey", "capture", "first_error", "first_line", "is_conflict", "status"]
 
 logger = logging.getLogger(__name__)
 
 _RETRY_STATUS = frozenset({408, 409, 429, 500, 502, 503, 504})  # 409: S3's ConditionalRequestConflict
 _STATUS = re.compile(r"status code: (\d{3})")
+_INVALID_PATH = re.compile(r'Path "(.*?)"(?=: | contained )')  # how obstore's InvalidPathError names the key
 _JITTER = random.Random()  # private: never perturbs (or depends on) the process-wide `random` state
 _MAX_S3_KEY_BYTES = 1024  # S3's limit on a whole key, prefix included
 _T = TypeVar("_T")
@@ -30,6 +31,17 @@ _T = TypeVar("_T")
 
 class Truncated(Exception):
     """A body shorter than its range (a connection cut mid-body): retried like a transport error."""
+
+
+class UnparsableKey(StoreError):
+    """A listing met a key obstore cannot parse (``a//b``, ``../x``: written by something other than deltasync).
+
+    obstore aborts the whole listing over it. ``key`` is that key relative to the store's prefix (as stored
+    when it lies outside it; ``None`` when obstore's message did not name it)."""
+
+    def __init__(self, message: str, key: str | None) -> None:
+        super().__init__(message)
+        self.key = key
 
 
 class S3Requests:
@@ -101,11 +113,18 @@ class S3Requests:
         return key
 
     def _call(self, what: str, key: str, fn: Callable[[], _T], *, on_retry: Callable[[], None] | None = None) -> _T:
-        """Run one request with retries on throttling and transport errors; translate obstore's errors."""
+        """Run one request with retries on throttling and transport errors; translate obstore's errors.
+
+        No obstore exception leaves here but a probe's NotSupportedError (the probe's answer): each is an
+        ObjectNotFound, ObjectExists or StoreError (UnparsableKey for a listing that met a key obstore cannot
+        parse). ``fn``'s other exceptions (a StoreError of a check, ValueError) pass through."""
         from obstore.exceptions import (
             AlreadyExistsError,
+            BaseError,
             GenericError,
+            InvalidPathError,
             NotFoundError,
+            NotSupportedError,
             PermissionDeniedError,
             PreconditionError,
             UnauthenticatedError,
@@ -127,6 +146,8 @@ class S3Requests:
                         f"{self.uri}: {key!r} exists; objects are create-only (another writer?)"
                     ) from None
                 error = exc  # obstore maps S3's 409 ConditionalRequestConflict here too: retried
+            except InvalidPathError as exc:  # only a listing parses keys it did not send: one planted by another
+                raise self._unparsable(what, key, exc) from exc
             except PreconditionError as exc:
                 raise StoreError(
                     f"{self.uri}: {key!r} changed while it was read (its ETag is not the one its HEAD gave); "
@@ -147,6 +168,12 @@ class S3Requests:
                 if code is not None and code not in _RETRY_STATUS:
                     raise StoreError(f"{self.uri}: {what} {key!r} failed: HTTP {code} ({first_line(exc)})") from exc
                 error = exc
+            except NotSupportedError as exc:
+                if what == "probe":
+                    raise  # the probe's answer: this service cannot send the condition
+                raise StoreError(f"{self.uri}: {what} {key!r}: not supported here ({first_line(exc)})") from exc
+            except BaseError as exc:  # any other obstore error: named, never raw
+                raise StoreError(f"{self.uri}: {what} {key!r} failed ({first_line(exc)})") from exc
             code = status(error)
             if attempt == self.retries:
                 raise StoreError(
@@ -170,6 +197,18 @@ class S3Requests:
             if on_retry is not None:
                 on_retry()
         raise AssertionError("unreachable")
+
+    def _unparsable(self, what: str, key: str, exc: BaseException) -> UnparsableKey:
+        match = _INVALID_PATH.search(first_line(exc))
+        found = None if match is None else match.group(1)
+        if found is not None and self.prefix and found.startswith(self.prefix + "/"):
+            found = found[len(self.prefix) + 1 :]
+        named = f"the key {found!r}" if found is not None else f"a key ({first_line(exc)})"
+        return UnparsableKey(
+            f"{self.uri}: {what} {key!r} met {named}, which is not a valid object path (an empty segment, '.' or "
+            "'..'): something other than deltasync wrote it; delete it",
+            found,
+        )
 
 
 def is_conflict(exc: BaseException) -> bool:
