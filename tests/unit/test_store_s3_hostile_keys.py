@@ -176,4 +176,5 @@ def test_the_obstore_listing_of_gs_and_az_names_a_hostile_key(moto_server: MotoS
     ) as info:
         store.list()
     assert str(info.value).endswith("something other than deltasync wrote it; delete it")
+    assert type(info.value) is StoreError  # what the CLI prints as the class: one of the documented tree
     assert not store.exists("v00000002/manifest.json")  # the after-404 listing meets it too: skipped

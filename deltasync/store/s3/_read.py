@@ -227,7 +227,10 @@ class S3Reader(S3Requests):
             batches = obstore.list(self._store, sub.rstrip("/") or None, chunk_size=1000)
             return [m["path"] for batch in batches for m in batch]
 
-        return self._call("list", sub or "/", listing)  # a key obstore cannot parse: UnparsableKey, naming it
+        try:
+            return self._call("list", sub or "/", listing)
+        except UnparsableKey as exc:  # a plain StoreError to callers (and in the CLI): the subclass is internal
+            raise StoreError(str(exc)) from exc
 
     def _list_s3(self, sub: str) -> builtins.list[str]:
         try:

@@ -37,7 +37,8 @@ class UnparsableKey(StoreError):
     """A listing met a key obstore cannot parse (``a//b``, ``../x``: written by something other than deltasync).
 
     obstore aborts the whole listing over it. ``key`` is that key relative to the store's prefix (as stored
-    when it lies outside it; ``None`` when obstore's message did not name it)."""
+    when it lies outside it; ``None`` when obstore's message did not name it). Internal: the bucket check
+    branches on it; ``list()`` raises it on as a plain StoreError."""
 
     def __init__(self, message: str, key: str | None) -> None:
         super().__init__(message)
