@@ -161,7 +161,8 @@ def test_buckets_are_created_private_and_shards_go_up_in_one_batch(tmp_path: Pat
         pub.publish(update_stream.bf16(), 0)
     assert api.private["me/run1"] is True
     shards = [k for k in store.list() if "shard-" in k]
-    assert len(shards) > 1 and api.calls["batch_bucket_files"] == 2  # all shards in one batch, then the manifest
+    # the store's run record once (run.json), then per object all shards in one batch, then the manifest
+    assert len(shards) > 1 and api.calls["batch_bucket_files"] == 3
 
 
 def test_429_then_success(tmp_path: Path) -> None:
