@@ -1,0 +1,323 @@
+"""The ``deltasync`` engine's state: its init and update messages, the agent's claim, what it serves, its status.
+
+The base of :class:`~deltasync.vllm.engine.DeltaSyncWeightTransferEngine` (see :mod:`deltasync.vllm.engine` for
+the modes and the failure semantics); the proofs are in :mod:`deltasync.vllm.proof`.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+from vllm.distributed.weight_transfer.base import (
+    WeightTransferEngine,
+    WeightTransferInitInfo,
+    WeightTransferUpdateInfo,
+)
+
+from .. import apply
+from ..errors import ApplyError, RefusalReason
+from ..format import TensorDelta
+from ..manifest import DeltaManifest, model_fingerprint
+from .patch_map import MapCorruption, PatchMap, build_map
+from .plain import plain_parameters
+from .reload import LayerwiseReloader
+from .shadow import Shadow, spec_from_config
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.config.weight_transfer import WeightTransferConfig
+
+__all__ = ["MODES", "DeltaSyncInitInfo", "DeltaSyncUpdateInfo", "EngineBase"]
+
+# The engine's one logger, in each of its modules: vLLM configures the "vllm" logger tree in its processes; a
+# "deltasync.*" logger would be silent there.
+logger = logging.getLogger("vllm.deltasync.engine")
+
+MODES = ("auto", "inplace", "patches", "reload")
+
+
+@dataclass
+class DeltaSyncInitInfo(WeightTransferInitInfo):
+    """``init_weight_transfer_engine({"init_info": {...}})``: all optional; only the fields given change."""
+
+    mode: str | None = None
+    """``auto`` (the default), ``inplace``, ``patches`` or ``reload``."""
+    base_version: int | None = None
+    """The version the served weights are (the agent's ``assume_version``); ignored if one is known."""
+    base_path: str | None = None
+    """Checkpoint directory for the reload shadow (default: the served model's path)."""
+    reprocess_tied: bool | None = None
+    """Re-run post-load processing of modules tied to a reloaded one (``lm_head``); default on."""
+    raise_errors: bool | None = None
+    """Raise refusals and failures from the RPCs (the default), or only record them (TP > 1)."""
+    model_id: str | None = None
+    """The model id this engine serves; objects naming another are refused."""
+    staging_root: str | None = None
+    """Accept staged files only from under this directory, with no symlink on the way (the agent's staging)."""
+    agent_id: str | None = None
+    """The claiming agent (required): the engine obeys the first agent that claims it, and that agent only."""
+    run_id: str | None = None
+    """The run the claiming agent follows: a claim for another run than the one served is refused."""
+    allow_rollback: bool | None = None
+    """The operator's permission to go below the highest version served, or to another run (fixed at the claim;
+    no update message carries it)."""
+    session: str | None = None
+    """The claiming agent process's session: another process with the same agent id is refused while it lives."""
+    ttl_s: float | None = None
+    """How long a silent session stays alive."""
+
+    def __post_init__(self) -> None:
+        if self.mode is not None and self.mode not in MODES:
+            raise ValueError(f"init_info.mode must be one of {MODES}, got {self.mode!r}")
+
+
+@dataclass
+class DeltaSyncUpdateInfo(WeightTransferUpdateInfo):
+    """``update_weights({"update_info": {...}})``: a :class:`~deltasync.staging.StagedUpdate` as JSON."""
+
+    objects: list[dict[str, Any]]
+    """The staged objects, in apply order (an update carries no policy: see :class:`DeltaSyncInitInfo`)."""
+
+
+class EngineBase(WeightTransferEngine[DeltaSyncInitInfo, DeltaSyncUpdateInfo]):
+    """What one engine is: its state (set up here, in one place), the claim, what it serves, its patch map
+    and shadow, and its status; :class:`~deltasync.vllm.engine.DeltaSyncWeightTransferEngine` builds on it."""
+
+    def __init__(
+        self,
+        config: WeightTransferConfig,
+        vllm_config: VllmConfig,
+        device: torch.device,
+        model: torch.nn.Module,
+    ) -> None:
+        super().__init__(config, vllm_config, device, model)
+        self._mode = "auto"
+        self.base_path: str | None = None
+        self.staging_root: str | None = None
+        self.raise_errors = True
+        self.version: int | None = None
+        self.healthy = True
+        self.run_id: str | None = None
+        self.high_water: int | None = None
+        self.model_id: str | None = None
+        self.detail = ""
+        self.owner: str | None = None
+        """The agent that claimed this engine."""
+        self._session: str | None = None
+        self._session_seen = 0.0
+        self._session_ttl_s = 90.0
+        self.allow_rollback = False
+        self.outcome: dict[str, Any] = {"ok": True, "refused": None, "message": ""}
+        self._shadow: Shadow | None = None
+        self._spec: dict[str, tuple[str, tuple[int, ...]]] | None = None
+        self._fingerprint_of: object = None
+        self._fingerprint_value = ""
+        self._reloader = LayerwiseReloader(model, self.model_config, self._get_shadow)
+        self._pending: set[str] = set()
+        self._staged: apply.Holding | None = None
+        self.stats: dict[str, Any] = {}
+        self.history: list[dict[str, Any]] = []
+        self._map: PatchMap | None = None
+        self._map_failed: str | None = None
+        self._moe_on_cpu: bool | None = None
+        self._prepared: tuple[str, list[tuple[DeltaManifest, list[TensorDelta]]], list[Any]] | None = None
+        self._readback: list[Any] = []  # the last session's writes, read back by the audit after the pause
+        self._manifest: DeltaManifest | None = None  # the served version's: its published checksums
+        self._staged_manifest: DeltaManifest | None = None
+        self._touched: set[str] = set()  # the last session's tensors, proven in parts after the pause
+        self.drift: dict[str, Any] | None = None
+        """The last drift found (tensor, version, when): cleared when an anchor restores the engine."""
+        self.proofs: dict[str, Any] = {}
+        """The last whole-state proof: when, how long, how many tensors."""
+
+    def init_transfer_engine(self, init_info: DeltaSyncInitInfo) -> None:
+        """An agent's claim (:class:`~deltasync.targets.EngineClaim`). A refused claim changes nothing and is only
+        recorded (``status()["outcome"]``; the agent reads it): a raising worker desyncs vLLM's executor."""
+        silent_s = time.monotonic() - self._session_seen
+        refusal = apply.refuse_claim(
+            owner=self.owner,
+            agent_id=init_info.agent_id,
+            holding=self.holding(),
+            run_id=init_info.run_id,
+            allow_rollback=bool(init_info.allow_rollback),
+            owner_alive_s=silent_s if self._session is not None and silent_s < self._session_ttl_s else None,
+            same_session=init_info.session == self._session,
+        )
+        if refusal is not None:
+            self.outcome = {"ok": False, "refused": RefusalReason.RUN.value, "message": refusal}
+            logger.warning("%s", refusal)
+            return
+        self.owner, self._session = init_info.agent_id, init_info.session
+        self._session_seen = time.monotonic()
+        if init_info.ttl_s is not None:
+            self._session_ttl_s = init_info.ttl_s
+        if init_info.allow_rollback is not None:
+            self.allow_rollback = init_info.allow_rollback
+        if init_info.mode is not None:
+            self._mode = init_info.mode
+        if init_info.base_path is not None:
+            self.base_path, self._shadow, self._spec = init_info.base_path, None, None
+        if init_info.reprocess_tied is not None:
+            self._reloader.reprocess_tied = init_info.reprocess_tied
+        if init_info.raise_errors is not None:
+            self.raise_errors = init_info.raise_errors
+        if init_info.model_id is not None:
+            self.model_id = init_info.model_id
+        if init_info.staging_root is not None:
+            self.staging_root = init_info.staging_root
+        if init_info.base_version is not None and self.version is None and self.healthy:
+            self.version = self.high_water = init_info.base_version
+        self.outcome = {"ok": True, "refused": None, "message": ""}
+        logger.info(
+            "deltasync: agent %s: mode=%s version=%s raise_errors=%s allow_rollback=%s",
+            self.owner,
+            self.mode,
+            self.version,
+            self.raise_errors,
+            self.allow_rollback,
+        )
+
+    @property
+    def mode(self) -> str:
+        """The apply mode in use (``auto`` resolved)."""
+        if self._mode == "inplace" and self._map_failed:
+            return "reload"  # said in status()["map_error"]
+        if self._mode != "auto":
+            return self._mode
+        if self.vllm_config.quant_config is not None or self._map_failed:
+            return "reload"
+        return "inplace" if plain_parameters(self.model)[0] else "reload"
+
+    def _untrusted(self, param: str) -> str | None:
+        """Why a live parameter cannot be patched in place (``None``: it can). Only parameters that vLLM keeps in
+        the layout its loader writes are trusted: unquantized linear and embedding weights and biases that are
+        plain, and norm weights; anything else (fused MoE experts, which the CPU build repacks after loading;
+        quantized weights) is reloaded."""
+        from vllm.model_executor.layers.linear import LinearBase, UnquantizedLinearMethod
+        from vllm.model_executor.layers.vocab_parallel_embedding import (
+            UnquantizedEmbeddingMethod,
+            VocabParallelEmbedding,
+        )
+
+        owner, _, leaf = param.rpartition(".")
+        try:
+            module = self.model.get_submodule(owner)
+        except AttributeError:
+            return f"{param}: no module owns it"
+        kind = type(module).__name__
+        method = getattr(module, "quant_method", None)
+        if isinstance(module, LinearBase):
+            if not isinstance(method, UnquantizedLinearMethod):
+                return f"{owner} ({kind}) is quantized ({type(method).__name__})"
+            if hasattr(module, "cpu_linear") and not plain_parameters(module)[0]:
+                return f"{owner} ({kind}) is repacked (start vLLM with DELTASYNC_VLLM_PLAIN_WEIGHTS=1)"
+            return None
+        if isinstance(module, VocabParallelEmbedding):
+            ok = isinstance(method, UnquantizedEmbeddingMethod)
+            return None if ok else f"{owner} ({kind}) is quantized ({type(method).__name__})"
+        if method is None and "Norm" in kind and leaf in ("weight", "bias"):
+            return None
+        return f"{owner} ({kind}) may process its weights after loading; it is reloaded instead"
+
+    def patch_map(self) -> PatchMap:
+        """The engine's map (built on first use: one probe pass through the model's loader, outside any pause
+        when the agent prepares its first update)."""
+        if self._map is None:
+            spec = self.served_spec()
+            if spec is None:
+                raise ApplyError("deltasync: the served model's checkpoint names are unknown; send an anchor first")
+            from vllm.model_executor.model_loader.mtp_validation import disable_mtp_completeness_check
+
+            load = getattr(self.model, "load_weights")  # noqa: B009
+
+            def load_probe(weights: Any) -> None:
+                with disable_mtp_completeness_check(), torch.no_grad():
+                    load(weights)
+
+            try:
+                self._map = build_map(self.model, spec, load_probe, self._untrusted)
+            except Exception as exc:
+                self._map_failed = f"{type(exc).__name__}: {exc}"
+                logger.warning("deltasync: no patch map (%s); this engine reloads instead", self._map_failed)
+                if isinstance(exc, MapCorruption):  # probing changed live weights: never serve them
+                    self._mark_unhealthy(str(exc))
+                raise ApplyError(f"deltasync: the patch map could not be built ({self._map_failed})") from exc
+        return self._map
+
+    def _get_shadow(self) -> Shadow:
+        if self._shadow is None:
+            self._shadow = Shadow(self.base_path or self.model_config.model)
+        return self._shadow
+
+    def served_spec(self) -> dict[str, tuple[str, tuple[int, ...]]] | None:
+        """What this engine serves (checkpoint name -> dtype, shape): from the served checkpoint's headers, an
+        applied anchor, or, for a checkpoint-less (dummy) engine, its architecture; ``None`` if unknown."""
+        if self._spec is None:
+            shadow = self._get_shadow()
+            if not shadow.empty:
+                self._spec = shadow.spec()
+            else:
+                dtype = self.model_config.dtype
+                self._spec = spec_from_config(
+                    self.model_config.hf_config, dtype if isinstance(dtype, torch.dtype) else torch.bfloat16
+                )
+        return self._spec
+
+    def _fingerprint(self, spec: dict[str, tuple[str, tuple[int, ...]]]) -> str:
+        if self._fingerprint_of is not spec:  # computed once per spec object (status is polled every sync)
+            self._fingerprint_of, self._fingerprint_value = spec, model_fingerprint(spec)
+        return self._fingerprint_value
+
+    def holding(self) -> apply.Holding:
+        """What this engine holds, for admission."""
+        spec = self.served_spec()
+        return apply.Holding(
+            version=self.version,
+            healthy=self.healthy,
+            spec=spec,
+            fingerprint=None if spec is None else self._fingerprint(spec),
+            model_id=self.model_id,
+            run_id=self.run_id,
+            high_water=self.high_water,
+        )
+
+    def touch(self, session: str | None) -> None:
+        """The owner's session is alive (its agent read the status)."""
+        if session is not None and session == self._session:
+            self._session_seen = time.monotonic()
+
+    def status(self) -> dict[str, Any]:
+        """What the worker extension reports (``deltasync_status``)."""
+        spec = self.served_spec()
+        return {
+            "engine": type(self).__name__,
+            "mode": self.mode,
+            "version": self.version,
+            "healthy": self.healthy,
+            "run_id": self.run_id,
+            "high_water": self.high_water,
+            "fingerprint": None if spec is None else self._fingerprint(spec),
+            "model_id": self.model_id,
+            "agent": self.owner,
+            "allow_rollback": self.allow_rollback,
+            "outcome": dict(self.outcome),
+            "map": None if self._map is None else self._map.summary(),
+            "map_error": self._map_failed,
+            "detail": self.detail,
+            "drift": self.drift,
+            "proofs": dict(self.proofs),
+            "history": self.history[-8:],
+        }
+
+    def _mark_unhealthy(self, why: str) -> None:
+        self.healthy, self.version, self._staged, self._manifest = False, None, None, None
+        self.detail = f"unhealthy: {why}; only an anchor restores this engine"
+
+    def _fail_unhealthy(self, why: str) -> None:
+        """:meth:`_mark_unhealthy`, recorded as the outcome (``status()["outcome"]``): a failure no RPC raises."""
+        self._mark_unhealthy(why)
+        self.outcome = {"ok": False, "refused": None, "message": self.detail}

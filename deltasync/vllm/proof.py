@@ -1,0 +1,212 @@
+"""The ``deltasync`` engine's proofs: an update proven before the first write, read back after it, and the whole
+served state proven against the published checksums (drift).
+
+What each proves (:class:`ProvingEngine`; the engine is :class:`~deltasync.vllm.engine.DeltaSyncWeightTransferEngine`):
+
+* :meth:`~ProvingEngine._prove`: before the pause, the planned writes applied to copies of the live parameters give
+  the published checksums (``inplace`` mode);
+* :meth:`~ProvingEngine.audit`: right after the pause, every written element reads back as planned;
+* :meth:`~ProvingEngine.prove_state`: every element this rank serves, against the served version's checksums and
+  sketches, through the patch map, the shadow, or (vLLM's CPU build) the repacked kernels;
+  :meth:`~ProvingEngine.report_drift` unlabels the engine when one differs.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+
+from ..errors import ApplyError, RefusalReason, UpdateRefused
+from ..format import TensorDelta, tensor_checksum
+from ..manifest import DeltaManifest, TensorEntry
+from ..vocab import DTYPES
+from .base import EngineBase, logger
+from .patch_map import PatchMap
+from .plain import kernel_modules, read_through_kernel
+
+__all__ = ["ProvingEngine"]
+
+
+def _matches(values: torch.Tensor, entry: TensorEntry) -> bool:
+    """Whether a tensor held whole (flat or shaped) has every published checksum of ``entry``."""
+    return all(tensor_checksum(values, (a, b)) == digest for a, b, digest in entry.checksums)
+
+
+class ProvingEngine(EngineBase):
+    """The engine's proofs, on top of its state (:class:`~deltasync.vllm.base.EngineBase`)."""
+
+    def _prove(self, checked: list[tuple[DeltaManifest, list[TensorDelta]]], ops: list[Any]) -> None:
+        """Before any write: apply the planned writes to copies of the live parameters, a few at a time (those
+        holding one tensor; extra memory: the largest such set), and compare every tensor this rank holds whole
+        with the published checksums of the last object that changed it. A forged or swapped staged file, a
+        wrong base or a stale map is refused here and never reaches the live weights (tensors held in part,
+        TP > 1, are proven by the readback after the write, against the plan).
+
+        Raises:
+            UpdateRefused: (reason ``integrity``) the planned result differs from what was published.
+        """
+        pm = self.patch_map()
+        last: dict[str, DeltaManifest] = {}
+        for manifest, deltas in checked:
+            for d in deltas:
+                if d.ckpt_name in pm:
+                    last[d.ckpt_name] = manifest
+        by_params: dict[frozenset[str], list[str]] = {}  # a tensor may span parameters (a fused gate_up split)
+        for name in last:
+            by_params.setdefault(frozenset(pm.params_of(name)), []).append(name)
+        bad: list[str] = []
+        for held, names in by_params.items():
+            copy = {param: pm.param(param).data.view(-1).clone() for param in held}
+            for object_ops in ops:
+                pm.write(object_ops, into=copy)
+            for name in names:
+                values = pm.read_whole(name, source=copy)
+                entry = last[name].tensors[name]
+                if values is None or values.numel() != entry.numel:
+                    continue
+                if not _matches(values, entry):
+                    bad.append(name)
+            del copy
+        if bad:
+            raise UpdateRefused(
+                f"deltasync: applied to what this engine serves, the update would give {len(bad)} tensors that "
+                f"differ from the published checksums (e.g. {sorted(bad)[0]}); nothing was written",
+                reason=RefusalReason.INTEGRITY,
+            )
+
+    def audit(self) -> dict[str, Any]:
+        """The last update read back from the live parameters (the ``deltasync_audit`` RPC, right after the
+        pause, which holds only the writes): every written element is compared bit for bit with the plan.
+        The plan itself was proven against the published checksums before the first write (:meth:`_prove`),
+        so together they prove what is served. On a mismatch the engine is marked unhealthy and the agent
+        pauses it until an anchor restores it."""
+        touched, self._touched = sorted(self._touched), set()
+        # TP > 1: the tensors this rank holds in part were proven only against the plan; their sketches, added
+        # up over the ranks by the agent, prove them against the published checksums
+        parts = self.vllm_config.parallel_config.tensor_parallel_size > 1 and self.healthy
+        proof = self.prove_state(touched) if parts and touched else None
+        if self.mode != "inplace" or self._map is None or not self._readback:
+            return {"ok": self.healthy, "checked": 0, "bad": [], "proof": proof}
+        ops, self._readback = self._readback, []
+        bad = self._map.check_written(ops)
+        if bad:
+            self._fail_unhealthy(f"the live parameters {bad[:3]} differ from what was written (read back)")
+        return {"ok": not bad and self.healthy, "checked": len(ops), "bad": bad[:8], "proof": proof}
+
+    def prove_state(self, names: list[str] | None = None) -> dict[str, Any]:
+        """Prove what this rank holds against the served version's published checksums (the ``deltasync_prove``
+        RPC): every element of every tensor (``names``: only these), read from the live parameters through the
+        patch map (``inplace``; in ``reload`` mode from the shadow the reloads are made from). A tensor this rank
+        holds whole is proven here: a mismatch marks the engine unhealthy at once (drift). A tensor it holds in
+        part is returned as per-parameter sketches for the agent to add up over the ranks
+        (:func:`deltasync.targets.base.combine_proofs`): sketches add up over any partition, whatever the
+        TP layout. Never raises.
+        """
+        t0 = time.perf_counter()
+        manifest, version = self._manifest, self.version
+        if not self.healthy or version is None:
+            return {"ok": False, "version": None, "reason": self.detail or "no known version", "parts": {}}
+        if manifest is None or manifest.version != version:
+            return {"ok": True, "version": version, "proven": False, "reason": f"no published checksums for v{version}"}
+        from ..sketch import format_sketch, parse_sketch, sketch_range
+
+        pm = self._proof_map()
+        wanted = list(manifest.tensors) if names is None else [n for n in names if n in manifest.tensors]
+        bad: list[str] = []
+        parts: dict[str, list[list[Any]]] = {}
+        unproven: list[str] = []
+        try:
+            for name in wanted:
+                entry = manifest.tensors[name]
+                published = None if entry.sketch is None else parse_sketch(entry.sketch)
+                dtype = DTYPES[entry.dtype]  # the published tensor's: the sketch is over its bits
+                if pm is not None and name in pm:
+                    held = pm.sketch_parts(name, dtype)
+                    whole = pm.read_whole(name) if published is None else None
+                elif (
+                    self.mode != "patches"  # patches mode never writes the shadow: it proves nothing there
+                    and self._shadow is not None
+                    and not self._shadow.empty
+                    and name in self._shadow.spec()
+                ):
+                    t = self._shadow.get(name).reshape(-1)
+                    held, whole = [("shadow", sketch_range(t), t.numel())], t
+                else:
+                    unproven.append(name)
+                    continue
+                for param, sk, count in held:
+                    if count == entry.numel:  # this parameter holds all of it
+                        if published is not None and sk != published:
+                            bad.append(name)
+                    elif published is not None:
+                        parts.setdefault(name, []).append([param, format_sketch(sk), count])
+                if published is None:  # a manifest from before the sketch: xxh3 proves what is held whole
+                    if whole is None or not _matches(whole, entry):
+                        (bad if whole is not None else unproven).append(name)
+            if names is None:  # the whole state: also what the kernels of repacked modules compute with
+                kernel_bad, kernel_unproven = self._prove_kernels()
+                bad += kernel_bad
+                unproven += kernel_unproven
+        except Exception as exc:  # noqa: BLE001 - a proof that cannot run proves nothing: said, never raised
+            return {"ok": False, "version": version, "reason": f"{type(exc).__name__}: {exc}", "parts": {}}
+        elapsed = time.perf_counter() - t0
+        self.proofs = {"at": time.time(), "s": round(elapsed, 4), "tensors": len(wanted), "whole": names is None}
+        if bad:
+            self.report_drift(bad, by="this rank")
+        return {
+            "ok": not bad,
+            "version": version,
+            "proven": True,
+            "bad": bad[:16],
+            "parts": parts,
+            "published": {n: manifest.tensors[n].sketch for n in parts},
+            "numel": {n: manifest.tensors[n].numel for n in parts},
+            "unproven": unproven[:16],
+            "prove_s": round(elapsed, 4),
+        }
+
+    def _prove_kernels(self) -> tuple[list[str], list[str]]:
+        """vLLM's CPU build repacks linear weights after loading (the parameter left empty, the kernel holding
+        its own copy): read each such module back through its kernel (an identity matrix: one non-zero term per
+        output, exact) and compare with the weight its loader built from the proven shadow, recorded right before
+        the repacking (:attr:`LayerwiseReloader.kernel_refs`). Returns ``(drifted, unproven)`` module names."""
+        refs = self._reloader.kernel_refs if self.mode != "patches" else {}
+        dtype = self.model_config.dtype if isinstance(self.model_config.dtype, torch.dtype) else None
+        bad, unproven = [], []
+        with torch.no_grad():
+            for qualname, module in kernel_modules(self.model):
+                weight = getattr(module, "weight", None)
+                if not isinstance(weight, torch.Tensor):
+                    continue
+                ref = refs.get(qualname)
+                if ref is None:
+                    if weight.numel() == 0:  # repacked, never reloaded by deltasync: nothing to compare with
+                        unproven.append(f"{qualname} (kernel)")
+                    continue
+                if tensor_checksum(read_through_kernel(module, dtype)) != ref:
+                    bad.append(f"{qualname} (as its kernel computes)")
+        return bad, unproven
+
+    def _proof_map(self) -> PatchMap | None:
+        """The patch map, built on first use in every mode: in ``reload`` mode too, the parameters vLLM keeps
+        plain (norms, embeddings) are proven live; only the ones it repacks are proven through the shadow."""
+        if self._map is None and self._map_failed is None:
+            try:
+                self.patch_map()
+            except ApplyError:  # said in status()["map_error"]; the shadow proves what it holds
+                pass
+        return self._map
+
+    def report_drift(self, tensors: list[str], *, by: str) -> None:
+        """Weights that differ from the served version's published checksums (found by this rank's proof, or by
+        the agent adding up the ranks' parts: the ``deltasync_drift`` RPC). The engine drops its version and is
+        unhealthy until an anchor restores it; ``status()["drift"]`` says which tensors and when."""
+        version = self.version
+        self.drift = {"tensors": sorted(tensors)[:16], "version": version, "at": time.time(), "by": by}
+        self._fail_unhealthy(
+            f"drift: {len(tensors)} tensors differ from v{version}'s published checksums (e.g. {sorted(tensors)[0]}; "
+            f"found by {by})"
+        )
+        logger.warning("deltasync: %s", self.detail)
