@@ -349,9 +349,7 @@ class Agent:
             unproven = prove()
         except ApplyError as exc:
             self.drift = str(exc)
-            self.needs_anchor = True
-            self.host, self.host_version = None, None
-            self.target.pause()  # never serve weights that differ from their version
+            self._hold_for_anchor()  # never serve weights that differ from their version
             logger.warning("agent %s: %s", self.config.agent_id, exc)
             self._heartbeat(None, "unhealthy", last_error=self.drift)
             return self.target.state()
@@ -530,12 +528,12 @@ class Agent:
                 raise
             # the engine went unhealthy before this update's first write (building its patch map changed live
             # weights): never serve them; only an anchor restores it
-            self.needs_anchor, ok_to_serve = True, False
-            self.host, self.host_version = None, None
+            ok_to_serve = False
+            self._hold_for_anchor(pause=False)  # paused already: not resumed below
             raise ApplyError(f"the engine is unhealthy: {exc}") from exc
         except ApplyError:
-            self.needs_anchor, ok_to_serve = True, False
-            self.host, self.host_version = None, None
+            ok_to_serve = False
+            self._hold_for_anchor(pause=False)
             raise
         finally:
             t2 = time.perf_counter()
@@ -556,11 +554,18 @@ class Agent:
             try:
                 audit()
             except ApplyError:
-                self.needs_anchor = True
-                self.host, self.host_version = None, None
-                self.target.pause()  # never serve weights that fail their checksums
+                self._hold_for_anchor()  # never serve weights that fail their checksums
                 raise
             timings["audit"] = time.perf_counter() - ta
+
+    def _hold_for_anchor(self, *, pause: bool = True) -> None:
+        """The engine serves weights that cannot be vouched for: only an anchor restores it (the next plan takes
+        the anchor route), the host copy no longer matches it, and it stays paused meanwhile (``pause=False``:
+        the caller holds it paused already)."""
+        self.needs_anchor = True
+        self.host, self.host_version = None, None
+        if pause:
+            self.target.pause()
 
     def _engine_healthy(self) -> bool:
         try:
