@@ -20,7 +20,8 @@ logger = logging.getLogger("deltasync.cli")
 
 
 def _raise_nofile() -> int:
-    """Long-polls hold a socket each: raise the soft limit on open files to the hard one."""
+    """Every connection (a long-poll's too) holds an open file: raise the soft limit on open files to the hard
+    one (the coordinator's connection caps stay below it)."""
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     if soft < hard:
         resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
@@ -66,9 +67,7 @@ def _cmd_coordinator(args: argparse.Namespace) -> int:
     flags = {k: v for k, v in vars(args).items() if k in Settings.model_fields and v is not None}
     try:
         settings = Settings(**flags)
-        nofile = _raise_nofile()
-        if settings.max_long_polls > nofile - 64:
-            logger.warning("max_long_polls %d is near the open-files limit %d", settings.max_long_polls, nofile)
+        _raise_nofile()  # before create_app, which fits the connection caps below the limit
         app = create_app(settings)
     except (InsecureConfiguration, LedgerLocked, DamagedLedger, Busy, ImportError) as exc:
         print(f"deltasync coordinator: {exc}", file=sys.stderr)
@@ -139,6 +138,27 @@ def add_coordinator_parser(sub: Any) -> None:
     coord.add_argument("--db-timeout-s", type=float, help="wait this long for the database, then 503 (default 5)")
     coord.add_argument("--max-body-bytes", type=int, help="larger request bodies get 413 (default 1 MiB)")
     coord.add_argument("--max-header-bytes", type=int, help="larger request headers get 431 (default 64 KiB)")
+    coord.add_argument(
+        "--max-connections",
+        type=int,
+        help="open connections; more get 503 (default 4096, lowered to the open-files limit less 64)",
+    )
+    coord.add_argument(
+        "--max-connections-per-peer",
+        type=int,
+        help="open connections from one client address (a proxy or NAT is one); more get 503 (default 1024)",
+    )
+    coord.add_argument(
+        "--request-head-timeout-s", type=float, help="a request head not received in time gets 408 (default 10)"
+    )
+    coord.add_argument(
+        "--request-body-timeout-s",
+        type=float,
+        help="a request body not received this long after its head gets 408 (default 30)",
+    )
+    coord.add_argument(
+        "--keep-alive-timeout-s", type=float, help="close kept-alive connections idle this long (default 5)"
+    )
     coord.set_defaults(func=_cmd_coordinator)
     tools = coord.add_subparsers(dest="tool")
     backup = tools.add_parser("backup", help="a consistent online copy of a (running) coordinator's ledger")

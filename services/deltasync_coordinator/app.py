@@ -26,6 +26,7 @@ from deltasync.reader import list_versions
 from deltasync.schemas import RUN_HEADER
 from deltasync.store import open_store
 
+from .connections import KEPT_FOR_OTHERS, ConnectionLedger, fit_to_open_files, open_files_limit
 from .db import Busy, LedgerDatabase, open_database
 from .fleet import LAG_BUCKETS, Fleet
 from .registry import LEDGER_MIGRATIONS, Registry
@@ -144,7 +145,9 @@ class _Health:
         return [*([self.db_problem] if self.db_problem else []), *self.fleet.alerts()]
 
 
-def _metrics(registry: Registry, fleet: Fleet, settings: Settings) -> tuple[CollectorRegistry, Histogram]:
+def _metrics(
+    registry: Registry, fleet: Fleet, settings: Settings, connections: ConnectionLedger
+) -> tuple[CollectorRegistry, Histogram]:
     """Prometheus metrics; ledger gauges are read at scrape time, and the fleet only as aggregates."""
     out = CollectorRegistry()
     latency = Histogram(
@@ -180,6 +183,23 @@ def _metrics(registry: Registry, fleet: Fleet, settings: Settings) -> tuple[Coll
             for agent, detail in fleet.drifted():  # only drifted engines: a handful of series, never the fleet
                 drifted.add_metric([agent, detail[:200]], 1)
             yield drifted
+            yield GaugeMetricFamily("deltasync_connections_open", "open HTTP connections", value=connections.open)
+            refused = CounterMetricFamily(
+                "deltasync_connections_refused",
+                "connections refused with 503 past max_connections or max_connections_per_peer",
+                labels=["reason"],
+            )
+            for reason, count in connections.refused.items():
+                refused.add_metric([reason], count)
+            yield refused
+            timed_out = CounterMetricFamily(
+                "deltasync_requests_timed_out",
+                "connections closed because a request head or body was not received in time (408)",
+                labels=["phase"],
+            )
+            for phase, count in connections.timed_out.items():
+                timed_out.add_metric([phase], count)
+            yield timed_out
 
     out.register(_Ledger())
     return out, latency
@@ -243,7 +263,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.health = health
     app.state.notifier = versions.VersionNotifier(settings.max_long_polls)
     app.state.notifier.latest = registry.latest_version()
-    metrics_registry, latency = _metrics(registry, fleet, settings)
+    app.state.connections = _connection_ledger(settings)
+    metrics_registry, latency = _metrics(registry, fleet, settings, app.state.connections)
     app.state.metrics = type("Metrics", (), {"registry": metrics_registry})()
     for router in (versions.router, lease.router, agents.router, gc.router, ops.router):
         app.include_router(router)
@@ -295,6 +316,30 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         app.state.notifier.latest,
     )
     return app
+
+
+def _connection_ledger(settings: Settings) -> ConnectionLedger:
+    """The connection caps in force, below this process's open-files limit (logged when lowered, and a warning
+    when the long-polls would leave too little of them)."""
+    nofile = open_files_limit()
+    overall, per_peer = fit_to_open_files(settings.max_connections, settings.max_connections_per_peer, nofile)
+    if overall < settings.max_connections:
+        logger.info(
+            "max_connections %d lowered to %d: the open-files limit is %d (raise it with ulimit -n)",
+            settings.max_connections,
+            overall,
+            nofile,
+        )
+    if settings.max_long_polls > overall - KEPT_FOR_OTHERS:
+        logger.warning(
+            "max_long_polls %d leaves %d of the %d connections the open-files limit %d allows to other requests: "
+            "lower --max-long-polls or raise the open-files limit (ulimit -n)",
+            settings.max_long_polls,
+            max(0, overall - settings.max_long_polls),
+            overall,
+            nofile,
+        )
+    return ConnectionLedger(overall, per_peer)
 
 
 def follow_latest(registry: Registry, latest: int | None, exact: bool) -> bool:

@@ -7,6 +7,8 @@ from pathlib import Path
 from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from .connections import KEPT_FOR_OTHERS
+
 __all__ = ["InsecureConfiguration", "Settings", "check_credentials"]
 
 
@@ -48,6 +50,31 @@ class Settings(BaseSettings):
     db_timeout_s: float = Field(5.0, gt=0, le=600, description="a request waits this long for the database; 503 after")
     max_body_bytes: int = Field(1 << 20, gt=0, description="larger request bodies get 413")
     max_header_bytes: int = Field(64 << 10, gt=0, description="larger request headers (all together) get 431")
+    max_connections: int = Field(
+        4096,
+        ge=1,
+        le=1_000_000,
+        description="open connections; more are refused with 503 (lowered to the open-files limit less 64)",
+    )
+    max_connections_per_peer: int = Field(
+        1024,
+        ge=1,
+        description="open connections from one client address (a proxy or NAT is one); more are refused with 503 "
+        "(kept 32 below max_connections)",
+    )
+    request_head_timeout_s: float = Field(
+        10.0,
+        gt=0,
+        le=600,
+        description="a request head not received this long after the connection opened (or after its first byte, "
+        "between requests) gets 408 and the connection closes",
+    )
+    request_body_timeout_s: float = Field(
+        30.0, gt=0, le=3600, description="a request body not received this long after its head gets 408"
+    )
+    keep_alive_timeout_s: float = Field(
+        5.0, gt=0, le=600, description="a kept-alive connection idle this long is closed"
+    )
     host: str = Field("127.0.0.1", description="interface `deltasync coordinator` binds")
     port: int = Field(8600, ge=0, le=65535, description="port `deltasync coordinator` binds")
     ssl_certfile: Path | None = Field(None, description="serve HTTPS with this certificate (PEM)")
@@ -65,6 +92,16 @@ class Settings(BaseSettings):
     def _tls_pair(self) -> Settings:
         if (self.ssl_certfile is None) != (self.ssl_keyfile is None):
             raise ValueError("ssl_certfile and ssl_keyfile go together: give both or neither")
+        return self
+
+    @model_validator(mode="after")
+    def _room_for_long_polls(self) -> Settings:
+        if self.max_connections < self.max_long_polls + KEPT_FOR_OTHERS:
+            raise ValueError(
+                f"max_connections ({self.max_connections}) must exceed max_long_polls ({self.max_long_polls}) by at "
+                f"least {KEPT_FOR_OTHERS}: every long-poll holds a connection, and health checks and publishers "
+                "need some too; raise max_connections or lower max_long_polls"
+            )
         return self
 
 
