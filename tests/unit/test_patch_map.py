@@ -109,24 +109,33 @@ def test_a_parameter_that_changed_since_the_map_is_never_written() -> None:
 
 
 @pytest.mark.parametrize("chunk", [1, 3, 7, 1 << 22])
-def test_runs_are_the_same_whatever_the_scan_chunk(monkeypatch: pytest.MonkeyPatch, chunk: int) -> None:
+@pytest.mark.parametrize("fast", [False, True], ids=["scan", "probe-compare"])
+def test_runs_are_the_same_whatever_the_scan_chunk(monkeypatch: pytest.MonkeyPatch, chunk: int, fast: bool) -> None:
     """The probe scan reads a parameter in bounded chunks (an embedding has 10^8 elements); runs crossing a
-    chunk edge are joined, runs are ordered by checkpoint index, and an element landing twice is caught."""
+    chunk edge are joined, runs are ordered by checkpoint index, and an element landing twice is caught. With
+    the probe given, a chunk that is one stretch of it is taken in one compare: the same runs."""
     from deltasync.vllm import patch_map
 
     monkeypatch.setattr(patch_map, "_CHUNK", chunk)
+    probe = torch.arange(1, 31, dtype=torch.int32) if fast else None
     flat = torch.zeros(40, dtype=torch.int32)
     flat[2:12] = torch.arange(21, 31)  # checkpoint 20..29 at 2..11
     flat[12:20] = torch.arange(1, 9)  # checkpoint 0..7 at 12..19 (adjacent in the parameter, not in the ckpt)
     flat[25:35] = torch.arange(9, 19)  # checkpoint 8..17 at 25..34
-    r = patch_map._runs("p", flat, 30)
+    r = patch_map._runs("p", flat, 30, probe)
     assert r is not None
     assert r.ckpt_start.tolist() == [0, 8, 20] and r.param_start.tolist() == [12, 25, 2]
     assert r.length.tolist() == [8, 10, 10]
+    whole = torch.arange(1, 31, dtype=torch.int32)  # one tensor written whole: one run, however chunked
+    r = patch_map._runs("p", whole, 30, probe)
+    assert r is not None and (r.ckpt_start.tolist(), r.param_start.tolist(), r.length.tolist()) == ([0], [0], [30])
     flat[36] = 5  # checkpoint element 4 lands a second time
     with pytest.raises(ValueError, match="written twice"):
-        patch_map._runs("p", flat, 30)
+        patch_map._runs("p", flat, 30, probe)
     flat[36] = 31  # no element of a 30-element tensor
     with pytest.raises(ValueError, match="no element index"):
-        patch_map._runs("p", flat, 30)
-    assert patch_map._runs("p", torch.zeros(9, dtype=torch.int32), 30) is None
+        patch_map._runs("p", flat, 30, probe)
+    assert patch_map._runs("p", torch.zeros(9, dtype=torch.int32), 30, probe) is None
+    twice = torch.cat([whole, whole])  # the whole tensor twice (chunks that each match the probe)
+    with pytest.raises(ValueError, match="written twice"):
+        patch_map._runs("p", twice, 30, probe)
