@@ -46,6 +46,7 @@ __all__ = [
     "format_sketch",
     "parse_sketch",
     "sketch_at",
+    "sketch_change",
     "sketch_range",
     "sub_sketches",
     "tensor_sketch",
@@ -156,25 +157,60 @@ def sketch_range(values: torch.Tensor, start: int = 0) -> Sketch:
     return _lanes(_sum_words(words, start * per))
 
 
+def _word_indices(indices: torch.Tensor, per: int) -> torch.Tensor:
+    idx = indices.detach().reshape(-1).to(device="cpu", dtype=torch.int64)
+    return (idx[:, None] * per + torch.arange(per)).reshape(-1) if per > 1 else idx
+
+
+def _weighted(words: torch.Tensor, idx: torch.Tensor) -> Sketch:
+    """``sum_i words[i] * w(idx[i])`` per lane, mod 2**64, for int64 ``words`` (any sign, ``|words| < 2**17``) at
+    word indices ``idx`` (no repeats). Two integer histograms instead of a gather of weights per element: the
+    words summed per weight row (``idx mod 2**16``) and per chunk (``idx // 2**16``; for sorted ``idx``, read off
+    a running sum at the chunk edges), then two small exact products."""
+    if idx.numel() == 0:
+        return ZERO
+    rows = torch.zeros(_CHUNK, dtype=torch.int64).scatter_add_(0, idx & (_CHUNK - 1), words)
+    first, last = int(idx[0]) >> _CHUNK_BITS, int(idx[-1]) >> _CHUNK_BITS
+    if idx.numel() < 2 or bool((idx[1:] > idx[:-1]).all()):  # sorted (a delta's indices are): no per-element chunk
+        edges = torch.searchsorted(idx, torch.arange(first + 1, last + 1, dtype=torch.int64) << _CHUNK_BITS)
+        total = torch.cumsum(words, 0)
+        at = torch.cat([total.index_select(0, edges - 1) if edges.numel() else total[:0], total[-1:]])
+        per_chunk = torch.diff(at, prepend=torch.zeros(1, dtype=torch.int64))
+        # a chunk no index falls in sums to 0 (its edge repeats the previous one)
+    else:
+        chunks = idx >> _CHUNK_BITS
+        first = int(chunks.min())
+        per_chunk = torch.zeros(int(chunks.max()) - first + 1, dtype=torch.int64).scatter_add_(0, chunks - first, words)
+    table = _v_many(torch.arange(first, first + per_chunk.numel()))
+    lanes = (rows[:, None] * _W_INT).sum(0) + (per_chunk[:, None] * table).sum(0)  # int64: wraps mod 2**64
+    return _lanes(lanes.tolist())
+
+
 def sketch_at(values: torch.Tensor, indices: torch.Tensor) -> Sketch:
     """The sketch of the elements at flat ``indices`` (any order, no repeats) with ``values``.
 
-    Vectorized (a gather of the weights); for a contiguous run :func:`sketch_range` is several times faster.
+    Vectorized (two weighted histograms, :func:`_weighted`); for a contiguous run :func:`sketch_range` is faster.
     """
-    words = _words(values).to(torch.int64)
-    idx = indices.detach().reshape(-1).to(device="cpu", dtype=torch.int64)
+    words = _words(values)
     per = values.element_size() // 2
-    if words.numel() != idx.numel() * per:
-        raise ValueError(f"sketch_at: {idx.numel()} indices for {words.numel() // per} values")
-    if per > 1:
-        idx = (idx[:, None] * per + torch.arange(per)).reshape(-1)
-    if idx.numel() == 0:
-        return ZERO
-    chunks = idx >> _CHUNK_BITS
-    first = int(chunks.min())
-    table = _v_many(torch.arange(first, int(chunks.max()) + 1))  # one row per chunk in reach: numel / 65,536
-    w = _W_INT.index_select(0, idx & (_CHUNK - 1)) + table.index_select(0, chunks - first)
-    return _lanes((words[:, None] * w).sum(0).tolist())
+    if words.numel() != indices.numel() * per:
+        raise ValueError(f"sketch_at: {indices.numel()} indices for {words.numel() // per} values")
+    return _weighted(words.to(torch.int64), _word_indices(indices, per))
+
+
+def sketch_change(new: torch.Tensor, old: torch.Tensor, indices: torch.Tensor) -> Sketch:
+    """How a tensor's sketch moves when the elements at flat ``indices`` (no repeats) go from ``old`` to ``new``:
+    ``sketch_at(new, indices) - sketch_at(old, indices)`` in one pass over the changed elements (an engine
+    proves an update from what it changes, against the version it serves: :func:`add_sketches` of the served
+    sketch and this one must be the published sketch)."""
+    if new.dtype != old.dtype or new.numel() != old.numel() or new.numel() != indices.numel():
+        raise ValueError(
+            f"sketch_change: {new.numel()} new {new.dtype} values, {old.numel()} old {old.dtype}, "
+            f"{indices.numel()} indices"
+        )
+    per = new.element_size() // 2
+    diff = _words(new).to(torch.int64) - _words(old).to(torch.int64)
+    return _weighted(diff, _word_indices(indices, per))
 
 
 def add_sketches(*sketches: Sketch) -> Sketch:

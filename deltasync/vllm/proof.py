@@ -21,6 +21,7 @@ import torch
 from ..errors import ApplyError, RefusalReason, UpdateRefused
 from ..format import TensorDelta, tensor_checksum
 from ..manifest import DeltaManifest, TensorEntry
+from ..sketch import add_sketches, format_sketch, parse_sketch, sketch_change
 from ..vocab import DTYPES
 from .base import EngineBase, logger
 from .patch_map import PatchMap
@@ -38,30 +39,86 @@ class ProvingEngine(EngineBase):
     """The engine's proofs, on top of its state (:class:`~deltasync.vllm.base.EngineBase`)."""
 
     def _prove(self, checked: list[tuple[DeltaManifest, list[TensorDelta]]], ops: list[Any]) -> None:
-        """Before any write: apply the planned writes to copies of the live parameters, a few at a time (those
-        holding one tensor; extra memory: the largest such set), and compare every tensor this rank holds whole
-        with the published checksums of the last object that changed it. A forged or swapped staged file, a
-        wrong base or a stale map is refused here and never reaches the live weights (tensors held in part,
-        TP > 1, are proven by the readback after the write, against the plan).
+        """Before any write, prove that the planned update gives what was published, for every tensor this rank
+        holds whole.
+
+        A tensor that only sparse deltas change is proven **from its changed elements**: its served sketch
+        (the served version's manifest) moved by ``sketch_change(new, old)`` over the composed changes, the old
+        values read from the live parameters, must be the published sketch of the last object that changed
+        it; the cost follows the delta, not the model. Anything else (an anchor or dense span in the update, a
+        served version without sketches) is proven whole: the planned writes applied to copies of the live
+        parameters holding it, checksummed against the published checksums. A forged or swapped staged file, a
+        wrong base or a stale map is refused here and never reaches the live weights. Tensors held in part
+        (TP > 1) are proven after the pause by the ranks' sketch parts (:meth:`audit`).
 
         Raises:
             UpdateRefused: (reason ``integrity``) the planned result differs from what was published.
         """
         pm = self.patch_map()
         last: dict[str, DeltaManifest] = {}
+        changes: dict[str, list[TensorDelta]] = {}
         for manifest, deltas in checked:
             for d in deltas:
                 if d.ckpt_name in pm:
                     last[d.ckpt_name] = manifest
+                    changes.setdefault(d.ckpt_name, []).append(d)
+        served = self._manifest
+        bad: list[str] = []
+        whole: list[str] = []
+        for name, ds in changes.items():
+            entry = last[name].tensors[name]
+            before = served.tensors.get(name) if served is not None else None
+            if before is None or before.sketch is None or entry.sketch is None or any(d.indices is None for d in ds):
+                whole.append(name)
+                continue
+            proven = self._prove_change(pm, name, ds, before.sketch, entry)
+            if proven is None:
+                whole.append(name)
+            elif not proven:
+                bad.append(name)
+        bad += self._prove_whole(pm, whole, last, ops)
+        if bad:
+            raise UpdateRefused(
+                f"deltasync: applied to what this engine serves, the update would give {len(bad)} tensors that "
+                f"differ from the published checksums (e.g. {sorted(bad)[0]}); nothing was written",
+                reason=RefusalReason.INTEGRITY,
+            )
+
+    @staticmethod
+    def _prove_change(pm: PatchMap, name: str, ds: list[TensorDelta], served: str, entry: TensorEntry) -> bool | None:
+        """Whether the sparse changes ``ds`` (in order) move the served sketch to the published one; ``None`` if
+        this rank does not hold the tensor whole (proven after the pause instead)."""
+        if not pm.holds_whole(name, entry.numel):
+            return None
+        if len(ds) == 1:
+            idx, new = ds[0].indices, ds[0].values
+        else:  # a catch-up: the last write of each element wins
+            idx = torch.cat([d.indices for d in ds])  # type: ignore[misc]
+            new = torch.cat([d.values.reshape(-1) for d in ds])
+            order = torch.argsort(idx, stable=True)
+            idx, new = idx[order], new[order]
+            keep = torch.ones(idx.numel(), dtype=torch.bool)
+            keep[:-1] = idx[1:] != idx[:-1]
+            idx, new = idx[keep], new[keep]
+        assert idx is not None
+        dtype = DTYPES[entry.dtype]
+        old = pm.gather(name, idx).to(dtype)
+        moved = add_sketches(parse_sketch(served), sketch_change(new.reshape(-1).to(dtype), old, idx))
+        return format_sketch(moved) == entry.sketch
+
+    @staticmethod
+    def _prove_whole(pm: PatchMap, names: list[str], last: dict[str, DeltaManifest], ops: list[Any]) -> list[str]:
+        """The planned writes applied to copies of the live parameters, a few at a time (those holding one
+        tensor; extra memory: the largest such set): the tensors of ``names`` held whole whose checksums differ."""
         by_params: dict[frozenset[str], list[str]] = {}  # a tensor may span parameters (a fused gate_up split)
-        for name in last:
+        for name in names:
             by_params.setdefault(frozenset(pm.params_of(name)), []).append(name)
         bad: list[str] = []
-        for held, names in by_params.items():
+        for held, group in by_params.items():
             copy = {param: pm.param(param).data.view(-1).clone() for param in held}
             for object_ops in ops:
                 pm.write(object_ops, into=copy)
-            for name in names:
+            for name in group:
                 values = pm.read_whole(name, source=copy)
                 entry = last[name].tensors[name]
                 if values is None or values.numel() != entry.numel:
@@ -69,12 +126,7 @@ class ProvingEngine(EngineBase):
                 if not _matches(values, entry):
                     bad.append(name)
             del copy
-        if bad:
-            raise UpdateRefused(
-                f"deltasync: applied to what this engine serves, the update would give {len(bad)} tensors that "
-                f"differ from the published checksums (e.g. {sorted(bad)[0]}); nothing was written",
-                reason=RefusalReason.INTEGRITY,
-            )
+        return bad
 
     def audit(self) -> dict[str, Any]:
         """The last update read back from the live parameters (the ``deltasync_audit`` RPC, right after the

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from deltasync.format import TensorDelta, tensor_checksum
+from deltasync.sketch import tensor_sketch
 from deltasync.vllm.patch_map import MapCorruption, PatchMap, build_map
 from deltasync.vocab import DTYPES
 
@@ -254,12 +255,47 @@ def test_the_proof_covers_a_tensor_held_whole_across_two_parameters() -> None:
         d = TensorDelta(
             ckpt_name=name, shape=(4, 4), dtype=torch.bfloat16, indices=idx, values=target[name].view(-1)[idx]
         )
-        entry = types.SimpleNamespace(numel=16, shape=(4, 4), checksums=[(0, 16, tensor_checksum(target[name]))])
-        engine = types.SimpleNamespace(patch_map=lambda pm=pm: pm)
-        with pytest.raises(UpdateRefused, match="nothing was written") as exc:
+        entry = types.SimpleNamespace(
+            numel=16,
+            shape=(4, 4),
+            dtype="BF16",
+            checksums=[(0, 16, tensor_checksum(target[name]))],
+            sketch=tensor_sketch(target[name]),
+        )
+        # the served version's manifest: none (proven whole, on copies), or with sketches (proven from the
+        # changed elements alone)
+        for served_manifest in (
+            None,
+            types.SimpleNamespace(
+                tensors={n: types.SimpleNamespace(sketch=tensor_sketch(t)) for n, t in served.items()}
+            ),
+        ):
+            engine = types.SimpleNamespace(
+                patch_map=lambda pm=pm: pm,
+                _manifest=served_manifest,
+                _prove_change=DeltaSyncWeightTransferEngine._prove_change,
+                _prove_whole=DeltaSyncWeightTransferEngine._prove_whole,
+            )
+            with pytest.raises(UpdateRefused, match="nothing was written") as exc:
+                DeltaSyncWeightTransferEngine._prove(
+                    engine,  # type: ignore[arg-type]
+                    [(types.SimpleNamespace(tensors={name: entry}), [d])],  # type: ignore[list-item]
+                    [pm.plan([d])],
+                )
+            assert exc.value.reason is RefusalReason.INTEGRITY, name
+            # the same delta on the base it was made for passes both ways
+            m.load_weights([(name, claimed[name])])
             DeltaSyncWeightTransferEngine._prove(
-                engine,  # type: ignore[arg-type]
+                types.SimpleNamespace(
+                    **{
+                        **vars(engine),
+                        "_manifest": served_manifest
+                        and types.SimpleNamespace(
+                            tensors={name: types.SimpleNamespace(sketch=tensor_sketch(claimed[name]))}
+                        ),
+                    }
+                ),  # type: ignore[arg-type]
                 [(types.SimpleNamespace(tensors={name: entry}), [d])],  # type: ignore[list-item]
                 [pm.plan([d])],
             )
-        assert exc.value.reason is RefusalReason.INTEGRITY, name
+            m.load_weights([(name, served[name])])

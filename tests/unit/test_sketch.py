@@ -13,6 +13,7 @@ from deltasync.sketch import (
     format_sketch,
     parse_sketch,
     sketch_at,
+    sketch_change,
     sketch_range,
     sub_sketches,
     tensor_sketch,
@@ -130,6 +131,16 @@ def test_an_update_from_the_changed_elements_equals_the_new_sketch(dtype: torch.
     inside = idx[(idx >= a) & (idx < b)]
     step = sub_sketches(sketch_at(new[inside], inside), sketch_at(old[inside], inside))
     assert add_sketches(sketch_range(old[a:b], a), step) == sketch_range(new[a:b], a)
+    # in one pass over the changed elements, sorted (as a delta's indices are: chunk sums off a running sum,
+    # chunks with no change in between) or not
+    for at in (idx, idx.sort().values):
+        assert add_sketches(sketch_range(old), sketch_change(new[at], old[at], at)) == sketch_range(new)
+    sparse = torch.tensor([3, 70_000, 199_999])  # three chunks apart, one chunk skipped
+    assert add_sketches(sketch_range(old), sketch_change(new[sparse], old[sparse], sparse)) == sketch_range(
+        torch.where(torch.isin(torch.arange(old.numel()), sparse), new, old)
+    )
+    with pytest.raises(ValueError, match="sketch_change: 3 new"):
+        sketch_change(new[sparse], old[:2], sparse)
 
 
 def test_the_lanes_wrap_modulo_2_64() -> None:
