@@ -66,6 +66,8 @@ class Bench:
             config=AgentConfig(agent_id=f"bench-{label}", staging_dir=str(tmp / f"staging-{label}")),
         )
         self.first = self.agent.sync()
+        first = {k: round(v, 2) for k, v in self.first.timings.items()}
+        print(f"{label}: first sync of the fresh engine (anchor v0): {first}", flush=True)
 
     def _register(self, manifest: Any) -> None:
         from deltasync.schemas import VersionCreate
@@ -100,6 +102,8 @@ class Bench:
                     "pause_ms": t["pause"] * 1e3,
                     "engine_apply_ms": last.get("apply_s", 0) * 1e3 + last.get("finish_s", 0) * 1e3,
                     "before_pause_ms": (t["fetch"] + t["decode"] + t["stage"] + t.get("prepare", 0)) * 1e3,
+                    "before": {k: round(t.get(k, 0) * 1e3, 1) for k in ("fetch", "decode", "stage", "prepare")},
+                    "changed": self.base.nnz,
                     "audit_ms": t.get("audit", 0) * 1e3,
                     "prepared": bool(last.get("prepared")),
                 }
@@ -108,7 +112,9 @@ class Bench:
             print(
                 f"{self.label:>6} {mode:>8} lr={lr:<7g} v{self.version:<3d} {row['changed_fraction']:7.3%} "
                 f"pause {row['pause_ms']:8.1f} ms  engine {row['engine_apply_ms']:8.1f} ms  "
-                f"before {row['before_pause_ms']:7.0f} ms  audit {row['audit_ms']:6.0f} ms",
+                f"before {row['before_pause_ms']:7.0f} ms {row['before']} "
+                f"({row['before_pause_ms'] * 1e6 / max(row['changed'], 1):.0f} ns per changed element)  "
+                f"audit {row['audit_ms']:6.0f} ms",
                 flush=True,
             )
         return rows

@@ -137,7 +137,9 @@ class PatchMap:
             if d.indices is not None:
                 for r in runs:
                     held, where = r.locate(d.indices)
-                    if where.numel():
+                    if where.numel() == d.indices.numel():  # all held (a whole tensor): no masked copy
+                        parts.setdefault(r.param, []).append((where, d.values.reshape(-1)))
+                    elif where.numel():
                         parts.setdefault(r.param, []).append((where, d.values[held]))
                 continue
             start, stop = d.span if d.span is not None else (0, d.values.numel())

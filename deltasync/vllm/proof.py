@@ -42,14 +42,16 @@ class ProvingEngine(EngineBase):
         """Before any write, prove that the planned update gives what was published, for every tensor this rank
         holds whole.
 
-        A tensor that only sparse deltas change is proven **from its changed elements**: its served sketch
+        A tensor written whole last (an anchor) is proven by its staged values' checksums (the map that
+        writes them was proven when it was built, and the writes are read back after the pause). A tensor that
+        only sparse deltas change is proven **from its changed elements**: its served sketch
         (the served version's manifest) moved by ``sketch_change(new, old)`` over the composed changes, the old
         values read from the live parameters, must be the published sketch of the last object that changed
         it; the cost follows the delta, not the model. Anything else (an anchor or dense span in the update, a
         served version without sketches) is proven whole: the planned writes applied to copies of the live
         parameters holding it, checksummed against the published checksums. A forged or swapped staged file, a
-        wrong base or a stale map is refused here and never reaches the live weights. Tensors held in part
-        (TP > 1) are proven after the pause by the ranks' sketch parts (:meth:`audit`).
+        wrong base or a stale map is refused here and never reaches the live weights. Sparse changes to tensors
+        held in part (TP > 1) are proven after the pause by the ranks' sketch parts (:meth:`audit`).
 
         Raises:
             UpdateRefused: (reason ``integrity``) the planned result differs from what was published.
@@ -67,6 +69,12 @@ class ProvingEngine(EngineBase):
         whole: list[str] = []
         for name, ds in changes.items():
             entry = last[name].tensors[name]
+            final = ds[-1]
+            if final.indices is None and (final.span is None or tuple(final.span) == (0, entry.numel)):
+                # written whole last (an anchor): the result is the staged values themselves
+                if not _matches(final.values.reshape(-1), entry):
+                    bad.append(name)
+                continue
             before = served.tensors.get(name) if served is not None else None
             if before is None or before.sketch is None or entry.sketch is None or any(d.indices is None for d in ds):
                 whole.append(name)
