@@ -2,8 +2,12 @@
 
 ::
 
-    run.json, run.sig                      written once, by the run's first publisher (signature first)
-    epochs/e00000004.json, .sig            one per publisher lease epoch, written when the lease is taken
+    run.json                               written once, by the run's first publisher
+    epochs/e00000004.json                  one per publisher lease epoch, written when the lease is taken
+
+Each record is one create-only object: a line of JSON and, when the publisher signs, a second line with its
+signature (the manifest signature's JSON, over ``b"deltasync-run-v1\\n"`` + the first line and its newline):
+a record and its signature can never be torn apart by a crash or two writers.
 
 A reader with the coordinator proves every manifest against the ledger and needs neither. A reader with only
 the publisher's key does: one key often serves many runs, and without a record a validly signed object of
@@ -28,7 +32,7 @@ from dataclasses import dataclass
 
 from .errors import FencedObject, ForeignObject, FormatError, ObjectExists, ObjectNotFound
 from .manifest import DeltaManifest
-from .signing import MAX_SIGNATURE_BYTES, RUN_CONTEXT, SigningKey, VerifyKey
+from .signing import RUN_CONTEXT, SigningKey, VerifyKey
 from .store.base import Store
 from .vocab import FORMAT_VERSION, MAX_VERSION
 
@@ -47,10 +51,9 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 RUN_KEY = "run.json"
-RUN_SIG = "run.sig"
 EPOCHS_PREFIX = "epochs/"
-MAX_RECORD_BYTES = 4096
-"""Readers refuse larger run or epoch records (checked before reading)."""
+MAX_RECORD_BYTES = 8192
+"""Readers refuse larger run or epoch records, signature line included (checked before reading)."""
 _EPOCH_KEY = re.compile(r"epochs/e(\d{8})\.json")
 _RUN_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 
@@ -62,10 +65,6 @@ def new_run_id() -> str:
 
 def _epoch_key(epoch: int) -> str:
     return f"{EPOCHS_PREFIX}e{epoch:08d}.json"
-
-
-def _sig_key(key: str) -> str:
-    return key.removesuffix(".json") + ".sig"
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -127,17 +126,9 @@ def _record_bytes(obj: dict[str, object]) -> bytes:
 
 
 def _put_record(store: Store, key: str, data: bytes, signing_key: SigningKey | None) -> bool:
-    """Create a record (its signature first, like a manifest); ``False`` if the record is already there.
-    A signature left alone by a crash before its record is replaced."""
-    if store.exists(key):
-        return False
+    """Create a record (with its signature line); ``False`` if the key is taken (another writer was first)."""
     if signing_key is not None:
-        sig = signing_key.sign(data, context=RUN_CONTEXT)
-        try:
-            store.put(_sig_key(key), sig)
-        except ObjectExists:  # a crash between signature and record: the lone signature is stale
-            store.delete(_sig_key(key))
-            store.put(_sig_key(key), sig)
+        data += signing_key.sign(data, context=RUN_CONTEXT)
     try:
         store.put(key, data)
     except ObjectExists:
@@ -152,14 +143,12 @@ def _get_record(store: Store, key: str, verify_key: VerifyKey | None) -> dict[st
     except ObjectNotFound:
         return None
     name = f"{store.uri}/{key}"
+    end = data.find(b"\n") + 1
+    body, sig = (data[:end], data[end:] or None) if end else (data, None)
     if verify_key is not None:
-        try:
-            sig: bytes | None = store.get(_sig_key(key), max_bytes=MAX_SIGNATURE_BYTES)
-        except ObjectNotFound:
-            sig = None
-        verify_key.verify(data, sig, name=name, context=RUN_CONTEXT)
+        verify_key.verify(body, sig, name=name, context=RUN_CONTEXT)
     try:
-        obj = json.loads(data)
+        obj = json.loads(body)
     except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
         raise FormatError(f"{name}: not valid JSON ({exc})") from None
     if not isinstance(obj, dict) or not isinstance(obj.get("run_id"), str) or not _RUN_ID.fullmatch(obj["run_id"]):
@@ -191,8 +180,11 @@ def adopt_run(store: Store, signing_key: SigningKey | None) -> str:
     if found is not None:
         return str(found["run_id"])
     run_id = new_run_id()
-    claim_run(store, run_id, signing_key)
-    found = _get_record(store, RUN_KEY, None)  # another publisher may have recorded first
+    data = _record_bytes({"format_version": FORMAT_VERSION, "run_id": run_id})
+    if _put_record(store, RUN_KEY, data, signing_key):
+        logger.info("%s: recorded as the store of run %s", store.uri, run_id)
+        return run_id
+    found = _get_record(store, RUN_KEY, None)  # another publisher recorded first: its run is the store's
     return run_id if found is None else str(found["run_id"])
 
 

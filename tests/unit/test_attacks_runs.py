@@ -55,7 +55,7 @@ def _plant(src: Path, dst: Path, prefix: str) -> None:
 
 
 def _run_id(root: Path) -> str:
-    return str(json.loads((root / RUN_KEY).read_text())["run_id"])
+    return str(json.loads((root / RUN_KEY).read_text().split("\n")[0])["run_id"])
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess[str]:
@@ -130,13 +130,13 @@ def test_a_run_record_rewritten_by_someone_without_the_key_is_refused(
     a, b = tmp_path / "a", tmp_path / "b"
     _publish(a, key_path, 3, seed=0)
     _publish(b, key_path, 2, seed=1)
-    (b / RUN_KEY).write_text(json.dumps({"format_version": "1.3", "run_id": _run_id(a)}) + "\n")
+    signature = (b / RUN_KEY).read_bytes().split(b"\n")[1]  # B's own signature line, under A's run id
+    (b / RUN_KEY).write_bytes(json.dumps({"format_version": "1.3", "run_id": _run_id(a)}).encode() + b"\n" + signature)
     with pytest.raises(SignatureError, match="run.json: the signature does not match"):
         read_weights(LocalStore(b), 1, trust=Trust(verify_key=verify_key))
     # a record signed by the key for run A (copied whole) pins A: B's own objects are then refused, never
     # A's read as B's; a reader that knows its run says so with run_id and is told what the store holds
-    shutil.copy(a / RUN_KEY, b / RUN_KEY)
-    shutil.copy(a / "run.sig", b / "run.sig")
+    shutil.copy(a / RUN_KEY, b / RUN_KEY)  # the record and its signature line
     with pytest.raises(ForeignObject, match=f"pinned to run {_run_id(a)}"):
         read_weights(LocalStore(b), 1, trust=Trust(verify_key=verify_key))
 
