@@ -103,6 +103,7 @@ class Bench:
                     "engine_apply_ms": last.get("apply_s", 0) * 1e3 + last.get("finish_s", 0) * 1e3,
                     "before_pause_ms": (t["fetch"] + t["decode"] + t["stage"] + t.get("prepare", 0)) * 1e3,
                     "before": {k: round(t.get(k, 0) * 1e3, 1) for k in ("fetch", "decode", "stage", "prepare")},
+                    "engine_prepare_ms": {k: round(v * 1e3, 1) for k, v in last.get("prepare", {}).items()},
                     "changed": self.base.nnz,
                     "audit_ms": t.get("audit", 0) * 1e3,
                     "prepared": bool(last.get("prepared")),
@@ -112,7 +113,7 @@ class Bench:
             print(
                 f"{self.label:>6} {mode:>8} lr={lr:<7g} v{self.version:<3d} {row['changed_fraction']:7.3%} "
                 f"pause {row['pause_ms']:8.1f} ms  engine {row['engine_apply_ms']:8.1f} ms  "
-                f"before {row['before_pause_ms']:7.0f} ms {row['before']} "
+                f"before {row['before_pause_ms']:7.0f} ms {row['before']} {row['engine_prepare_ms']} "
                 f"({row['before_pause_ms'] * 1e6 / max(row['changed'], 1):.0f} ns per changed element)  "
                 f"audit {row['audit_ms']:6.0f} ms",
                 flush=True,

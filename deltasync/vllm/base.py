@@ -120,6 +120,8 @@ class EngineBase(WeightTransferEngine[DeltaSyncInitInfo, DeltaSyncUpdateInfo]):
         self._pending: set[str] = set()
         self._staged: apply.Holding | None = None
         self.stats: dict[str, Any] = {}
+        self._last_prepare: dict[str, float] = {}
+        """The stages of the last ``prepare`` (read, plan, prove), kept for the next session's stats."""
         self.history: list[dict[str, Any]] = []
         self._map: PatchMap | None = None
         self._map_failed: str | None = None

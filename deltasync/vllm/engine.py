@@ -83,6 +83,7 @@ class DeltaSyncWeightTransferEngine(ProvingEngine):
         self._staged = None
         self.outcome = {"ok": True, "refused": None, "message": ""}
         self.stats = {"mode": self.mode, "objects": 0, "tensors": 0, "values": 0, "t0": time.perf_counter()}
+        self.stats["prepare"], self._last_prepare = self._last_prepare, {}
 
     def parse_update_info(self, update_dict: dict[str, Any]) -> DeltaSyncUpdateInfo:
         """vLLM's parse, after deltasync's own check (which names what an update may carry)."""
@@ -108,18 +109,23 @@ class DeltaSyncWeightTransferEngine(ProvingEngine):
         a refusal is returned (and found again by ``update_weights``)."""
         t0 = time.perf_counter()
         self._prepared = None
+        times: dict[str, float] = {}
         try:
             update = self._parse(update_info)
             checked = self._read(update)
             self._admit(checked, update)
+            times["read_s"] = time.perf_counter() - t0
             ops = self._plan(checked) if self.mode == "inplace" else None
+            times["plan_s"] = time.perf_counter() - t0 - times["read_s"]
             if ops is not None:
                 self._prove(checked, ops)
+            times["prove_s"] = time.perf_counter() - t0 - times["read_s"] - times["plan_s"]
         except UpdateRefused as exc:
             return {"ok": False, "refused": exc.reason.value, "message": str(exc)}
         except Exception as exc:  # noqa: BLE001 - update_weights repeats the work and reports it
             return {"ok": False, "refused": None, "message": f"{type(exc).__name__}: {exc}"}
         self._prepared = (_key(update_info), checked, ops or [])
+        self._last_prepare = {k: round(v, 4) for k, v in times.items()}  # in the next session's stats
         return {"ok": True, "prepare_s": round(time.perf_counter() - t0, 4)}
 
     def receive_weights(self, update_info: DeltaSyncUpdateInfo) -> None:
