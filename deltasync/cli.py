@@ -245,7 +245,7 @@ def _cmd_gc(args: argparse.Namespace) -> int:
         print(f"{verb} {prefix} (never registered)")
     for problem in report.problems:
         print(f"problem: {problem}")
-    print(f"{len(objects)} objects {verb}")
+    print(f"{len(objects) + len(report.leftovers)} objects {verb}")
     return 0
 
 

@@ -30,7 +30,7 @@ import re
 import secrets
 from dataclasses import dataclass
 
-from .errors import FencedObject, ForeignObject, FormatError, ObjectExists, ObjectNotFound
+from .errors import FencedObject, ForeignObject, FormatError, ObjectExists, ObjectNotFound, StoreError
 from .manifest import DeltaManifest
 from .signing import RUN_CONTEXT, SigningKey, VerifyKey
 from .store.base import Store
@@ -55,6 +55,8 @@ EPOCHS_PREFIX = "epochs/"
 MAX_RECORD_BYTES = 8192
 """Readers refuse larger run or epoch records, signature line included (checked before reading)."""
 _EPOCH_KEY = re.compile(r"epochs/e(\d{8})\.json")
+_BEFORE_RECORDS = ("1.0", "1.1", "1.2")
+"""Manifest formats written before stores recorded their run (their stores have no ``run.json``)."""
 _RUN_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 
 
@@ -98,14 +100,25 @@ class RunView:
     """The run's epoch records, ascending."""
     pinned_by: str = ""
     """Where the pin came from, for messages (``--run-id`` or the store's ``run.json``)."""
+    unpinned: str | None = None
+    """Why a reader that must pin a run could not (the store has no ``run.json``): objects that name a run and
+    were written since format 1.3 (whose publishers always record their run) are then refused."""
 
     def admit(self, manifest: DeltaManifest, *, name: str) -> None:
         """Refuse an object of another run, or one a later publisher of the run fenced.
 
         Raises:
-            ForeignObject: the object names another run (or none) than the pinned one.
+            ForeignObject: the object names another run (or none) than the pinned one, or the reader must pin a
+                run and cannot.
             FencedObject: a later lease epoch fenced the object's writer before it was registered.
         """
+        recorded = manifest.run_id is not None and manifest.format_version not in _BEFORE_RECORDS
+        if self.run_id is None and self.unpinned is not None and recorded:  # its publisher wrote a run.json
+            raise ForeignObject(
+                f"{name}: names run {manifest.run_id or '(none)'}, and {self.unpinned}: a reader with only the "
+                "publisher's key cannot tell this run's objects from another run's signed by the same key; pin the "
+                "run (--run-id RUN, Trust(run_id=...)), or read through the coordinator"
+            )
         if self.run_id is not None and manifest.run_id != self.run_id:
             raise ForeignObject(
                 f"{name}: belongs to run {manifest.run_id or '(none)'}, this reader is pinned to run {self.run_id} "
@@ -153,6 +166,9 @@ def _get_record(store: Store, key: str, verify_key: VerifyKey | None) -> dict[st
         raise FormatError(f"{name}: not valid JSON ({exc})") from None
     if not isinstance(obj, dict) or not isinstance(obj.get("run_id"), str) or not _RUN_ID.fullmatch(obj["run_id"]):
         raise FormatError(f"{name}: must be a JSON object with a run identity 'run_id', found {str(obj)[:200]!r}")
+    fmt = obj.get("format_version")
+    if not isinstance(fmt, str) or not re.fullmatch(r"1\.\d{1,6}", fmt):
+        raise FormatError(f"{name}: format_version must be '1.x' (this reader knows 1.x), found {str(fmt)[:40]!r}")
     return obj
 
 
@@ -227,9 +243,15 @@ def read_run_view(store: Store, *, run_id: str | None, verify_key: VerifyKey | N
         )
     pin, pinned_by = (run_id, "--run-id") if run_id is not None else (recorded, f"the store's {RUN_KEY}")
     if pin is None:
-        return RunView(run_id=None)
+        missing = f"the store {store.uri} has no run record ({RUN_KEY}: deleted, or never written)"
+        return RunView(run_id=None, unpinned=missing if verify_key is not None else None)
     epochs = []
-    for key in store.list(EPOCHS_PREFIX):
+    try:
+        keys = store.list(EPOCHS_PREFIX)
+    except StoreError as exc:  # a planted file or link where the records go: nothing it holds can fence
+        logger.warning("%s/%s: not listed (%s); no epoch records", store.uri, EPOCHS_PREFIX, exc)
+        keys = []
+    for key in keys:
         if _EPOCH_KEY.fullmatch(key) is None:
             continue
         name = f"{store.uri}/{key}"
@@ -237,7 +259,7 @@ def read_run_view(store: Store, *, run_id: str | None, verify_key: VerifyKey | N
             obj = _get_record(store, key, verify_key)
             if obj is not None:
                 epochs.append(_parse_epoch(obj, key, name))
-        except FormatError as exc:  # SignatureError included
+        except (FormatError, StoreError) as exc:  # unsigned, malformed, oversized, a link: it cannot fence
             logger.warning("%s: ignored (%s)", name, exc)
     ours = tuple(sorted((e for e in epochs if e.run_id == pin), key=lambda e: e.epoch))
     return RunView(run_id=pin, epochs=ours, pinned_by=pinned_by)

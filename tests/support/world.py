@@ -16,6 +16,7 @@ from deltasync.agent import Agent
 from deltasync.client import CoordinatorClient
 from deltasync.config import AgentConfig
 from deltasync.manifest import DeltaManifest
+from deltasync.runrecord import claim_run, record_epoch
 from deltasync.schemas import VersionCreate
 from deltasync.signing import SigningKey
 from deltasync.targets import InMemoryTarget
@@ -50,12 +51,17 @@ class StreamPublisher:
     ) -> None:
         self.store, self.client = store, client
         self.lease = client.acquire_lease("stream-publisher", ttl_s=3600) if client is not None else None
+        if self.lease is not None:  # as a Publisher does: the store records its run and this lease epoch
+            claim_run(store, self.lease.run_id, signing_key)
+            through = self.lease.next_version - 1 if self.lease.next_version > 0 else None
+            record_epoch(store, self.lease.run_id, self.lease.epoch, through, signing_key)
         self.writer = ObjectWriter(
             store=store,
             encoding=encoding,  # type: ignore[arg-type]
             signing_key=signing_key,
             model_id=model_id,
             run_id=self.lease.run_id if self.lease is not None else None,
+            lease_epoch=self.lease.epoch if self.lease is not None else None,
         )
         self.stream = UpdateStream(weights, lr=lr, seed=seed)
         self.snapshot = {k: v.clone() for k, v in weights.items()}

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from deltasync import (
+    ForeignObject,
     FormatError,
     LocalStore,
     ObjectWriter,
@@ -226,7 +227,12 @@ def test_two_runs_signed_by_one_key_are_never_mixed(tmp_path: Path) -> None:
     shutil.rmtree(a.root / "v00000001")
     shutil.copytree(b.root / "v00000001", a.root / "v00000001")
     with pytest.raises(FormatError, match=r"the chain to v1 mixes objects of runs \['run-aaaa', 'run-bbbb'\]"):
+        read_weights(a, 1)  # consistency alone
+    # with the key (issue 21): these writers recorded no run.json, so a key-only reader must pin the run
+    with pytest.raises(ForeignObject, match="has no run record"):
         read_weights(a, 1, trust=Trust(verify_key=key.verify_key))
+    with pytest.raises(ForeignObject, match="belongs to run run-bbbb, this reader is pinned to run run-aaaa"):
+        read_weights(a, 1, trust=Trust(verify_key=key.verify_key, run_id="run-aaaa"))
 
 
 def test_one_planted_anchor_does_not_break_the_registered_delta_chain(w: World) -> None:

@@ -168,3 +168,47 @@ def test_without_a_coordinator_a_restarted_publisher_keeps_the_stores_run(
     kinds = [(v.version, "anchor" if v.anchor else "delta") for v in list_versions(store)]
     assert {read_manifest(store, v, kind).run_id for v, kind in kinds} == {run}
     assert_bit_equal(read_weights(store, 2, trust=Trust(verify_key=verify_key)), weights)
+
+
+def test_a_store_whose_run_record_was_deleted_is_refused_not_read_unpinned(
+    tmp_path: Path, key: tuple[Path, VerifyKey]
+) -> None:
+    """Adversary (issue 21 review): with `run.json` deleted, a key-only reader pinned nothing and read another
+    run's objects (a whole chain of run B copied into run A's store) as valid. Now an object that names a run,
+    written since format 1.3 (its publisher always records the run), is refused until the reader pins a run."""
+    key_path, verify_key = key
+    a, b = tmp_path / "a", tmp_path / "b"
+    _publish(a, key_path, 3, seed=0)
+    truth_b = _publish(b, key_path, 6, seed=1, anchor_every=4)
+    for prefix in ("v00000004", "v00000005"):  # B's own anchor v4 and delta v5: a chain of run B alone
+        _plant(b, a, prefix)
+    run_a = _run_id(a)
+    (a / RUN_KEY).unlink()
+    store = LocalStore(a)
+    with pytest.raises(ForeignObject, match=r"names run run-\w+, and the store .* has no run record \(run.json"):
+        read_weights(store, 5, trust=Trust(verify_key=verify_key))
+    done = _cli("verify", str(a), "--version", "5", "--public-key", f"{key_path}.pub")
+    assert done.returncode != 0 and "has no run record" in done.stderr, done
+    # a reader that knows its run still reads its own versions, and never B's
+    pinned = Trust(verify_key=verify_key, run_id=run_a)
+    assert read_weights(store, 2, trust=pinned).keys() == truth_b[5].keys()
+    with pytest.raises(ForeignObject, match=f"pinned to run {run_a}"):
+        read_weights(store, 5, trust=pinned)
+    assert_bit_equal(read_weights(LocalStore(b), 5, trust=Trust(verify_key=verify_key)), truth_b[5])
+
+
+def test_planted_epoch_records_never_stop_the_reads(tmp_path: Path, key: tuple[Path, VerifyKey]) -> None:
+    """Adversary: a 50 MB planted epochs/e*.json (or a file where the directory goes) made every key-only read
+    fail; a record that cannot fence anything is ignored, with a warning."""
+    key_path, verify_key = key
+    root = tmp_path / "b"
+    truth = _publish(root, key_path, 2, seed=1)
+    (root / "epochs").mkdir()
+    (root / "epochs" / "e00000009.json").write_bytes(b"x" * (1 << 20))
+    assert_bit_equal(read_weights(LocalStore(root), 1, trust=Trust(verify_key=verify_key)), truth[1])
+    (root / "epochs" / "e00000009.json").unlink()
+    (root / "epochs").rmdir()
+    (root / "epochs").write_bytes(b"not a directory")
+    assert_bit_equal(read_weights(LocalStore(root), 1, trust=Trust(verify_key=verify_key)), truth[1])
+    record = (root / RUN_KEY).read_text().split("\n")[0]
+    assert '"format_version": "1.3"' in record
