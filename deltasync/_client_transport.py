@@ -45,11 +45,15 @@ def _raise_for_status(response: httpx.Response) -> None:
     if response.is_success:
         return
     try:
-        detail = response.json().get("detail", response.text)
+        body = response.json()
     except ValueError:
-        detail = response.text
+        body = None
+    detail = body.get("detail", response.text) if isinstance(body, dict) else response.text
     if isinstance(detail, list):  # FastAPI's 422: name each invalid field
-        detail = "; ".join(f"{'.'.join(str(p) for p in d.get('loc', []))}: {d.get('msg')}" for d in detail)
+        detail = "; ".join(
+            f"{'.'.join(str(p) for p in d.get('loc', []))}: {d.get('msg')}" if isinstance(d, dict) else str(d)
+            for d in detail
+        )
     request = response.request
     raise _error(response, f"{request.method} {request.url.path}: {response.status_code} {detail}")
 

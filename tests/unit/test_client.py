@@ -200,3 +200,18 @@ def test_tokens_never_travel_in_clear_by_accident(caplog: pytest.LogCaptureFixtu
         assert not caplog.records
         CoordinatorClient("http://coordinator:8600", token="t").close()
     assert any("the bearer token travels in clear" in r.getMessage() for r in caplog.records)
+
+
+@pytest.mark.parametrize(
+    "body", ['["a", "list"]', '"text"', "7", "{not json", '{"detail": ["x", {"loc": ["b"], "msg": "m"}]}']
+)
+def test_an_error_answer_of_any_json_shape_is_a_coordinator_error(body: str) -> None:
+    """Whatever a proxy or a broken coordinator answers with an error status, the client raises
+    CoordinatorError naming the request and the status, never AttributeError (a JSON list or string body)."""
+    import httpx
+
+    from deltasync._client_transport import _raise_for_status
+
+    request = httpx.Request("GET", "http://127.0.0.1:1/v1/versions")
+    with pytest.raises(CoordinatorError, match=r"GET /v1/versions: 502 "):
+        _raise_for_status(httpx.Response(502, content=body.encode(), request=request))
