@@ -6,7 +6,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Iterator, MutableMapping
+from collections.abc import AsyncIterator, Iterator, Mapping, MutableMapping
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -184,25 +184,29 @@ def _metrics(
                 drifted.add_metric([agent, detail[:200]], 1)
             yield drifted
             yield GaugeMetricFamily("deltasync_connections_open", "open HTTP connections", value=connections.open)
-            refused = CounterMetricFamily(
+            yield _counter(
                 "deltasync_connections_refused",
                 "connections refused with 503 past max_connections or max_connections_per_peer",
-                labels=["reason"],
+                "reason",
+                connections.refused,
             )
-            for reason, count in connections.refused.items():
-                refused.add_metric([reason], count)
-            yield refused
-            timed_out = CounterMetricFamily(
+            yield _counter(
                 "deltasync_requests_timed_out",
                 "connections closed because a request head or body was not received in time (408)",
-                labels=["phase"],
+                "phase",
+                connections.timed_out,
             )
-            for phase, count in connections.timed_out.items():
-                timed_out.add_metric([phase], count)
-            yield timed_out
 
     out.register(_Ledger())
     return out, latency
+
+
+def _counter(name: str, documentation: str, label: str, counts: Mapping[str, int]) -> Metric:
+    """A counter family with one series per ``label`` value."""
+    family = CounterMetricFamily(name, documentation, labels=[label])
+    for value, count in counts.items():
+        family.add_metric([value], count)
+    return family
 
 
 def create_app(settings: Settings | None = None) -> FastAPI:

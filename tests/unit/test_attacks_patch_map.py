@@ -55,12 +55,11 @@ def _dense(name: str, t: torch.Tensor) -> TensorDelta:
     return TensorDelta(ckpt_name=name, shape=tuple(t.shape), dtype=t.dtype, indices=None, values=t)
 
 
-def _through_the_map(make: Callable[[], Any], spec: Spec, new: dict[str, torch.Tensor] | None = None) -> list[str]:
-    """Map a model at one version, write another through the map (reloading what it leaves out, as the engine
-    does), and compare with a model that loaded the new version whole."""
+def _map_and_rewrite(model: Any, spec: Spec, new: dict[str, torch.Tensor] | None = None) -> tuple[PatchMap, list[str]]:
+    """Map ``model`` at one version, write another through the map (reloading what it leaves out, as the engine
+    does), and compare with a model that loaded the new version whole: the map, and what differs."""
     base = _weights(spec, 1)
     new = new if new is not None else _weights(spec, 2)
-    model = make()
     model.load_weights(list(base.items()))
     ref = copy.deepcopy(model)
     ref.load_weights(list(new.items()))
@@ -68,7 +67,12 @@ def _through_the_map(make: Callable[[], Any], spec: Spec, new: dict[str, torch.T
     pm.write(pm.plan([_dense(n, new[n]) for n in spec if n in pm]))
     if pm.unmapped:
         model.load_weights([(n, new[n]) for n in spec if n in pm.unmapped])
-    return _same(_state(ref), _state(model), identity=False)
+    return pm, _same(_state(ref), _state(model), identity=False)
+
+
+def _through_the_map(make: Callable[[], Any], spec: Spec, new: dict[str, torch.Tensor] | None = None) -> list[str]:
+    """What differs after :func:`_map_and_rewrite` of a fresh ``make()``."""
+    return _map_and_rewrite(make(), spec, new)[1]
 
 
 def test_a_loader_writing_outside_the_probed_layer_is_caught_not_left_silent() -> None:

@@ -5,7 +5,6 @@ probed in full, keeping every refusal probing makes. Toy vLLM-like loaders, torc
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Iterable
 
 import pytest
@@ -13,7 +12,7 @@ import torch
 
 from deltasync.vllm import patch_map
 from deltasync.vllm.patch_map import build_map
-from tests.unit.test_attacks_patch_map import Spec, _dense, _same, _state, _weights
+from tests.unit.test_attacks_patch_map import Spec, _map_and_rewrite, _weights
 
 
 class Layer(torch.nn.Module):
@@ -76,16 +75,7 @@ class Stack(torch.nn.Module):
 
 
 def _rewrite_through_the_map(model: Stack) -> tuple[patch_map.PatchMap, list[str]]:
-    spec = model.spec()
-    model.load_weights(list(_weights(spec, 1).items()))
-    new = _weights(spec, 2)
-    ref = copy.deepcopy(model)
-    ref.load_weights(list(new.items()))
-    pm = build_map(model, spec, model.load_weights)
-    pm.write(pm.plan([_dense(n, new[n]) for n in spec if n in pm]))
-    if pm.unmapped:
-        model.load_weights([(n, new[n]) for n in spec if n in pm.unmapped])
-    return pm, _same(_state(ref), _state(model), identity=False)
+    return _map_and_rewrite(model, model.spec())
 
 
 def test_one_layer_is_probed_and_every_other_derived_exactly() -> None:
