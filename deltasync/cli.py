@@ -18,6 +18,7 @@ from ._logging import setup_logging
 from ._shard_header import parse_shard
 from .errors import DeltaSyncError, FencedObject, ForeignObject, ObjectNotFound, SignatureError
 from .layout import manifest_key, object_prefix
+from .manifest import MAX_MANIFEST_BYTES
 from .reader import Trust, list_versions, read_chain, read_manifest, read_weights
 from .runrecord import read_run_view
 from .signing import VerifyKey, generate_key_files
@@ -89,7 +90,8 @@ def _cmd_ls(args: argparse.Namespace) -> int:
                 status = "ok"
                 try:
                     if trust is not None:
-                        trust.check(store, m.version, kind, store.get(manifest_key(m.version, kind)))
+                        data = store.get(manifest_key(m.version, kind), max_bytes=MAX_MANIFEST_BYTES)
+                        trust.check(store, m.version, kind, data)
                     view.admit(m, name=f"{kind} v{m.version}")
                 except ForeignObject:
                     status = f"FOREIGN: run {m.run_id or '(none)'}"
