@@ -6,7 +6,10 @@ from __future__ import annotations
 import os
 import stat
 import uuid
+from collections.abc import Sequence
 from pathlib import Path
+
+import numpy as np
 
 from .errors import FormatError, UnsafeObject
 
@@ -33,15 +36,17 @@ def inside(root: Path, path: str | os.PathLike[str]) -> bool:
     return os.path.realpath(absolute) == absolute and absolute.startswith(os.path.realpath(root) + os.sep)
 
 
-def write_new(path: Path, data: bytes) -> str:
-    """Write ``data`` to ``path`` atomically: a new temporary file (exclusive, never through a link) renamed over
-    ``path`` (a rename replaces a link there instead of following it). Returns ``str(path)``."""
+def write_new(path: Path, data: bytes | Sequence[bytes | memoryview]) -> str:
+    """Write ``data`` (bytes, or buffers written one after the other) to ``path`` atomically: a new temporary file
+    (exclusive, never through a link) renamed over ``path`` (a rename replaces a link there instead of following
+    it). Returns ``str(path)``."""
     ensure_dir(path.parent)
     tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
     try:
         with os.fdopen(fd, "wb") as f:
-            f.write(data)
+            for part in (data,) if isinstance(data, bytes | bytearray) else data:
+                f.write(part)
         os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)
@@ -49,9 +54,10 @@ def write_new(path: Path, data: bytes) -> str:
     return str(path)
 
 
-def read_regular(path: str | os.PathLike[str], max_bytes: int, what: str) -> bytearray:
+def read_regular(path: str | os.PathLike[str], max_bytes: int, what: str) -> memoryview:
     """A regular file (never through a final link, never a fifo or device) of at most ``max_bytes``, checked
-    before reading, read into one buffer.
+    before reading, read into one writable buffer (not zeroed first: a first pass over a fresh gigabyte costs
+    as much as reading it).
 
     Raises:
         FormatError: unreadable, not a regular file, or too large.
@@ -66,11 +72,10 @@ def read_regular(path: str | os.PathLike[str], max_bytes: int, what: str) -> byt
             raise FormatError(f"{path}: the {what} is not a regular file")
         if st.st_size > max_bytes:
             raise FormatError(f"{path}: the {what} is {st.st_size} bytes, more than the {max_bytes} allowed")
-        buf = bytearray(st.st_size)
-        view, n = memoryview(buf), 0
+        view, n = memoryview(np.empty(st.st_size, dtype=np.uint8).data), 0
         while n < st.st_size:
             got = f.readinto(view[n : n + _CHUNK])
             if not got:
                 raise FormatError(f"{path}: the {what} shrank while read ({n} of {st.st_size} bytes)")
             n += got
-        return buf
+        return view

@@ -16,6 +16,7 @@ __all__ = [
     "SafetensorsFile",
     "encode_safetensors",
     "parse_safetensors",
+    "safetensors_parts",
 ]
 
 MAX_HEADER_BYTES = 100 * 1024 * 1024
@@ -69,6 +70,12 @@ def encode_safetensors(entries: Sequence[SafetensorsEntry], metadata: dict[str, 
     every tensor is aligned to its item size; the JSON header has sorted keys, no spaces, and is
     padded with spaces to a multiple of 8 bytes.
     """
+    return b"".join(safetensors_parts(entries, metadata))
+
+
+def safetensors_parts(entries: Sequence[SafetensorsEntry], metadata: dict[str, str]) -> list[bytes | memoryview]:
+    """:func:`encode_safetensors`' bytes as the buffers to write one after the other: the length and header, then
+    each entry's data as it is (no copy of the tensor data: a file writer takes them in turn)."""
     ordered = sorted(entries, key=lambda e: (-DTYPE_ITEMSIZE[e.dtype], e.key))
     header: dict[str, object] = {"__metadata__": dict(metadata)} if metadata else {}
     offset = 0
@@ -82,7 +89,7 @@ def encode_safetensors(entries: Sequence[SafetensorsEntry], metadata: dict[str, 
         offset += n
     raw = json.dumps(header, sort_keys=True, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)
-    return b"".join([struct.pack("<Q", len(raw)), raw, *(e.data for e in ordered)])
+    return [struct.pack("<Q", len(raw)) + raw, *(memoryview(e.data) for e in ordered)]
 
 
 def _fail(name: str, what: str) -> FormatError:

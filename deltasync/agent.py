@@ -479,19 +479,21 @@ class Agent:
                 where = f"{self.store.uri}/{object_prefix(m.version, m.kind)}"
                 deltas = decode_object(m, blobs, where=where, base=host)
                 host = dict(apply.write(host, m, deltas))  # the agent's own copy, proven below
-                if m.kind == "anchor":  # own it: the staged entries must keep this version's values
+                in_process = getattr(self.target, "in_process", False)
+                if m.kind == "anchor" and in_process:  # own it: the staged entries must keep this version's values
                     host = {n: t.clone() for n, t in host.items()}
                 apply.verify(host, m, names=None if m.kind == "anchor" else {d.ckpt_name for d in deltas})
                 host_version = m.version
                 ts = time.perf_counter()
-                if getattr(self.target, "in_process", False):  # an engine in this process takes the objects
+                if in_process:  # an engine in this process takes the objects
                     objects.append(in_memory(m, deltas))
                 else:
                     # a fresh directory of our own (unpredictable name): nothing planted can redirect these writes
                     name = f"v{m.version:08d}" + ("-anchor-" if m.kind == "anchor" else "-")
                     directory = Path(tempfile.mkdtemp(prefix=name, dir=ensure_dir(self.staging)))
                     directory.chmod(0o755)  # the engine may run as another user
-                    objects.append(stage_object(directory, m, data, deltas))
+                    # files only: the host copy (whose tensors an anchor's entries are) moves on with later objects
+                    objects.append(dataclasses.replace(stage_object(directory, m, data, deltas), deltas=None))
                     dirs.append(directory)
                 stage_s += time.perf_counter() - ts
         except BaseException:

@@ -25,7 +25,7 @@ import torch
 import xxhash
 
 from . import _codec
-from ._safetensors import SafetensorsEntry, SafetensorsFile, encode_safetensors
+from ._safetensors import SafetensorsEntry, SafetensorsFile, safetensors_parts
 from ._shard_header import ShardHeader, TensorInfo, info_to_json, parse_shard, read_shard_header
 from .errors import FormatError
 from .vocab import (
@@ -50,6 +50,8 @@ __all__ = [
     "TensorInfo",
     "decode_shard",
     "encode_shard",
+    "encode_shard_parts",
+    "has_nan",
     "read_shard_header",
     "tensor_checksum",
 ]
@@ -142,6 +144,12 @@ def _bits_of(t: torch.Tensor, dtype_name: str) -> np.ndarray:
     return t.detach().contiguous().reshape(-1).view(_INT_TORCH[bits_dtype(dtype_name)]).numpy()
 
 
+def has_nan(values: torch.Tensor) -> bool:
+    """Whether a tensor holds a NaN, by one max reduction (torch's max propagates NaN, any payload or sign): no
+    boolean mask the size of the tensor, whose fresh pages cost more than the scan here."""
+    return values.is_floating_point() and values.numel() > 0 and bool(torch.isnan(values.detach().amax()))
+
+
 def _validate_for_encoding(d: TensorDelta, kind: Kind) -> str:
     name = d.ckpt_name
     if not CHECKPOINT_NAME.fullmatch(name):
@@ -169,7 +177,7 @@ def _validate_for_encoding(d: TensorDelta, kind: Kind) -> str:
         raise ValueError(f"tensor {name!r}: indices must be int64, got {d.indices.dtype}")
     if d.base_values is not None and d.base_values.shape != d.values.shape:
         raise ValueError(f"tensor {name!r}: base_values must have the shape of values")
-    if torch.isnan(d.values).any():
+    if has_nan(d.values):
         raise ValueError(
             f"tensor {name!r}: values contain NaN, which vLLM reads as 'unchanged'; deltasync refuses "
             "to publish NaN weights (check the training run for divergence)"
@@ -247,7 +255,7 @@ def encode_shard(
     base_version: int | None = None,
     zstd_level: int = DEFAULT_ZSTD_LEVEL,
 ) -> bytes:
-    """Encode tensor deltas (or an anchor's dense tensors) into one shard file.
+    """Encode tensor deltas (or an anchor's dense tensors) into one shard file (:func:`encode_shard_parts`, joined).
 
     Args:
         deltas: one entry per changed tensor (or span), each with its ``checksum``.
@@ -263,6 +271,28 @@ def encode_shard(
     Raises:
         ValueError: an entry is malformed or holds NaN (the message names the tensor).
     """
+    parts = encode_shard_parts(
+        deltas,
+        kind=kind,
+        encoding=encoding,
+        target_version=target_version,
+        base_version=base_version,
+        zstd_level=zstd_level,
+    )
+    return b"".join(parts)
+
+
+def encode_shard_parts(
+    deltas: Iterable[TensorDelta],
+    *,
+    kind: Kind,
+    encoding: Encoding,
+    target_version: int,
+    base_version: int | None = None,
+    zstd_level: int = DEFAULT_ZSTD_LEVEL,
+) -> list[bytes | memoryview]:
+    """:func:`encode_shard`'s bytes as the buffers to write one after the other: a ``raw`` shard's tensor data is
+    not copied (an agent staging a verified anchor writes the decoded tensors straight to the file)."""
     if kind not in KINDS:
         raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
     if encoding not in ENCODINGS:
@@ -293,7 +323,7 @@ def encode_shard(
     }
     if base_version is not None:
         metadata[META_PREFIX + "base_version"] = str(base_version)
-    return encode_safetensors([e for _, es in encoded for e in es], metadata)
+    return safetensors_parts([e for _, es in encoded for e in es], metadata)
 
 
 def _json_dumps(obj: object) -> str:
@@ -431,7 +461,7 @@ def _decode_tensor(
             bits = _undo_ordinal_delta(file, t, info, coded, signed, base, indices)
     shape = info.shape if info.layout == "dense" and info.span is None else (n,)
     values = torch.from_numpy(bits).view(DTYPES[info.dtype]).reshape(shape)
-    if values.is_floating_point() and torch.isnan(values).any():
+    if has_nan(values):
         k = int(torch.isnan(values.reshape(-1)).nonzero()[0, 0])
         raise _bad(
             file,

@@ -99,8 +99,20 @@ def _v(chunk: int) -> torch.Tensor:
     return v
 
 
-def _v_many(chunks: torch.Tensor) -> torch.Tensor:
-    return torch.from_numpy(_weights(2, chunks.numpy()) & ~np.int64(1))
+_W_NP = _W_INT.numpy()
+_V_TABLE = np.zeros((0, LANES), dtype=np.int64)
+_V_TABLE_MAX = 1 << 16  # chunks (2**32 words, 8 MiB of offsets); a larger tensor's far chunks are computed
+
+
+def _v_span(first: int, stop: int) -> np.ndarray:
+    """``V[first:stop]`` (``stop - first`` x ``LANES`` int64), from a table grown on demand: a sketch of the
+    changed elements of a small tensor would otherwise spend more on its offsets than on its elements."""
+    global _V_TABLE
+    if stop > _V_TABLE_MAX:
+        return _weights(2, np.arange(first, stop)) & ~np.int64(1)
+    if stop > len(_V_TABLE):  # racing threads build the same table: either one is right
+        _V_TABLE = _weights(2, np.arange(min(max(stop, 2 * len(_V_TABLE)), _V_TABLE_MAX))) & ~np.int64(1)
+    return _V_TABLE[first:stop]
 
 
 def _words(values: torch.Tensor) -> torch.Tensor:
@@ -162,16 +174,19 @@ def _word_indices(indices: torch.Tensor, per: int) -> torch.Tensor:
     return (idx[:, None] * per + torch.arange(per)).reshape(-1) if per > 1 else idx
 
 
-def _weighted(words: torch.Tensor, idx: torch.Tensor) -> Sketch:
+def _weighted(words: torch.Tensor, idx: torch.Tensor, *, increasing: bool = False) -> Sketch:
     """``sum_i words[i] * w(idx[i])`` per lane, mod 2**64, for int64 ``words`` (any sign, ``|words| < 2**17``) at
     word indices ``idx`` (no repeats). Two integer histograms instead of a gather of weights per element: the
     words summed per weight row (``idx mod 2**16``) and per chunk (``idx // 2**16``; for sorted ``idx``, read off
-    a running sum at the chunk edges), then two small exact products."""
+    a running sum at the chunk edges), then two small exact products. ``increasing``: ``idx`` is known to be
+    strictly increasing (a decoded delta's indices are), which skips checking it."""
     if idx.numel() == 0:
         return ZERO
-    rows = torch.zeros(_CHUNK, dtype=torch.int64).scatter_add_(0, idx & (_CHUNK - 1), words)
+    # float64 bins are exact: |word| < 2**17, so every partial sum stays far below 2**53
+    rows = np.bincount((idx & (_CHUNK - 1)).numpy(), weights=words.numpy(), minlength=_CHUNK).astype(np.int64)
     first, last = int(idx[0]) >> _CHUNK_BITS, int(idx[-1]) >> _CHUNK_BITS
-    if idx.numel() < 2 or bool((idx[1:] > idx[:-1]).all()):  # sorted (a delta's indices are): no per-element chunk
+    # sorted (a delta's indices are): no per-element chunk
+    if increasing or idx.numel() < 2 or bool((idx[1:] > idx[:-1]).all()):
         edges = torch.searchsorted(idx, torch.arange(first + 1, last + 1, dtype=torch.int64) << _CHUNK_BITS)
         total = torch.cumsum(words, 0)
         at = torch.cat([total.index_select(0, edges - 1) if edges.numel() else total[:0], total[-1:]])
@@ -181,8 +196,9 @@ def _weighted(words: torch.Tensor, idx: torch.Tensor) -> Sketch:
         chunks = idx >> _CHUNK_BITS
         first = int(chunks.min())
         per_chunk = torch.zeros(int(chunks.max()) - first + 1, dtype=torch.int64).scatter_add_(0, chunks - first, words)
-    table = _v_many(torch.arange(first, first + per_chunk.numel()))
-    lanes = (rows[:, None] * _W_INT).sum(0) + (per_chunk[:, None] * table).sum(0)  # int64: wraps mod 2**64
+    table = _v_span(first, first + per_chunk.numel())
+    with np.errstate(over="ignore"):  # int64: wraps mod 2**64, as the lanes do
+        lanes = rows @ _W_NP + per_chunk.numpy() @ table
     return _lanes(lanes.tolist())
 
 
@@ -198,19 +214,22 @@ def sketch_at(values: torch.Tensor, indices: torch.Tensor) -> Sketch:
     return _weighted(words.to(torch.int64), _word_indices(indices, per))
 
 
-def sketch_change(new: torch.Tensor, old: torch.Tensor, indices: torch.Tensor) -> Sketch:
+def sketch_change(new: torch.Tensor, old: torch.Tensor, indices: torch.Tensor, *, increasing: bool = False) -> Sketch:
     """How a tensor's sketch moves when the elements at flat ``indices`` (no repeats) go from ``old`` to ``new``:
     ``sketch_at(new, indices) - sketch_at(old, indices)`` in one pass over the changed elements (an engine
     proves an update from what it changes, against the version it serves: :func:`add_sketches` of the served
-    sketch and this one must be the published sketch)."""
+    sketch and this one must be the published sketch). ``increasing``: ``indices`` are known to be strictly
+    increasing (a decoded delta's are checked so), which saves a pass over them."""
     if new.dtype != old.dtype or new.numel() != old.numel() or new.numel() != indices.numel():
         raise ValueError(
             f"sketch_change: {new.numel()} new {new.dtype} values, {old.numel()} old {old.dtype}, "
             f"{indices.numel()} indices"
         )
     per = new.element_size() // 2
-    diff = _words(new).to(torch.int64) - _words(old).to(torch.int64)
-    return _weighted(diff, _word_indices(indices, per))
+    # one int64 buffer, subtracted in place (numpy): two fresh int64 temporaries cost ~15x more here (page faults)
+    diff = _words(new).numpy().astype(np.int64)
+    diff -= _words(old).numpy()
+    return _weighted(torch.from_numpy(diff), _word_indices(indices, per), increasing=increasing)
 
 
 def add_sketches(*sketches: Sketch) -> Sketch:

@@ -20,7 +20,7 @@ from ._localfs import ensure_dir, inside, read_regular, write_new
 from ._shard_header import parse_shard
 from .apply import check_decoded
 from .errors import FormatError
-from .format import TensorDelta, decode_shard, encode_shard
+from .format import TensorDelta, decode_shard, encode_shard_parts
 from .layout import MANIFEST_FILE, shard_file
 from .manifest import MAX_MANIFEST_BYTES, DeltaManifest
 from .vocab import DTYPES, KINDS, MAX_VERSION, Kind
@@ -185,7 +185,7 @@ def stage_object(
     plain = [dataclasses.replace(d, base_values=None) for d in deltas]
     paths: list[str] = []
     if plain:
-        data = encode_shard(
+        data = encode_shard_parts(  # the tensors' bytes written as they are: no joined copy of the shard
             plain,
             kind=manifest.kind,
             encoding="raw",

@@ -111,7 +111,9 @@ class ProvingEngine(EngineBase):
         assert idx is not None
         dtype = DTYPES[entry.dtype]
         old = pm.gather(name, idx).to(dtype)
-        moved = add_sketches(parse_sketch(served), sketch_change(new.reshape(-1).to(dtype), old, idx))
+        # decoded indices are strictly increasing (the decoder checks), and a catch-up's were sorted and deduplicated
+        change = sketch_change(new.reshape(-1).to(dtype), old, idx, increasing=True)
+        moved = add_sketches(parse_sketch(served), change)
         return format_sketch(moved) == entry.sketch
 
     @staticmethod

@@ -20,6 +20,7 @@ from deltasync import (
     tensor_checksum,
 )
 from deltasync._safetensors import SafetensorsEntry, encode_safetensors
+from deltasync.format import encode_shard_parts, has_nan
 from tests.conftest import bits
 
 CHECKSUM = "xxh3_128:" + "0" * 32
@@ -189,6 +190,42 @@ def test_packed_codes_small_steps_in_about_a_bit() -> None:
     assert len(packed) / idx.numel() < 1.6 < 6 <= len(raw) / idx.numel()
     _, out = decode_shard(packed, name="p", base={"w": old})
     _assert_same(out["w"], d)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
+def test_has_nan_finds_every_nan_pattern_anywhere(dtype: torch.dtype) -> None:
+    """``has_nan`` is one max reduction: it must see a NaN of any payload and sign, at any position of the
+    vectorized loop (head, body, tail) and of any size."""
+    ints = {2: torch.int16, 4: torch.int32}[dtype.itemsize]
+    patterns = {
+        torch.bfloat16: [0x7FC0, 0x7F81, -0x40, -0x7F, 0x7FFF, -1],  # quiet, signalling, negative (0xFFC0...)
+        torch.float16: [0x7E00, 0x7C01, -0x3FF, -1],
+        torch.float32: [0x7FC00000, 0x7F800001, -1, 0x7FFFFFFF],
+    }[dtype]
+    g = torch.Generator().manual_seed(3)
+    for n in (1, 2, 7, 31, 64, 1000, 65_537):
+        values = torch.randn(n, generator=g).to(dtype)
+        values[0] = float("inf")  # infinities are not NaN
+        assert not has_nan(values)
+        for pos in {0, n // 2, n - 1}:
+            for bits_ in patterns:
+                probe = values.clone()
+                probe.view(ints)[pos] = bits_
+                assert has_nan(probe) and has_nan(probe.reshape(1, -1)), (n, pos, hex(bits_))
+    assert not has_nan(torch.empty(0, dtype=dtype)) and not has_nan(torch.arange(5))
+
+
+def test_encode_shard_parts_are_the_shard_without_a_copy() -> None:
+    w = torch.randn(64, 8).to(torch.bfloat16)
+    d = TensorDelta(
+        ckpt_name="w", shape=(64, 8), dtype=torch.bfloat16, indices=None, values=w, checksum=tensor_checksum(w)
+    )
+    parts = encode_shard_parts([d], kind="anchor", encoding="raw", target_version=3)
+    assert b"".join(parts) == encode_shard([d], kind="anchor", encoding="raw", target_version=3)
+    data = parts[-1]
+    assert isinstance(data, memoryview) and data.obj is not None and data.nbytes == w.numel() * 2
+    w[0, 0] = 7.0  # the part is the tensor's own memory
+    assert bytes(data[:2]) == w[:1, :1].contiguous().view(torch.uint8).numpy().tobytes()
 
 
 def test_encode_refuses_bad_entries() -> None:

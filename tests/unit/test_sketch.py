@@ -135,6 +135,8 @@ def test_an_update_from_the_changed_elements_equals_the_new_sketch(dtype: torch.
     # chunks with no change in between) or not
     for at in (idx, idx.sort().values):
         assert add_sketches(sketch_range(old), sketch_change(new[at], old[at], at)) == sketch_range(new)
+    at = idx.sort().values  # known increasing (a decoded delta's): the same sketch without the check
+    assert add_sketches(sketch_range(old), sketch_change(new[at], old[at], at, increasing=True)) == sketch_range(new)
     sparse = torch.tensor([3, 70_000, 199_999])  # three chunks apart, one chunk skipped
     assert add_sketches(sketch_range(old), sketch_change(new[sparse], old[sparse], sparse)) == sketch_range(
         torch.where(torch.isin(torch.arange(old.numel()), sparse), new, old)
