@@ -59,6 +59,7 @@ class Bench:
         self.version = 0
         self.base = write_anchor(self.store, self.curr, version=0, encoding="packed")
         self._register(self.base)
+        self.worker = self.memory()  # the engine worker's memory with the model loaded, before any sync
         self.agent = Agent.for_llm(
             llm,
             store=self.store,
@@ -68,6 +69,24 @@ class Bench:
         self.first = self.agent.sync()
         first = {k: round(v, 2) for k, v in self.first.timings.items()}
         print(f"{label}: first sync of the fresh engine (anchor v0): {first}", flush=True)
+        model_mib = sum(t.numel() * t.element_size() for t in self.curr.values()) / 2**20
+        largest = max(t.numel() * t.element_size() for t in self.curr.values()) / 2**20
+        self.first_memory = {
+            "engine_extra_peak_mib": round(self.memory()["peak_mib"] - self.worker["rss_mib"]),
+            "agent_host_copy_mib": round(model_mib),
+            "model_mib": round(model_mib),
+            "largest_tensor_mib": round(largest),
+        }
+        print(f"{label}: memory at the first sync: {self.first_memory}", flush=True)
+
+    def memory(self) -> dict[str, Any]:
+        return dict(self.llm.collective_rpc("deltasync_status")[0]["memory"] or {"rss_mib": 0, "peak_mib": 0})
+
+    def reset_peak(self) -> None:
+        """Linux: reset the worker's peak resident memory (``/proc/PID/clear_refs``), to read one update's peak."""
+        pid = self.memory().get("pid")
+        if pid is not None:
+            Path(f"/proc/{pid}/clear_refs").write_text("5")
 
     def _register(self, manifest: Any) -> None:
         from deltasync.schemas import VersionCreate
@@ -89,7 +108,10 @@ class Bench:
             changes = compute_delta(self.snapshot, self.curr, update_prev=True)
             self.base = write_delta(self.store, changes, state=self.curr, version=self.version, base=self.base)
             self._register(self.base)
+            self.reset_peak()
+            before = self.memory()["rss_mib"]
             r = self.agent.sync()
+            extra = self.memory()["peak_mib"] - before
             last = self.llm.collective_rpc("deltasync_status")[0]["history"][-1]
             t = r.timings
             rows.append(
@@ -107,6 +129,8 @@ class Bench:
                     "changed": self.base.nnz,
                     "audit_ms": t.get("audit", 0) * 1e3,
                     "prepared": bool(last.get("prepared")),
+                    "engine_extra_peak_mib": round(extra),
+                    "decoded_delta_mib": round(self.base.nnz * 10 / 2**20),  # bf16 value + int64 index
                 }
             )
             row = rows[-1]
@@ -115,7 +139,8 @@ class Bench:
                 f"pause {row['pause_ms']:8.1f} ms  engine {row['engine_apply_ms']:8.1f} ms  "
                 f"before {row['before_pause_ms']:7.0f} ms {row['before']} {row['engine_prepare_ms']} "
                 f"({row['before_pause_ms'] * 1e6 / max(row['changed'], 1):.0f} ns per changed element)  "
-                f"audit {row['audit_ms']:6.0f} ms",
+                f"audit {row['audit_ms']:6.0f} ms  engine peak +{row['engine_extra_peak_mib']} MiB "
+                f"(decoded delta {row['decoded_delta_mib']} MiB)",
                 flush=True,
             )
         return rows
@@ -152,6 +177,7 @@ def run_engine(tmp: Path, model: Path, label: str, args: argparse.Namespace, fig
             stream = UpdateStream.from_shapes(qwen3_shapes(QWEN3_0_6B_CONFIG), lr=args.lr[0], seed=0)
             bench = Bench(tmp, llm, label, client, agent_client, lease, stream)
             figures["model_elements"] = sum(t.numel() for t in bench.curr.values())
+            figures[f"{label}_first_sync"] = {"timings": bench.first.timings, "memory": bench.first_memory}
             figures[f"{label}_tokens_per_s"] = tokens_per_s(llm, args.tokens)
             print(f"{label}: {figures[f'{label}_tokens_per_s']:.1f} tokens/s (4 prompts x {args.tokens} tokens)")
             if label == "packed":

@@ -7,6 +7,7 @@ the modes and the failure semantics); the proofs are in :mod:`deltasync.vllm.pro
 from __future__ import annotations
 
 import logging
+import os
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -313,6 +314,7 @@ class EngineBase(WeightTransferEngine[DeltaSyncInitInfo, DeltaSyncUpdateInfo]):
             "drift": self.drift,
             "proofs": dict(self.proofs),
             "history": self.history[-8:],
+            "memory": _memory(),
         }
 
     def _mark_unhealthy(self, why: str) -> None:
@@ -323,3 +325,14 @@ class EngineBase(WeightTransferEngine[DeltaSyncInitInfo, DeltaSyncUpdateInfo]):
         """:meth:`_mark_unhealthy`, recorded as the outcome (``status()["outcome"]``): a failure no RPC raises."""
         self._mark_unhealthy(why)
         self.outcome = {"ok": False, "refused": None, "message": self.detail}
+
+
+def _memory() -> dict[str, float] | None:
+    """This worker's resident memory and its peak so far, in MiB (Linux ``/proc``; ``None`` elsewhere)."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as f:
+            fields = dict(line.split(":", 1) for line in f if line.startswith(("VmRSS", "VmHWM")))
+        rss, peak = (int(fields[k].split()[0]) / 1024 for k in ("VmRSS", "VmHWM"))
+        return {"rss_mib": rss, "peak_mib": peak, "pid": os.getpid()}
+    except (OSError, KeyError, ValueError):
+        return None

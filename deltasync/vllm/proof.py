@@ -29,6 +29,9 @@ from .plain import kernel_modules, read_through_kernel
 
 __all__ = ["ProvingEngine"]
 
+_BLOCK = 1 << 20
+"""Changed elements proven at a time (:meth:`ProvingEngine._prove_change`)."""
+
 
 def _matches(values: torch.Tensor, entry: TensorEntry) -> bool:
     """Whether a tensor held whole (flat or shaped) has every published checksum of ``entry``."""
@@ -110,10 +113,15 @@ class ProvingEngine(EngineBase):
             idx, new = idx[keep], new[keep]
         assert idx is not None
         dtype = DTYPES[entry.dtype]
-        old = pm.gather(name, idx).to(dtype)
-        # decoded indices are strictly increasing (the decoder checks), and a catch-up's were sorted and deduplicated
-        change = sketch_change(new.reshape(-1).to(dtype), old, idx, increasing=True)
-        moved = add_sketches(parse_sketch(served), change)
+        new = new.reshape(-1).to(dtype)
+        moved = parse_sketch(served)
+        # block by block (the sketch adds up over any partition): the temporaries stay in memory the allocator
+        # reuses, where one pass over tens of millions of changes would fault in fresh pages for each of them
+        for a in range(0, idx.numel(), _BLOCK):
+            at = idx[a : a + _BLOCK]
+            old = pm.gather(name, at).to(dtype)
+            # decoded indices are strictly increasing (the decoder checks); a catch-up's were sorted and deduplicated
+            moved = add_sketches(moved, sketch_change(new[a : a + _BLOCK], old, at, increasing=True))
         return format_sketch(moved) == entry.sketch
 
     @staticmethod

@@ -303,3 +303,59 @@ def test_the_proof_covers_a_tensor_held_whole_across_two_parameters() -> None:
                 [pm.plan([d])],
             )
             m.load_weights([(name, served[name])])
+
+
+@pytest.mark.parametrize("wrong_at", [None, 0, 4, 8])
+def test_the_proof_from_changed_elements_block_by_block_catches_a_wrong_value_in_any_block(
+    monkeypatch: pytest.MonkeyPatch, wrong_at: int | None
+) -> None:
+    """The proof from the changed elements goes a block at a time (the sketch adds up over any partition): with
+    blocks of 3, nine changes in three blocks give the published sketch, and one changed element whose staged
+    value differs from the published one, in the first, middle or last block, is refused before any write."""
+    pytest.importorskip("vllm")
+    from deltasync.errors import UpdateRefused
+    from deltasync.vllm import proof
+    from deltasync.vllm.engine import DeltaSyncWeightTransferEngine
+
+    monkeypatch.setattr(proof, "_BLOCK", 3)
+
+    class One(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.w = _p(6, 8)
+
+        def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+            for _, t in weights:
+                self.w.data.copy_(t)
+
+    served = torch.randn(6, 8, generator=torch.Generator().manual_seed(5)).to(torch.bfloat16)
+    m = One()
+    m.load_weights([("w", served)])
+    pm: PatchMap = build_map(m, {"w": ("BF16", (6, 8))}, m.load_weights)
+    idx = torch.tensor([1, 5, 9, 13, 20, 27, 33, 40, 47])
+    target = served.clone()
+    target.view(-1)[idx] += 1
+    values = target.view(-1)[idx].clone()
+    if wrong_at is not None:
+        values[wrong_at] += 2  # the staged value differs from what was published at one changed element
+    d = TensorDelta(ckpt_name="w", shape=(6, 8), dtype=torch.bfloat16, indices=idx, values=values)
+    entry = types.SimpleNamespace(
+        numel=48, shape=(6, 8), dtype="BF16", checksums=[(0, 48, tensor_checksum(target))], sketch=tensor_sketch(target)
+    )
+    engine = types.SimpleNamespace(
+        patch_map=lambda: pm,
+        _manifest=types.SimpleNamespace(tensors={"w": types.SimpleNamespace(sketch=tensor_sketch(served))}),
+        _prove_change=DeltaSyncWeightTransferEngine._prove_change,
+        _prove_whole=DeltaSyncWeightTransferEngine._prove_whole,
+    )
+    prove = lambda: DeltaSyncWeightTransferEngine._prove(  # noqa: E731
+        engine,  # type: ignore[arg-type]
+        [(types.SimpleNamespace(tensors={"w": entry}), [d])],  # type: ignore[list-item]
+        [pm.plan([d])],
+    )
+    if wrong_at is None:
+        prove()
+    else:
+        with pytest.raises(UpdateRefused, match="differ from the published checksums"):
+            prove()
+    assert torch.equal(m.w.data, served)  # proving writes nothing
