@@ -12,7 +12,7 @@ Two engines, one after the other:
 Per update: the pause (the agent's serving gap: the whole update session), the engine's own write time, and
 the work done before the pause (fetch, decode, stage, prepare). Ends with one JSON line.
 
-    python benchmarks/bench_apply.py [--steps 4] [--lr 1e-6 1e-5] [--tokens 64]
+    python benchmarks/bench_apply.py [--steps 4] [--lr 1e-6 1e-5] [--tokens 64] [--anchor-encoding raw]
 """
 
 from __future__ import annotations
@@ -47,7 +47,17 @@ def tokens_per_s(llm: Any, tokens: int) -> float:
 class Bench:
     """One engine, its agent, and the stream publishing into one store and coordinator."""
 
-    def __init__(self, tmp: Path, llm: Any, label: str, client: Any, agent_client: Any, lease: Any, stream: Any):
+    def __init__(
+        self,
+        tmp: Path,
+        llm: Any,
+        label: str,
+        client: Any,
+        agent_client: Any,
+        lease: Any,
+        stream: Any,
+        anchor_encoding: str = "packed",
+    ):
         from deltasync import LocalStore, write_anchor
         from deltasync.agent import Agent
         from deltasync.config import AgentConfig
@@ -57,7 +67,7 @@ class Bench:
         self.curr = stream.bf16()
         self.snapshot = {k: v.clone() for k, v in self.curr.items()}
         self.version = 0
-        self.base = write_anchor(self.store, self.curr, version=0, encoding="packed")
+        self.base = write_anchor(self.store, self.curr, version=0, encoding=anchor_encoding)
         self._register(self.base)
         self.worker = self.memory()  # the engine worker's memory with the model loaded, before any sync
         self.agent = Agent.for_llm(
@@ -68,7 +78,7 @@ class Bench:
         )
         self.first = self.agent.sync()
         first = {k: round(v, 2) for k, v in self.first.timings.items()}
-        print(f"{label}: first sync of the fresh engine (anchor v0): {first}", flush=True)
+        print(f"{label}: first sync of the fresh engine ({anchor_encoding} anchor v0): {first}", flush=True)
         model_mib = sum(t.numel() * t.element_size() for t in self.curr.values()) / 2**20
         largest = max(t.numel() * t.element_size() for t in self.curr.values()) / 2**20
         self.first_memory = {
@@ -175,7 +185,7 @@ def run_engine(tmp: Path, model: Path, label: str, args: argparse.Namespace, fig
         ):
             lease = client.acquire_lease(f"bench-{label}", ttl_s=3600)
             stream = UpdateStream.from_shapes(qwen3_shapes(QWEN3_0_6B_CONFIG), lr=args.lr[0], seed=0)
-            bench = Bench(tmp, llm, label, client, agent_client, lease, stream)
+            bench = Bench(tmp, llm, label, client, agent_client, lease, stream, args.anchor_encoding)
             figures["model_elements"] = sum(t.numel() for t in bench.curr.values())
             figures[f"{label}_first_sync"] = {"timings": bench.first.timings, "memory": bench.first_memory}
             figures[f"{label}_tokens_per_s"] = tokens_per_s(llm, args.tokens)
@@ -199,6 +209,7 @@ def main() -> None:
     parser.add_argument("--lr", type=float, nargs="+", default=[1e-6, 1e-5])
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--engines", nargs="+", choices=("packed", "plain"), default=["packed", "plain"])
+    parser.add_argument("--anchor-encoding", choices=("packed", "raw"), default="packed", help="the first sync's")
     args = parser.parse_args()
 
     from tests.support.models import write_config_only_model

@@ -78,6 +78,9 @@ class PublisherConfig:
 
     encoding: Literal["raw", "packed"] = "packed"
     """Shard encoding (docs/FORMAT.md)."""
+    anchor_encoding: Literal["raw", "packed"] | None = None
+    """The anchors' encoding, if not ``encoding``: ``raw`` anchors are ~1.4x the bytes of ``packed`` ones (bf16)
+    but a cold replica's first sync skips their decode (~4 s per GB of bf16 on one core; docs/SCALING.md 5b)."""
     dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
     """The published (inference) dtype; weights are cast while copied."""
     anchor_every: int | None = 20
@@ -106,6 +109,8 @@ class PublisherConfig:
     def __post_init__(self) -> None:
         if self.encoding not in ("raw", "packed"):
             raise ValueError(f"encoding must be raw or packed, got {self.encoding!r}")
+        if self.anchor_encoding not in (None, "raw", "packed"):
+            raise ValueError(f"anchor_encoding must be raw, packed or None, got {self.anchor_encoding!r}")
         if self.dtype not in ("bfloat16", "float16", "float32"):
             raise ValueError(f"dtype must be bfloat16, float16 or float32, got {self.dtype!r}")
         if self.anchor_every is not None and self.anchor_every < 1:

@@ -117,6 +117,7 @@ class Publisher:
         writer = ObjectWriter(
             store=self.store,
             encoding=self.config.encoding,
+            anchor_encoding=self.config.anchor_encoding,
             zstd_level=self.config.zstd_level,
             max_shard_bytes=self.config.max_shard_bytes,
             signing_key=signing,

@@ -44,6 +44,29 @@ def test_twenty_step_stream_every_version_exact(local_store: LocalStore, update_
         assert_bit_equal(read_weights(local_store, version), weights)
 
 
+def test_raw_anchors_between_packed_deltas_read_back_exact(
+    local_store: LocalStore, update_stream: UpdateStream
+) -> None:
+    """``anchor_encoding="raw"`` (a cold replica skips the anchor's decode): anchors are raw, deltas stay
+    packed, the shards say so, and every version reads back bit-exact from the anchors and through the deltas."""
+    truth = {}
+    config = PublisherConfig(anchor_every=3, anchor_bytes_fraction=None, anchor_encoding="raw")
+    with Publisher(local_store, config=config) as pub:
+        for step in range(7):
+            weights = update_stream.bf16() if step == 0 else update_stream.step()
+            truth[pub.publish(weights, step)] = {k: v.clone() for k, v in weights.items()}
+    listing = list_versions(local_store)
+    objects = [(x.version, k) for x in listing for k, has in (("anchor", x.anchor), ("delta", x.delta)) if has]
+    encodings = {(v, k): read_manifest(local_store, v, k).encoding for v, k in objects}  # type: ignore[arg-type]
+    assert [v for v, k in objects if k == "anchor"] == [0, 3, 6]
+    assert {v for v, k in objects if k == "delta"} >= set(range(1, 7))
+    assert all(e == ("raw" if k == "anchor" else "packed") for (_, k), e in encodings.items()), encodings
+    for version, weights in truth.items():
+        assert_bit_equal(read_weights(local_store, version), weights)
+    with pytest.raises(ValueError, match="anchor_encoding must be raw, packed or None"):
+        PublisherConfig(anchor_encoding="zstd")  # type: ignore[arg-type]
+
+
 def test_every_manifest_carries_the_sketch_of_every_tensor(
     local_store: LocalStore, update_stream: UpdateStream
 ) -> None:
