@@ -477,7 +477,8 @@ class Agent:
         try:
             for (m, data), blobs in zip(manifests, shards, strict=True):
                 where = f"{self.store.uri}/{object_prefix(m.version, m.kind)}"
-                deltas = decode_object(m, blobs, where=where, base=host)
+                # the fetcher checked each shard's size and sha256 as it fetched (ObjectFetcher._shard)
+                deltas = decode_object(m, blobs, where=where, base=host, checked=True)
                 host = dict(apply.write(host, m, deltas))  # the agent's own copy, proven below
                 in_process = getattr(self.target, "in_process", False)
                 if m.kind == "anchor" and in_process:  # own it: the staged entries must keep this version's values

@@ -91,6 +91,26 @@ def test_corrupt_shards_are_detected(local_store: LocalStore, update_stream: Upd
         read_weights(local_store, 2)
 
 
+def test_decode_checked_skips_only_a_second_hash_of_immutable_bytes(
+    local_store: LocalStore, update_stream: UpdateStream
+) -> None:
+    """``decode_object(checked=True)``: the caller fetched and hashed these exact ``bytes``. A mutable buffer, or
+    bytes of another size, is hashed all the same: a flipped byte in either is an IntegrityError."""
+    from deltasync.reader import decode_object, fetch_object
+
+    _publish_stream(local_store, update_stream, 1, encoding="packed", anchor_every=100)
+    m = read_manifest(local_store, 0, "anchor")
+    blobs = fetch_object(local_store, m)
+    assert decode_object(m, blobs, where="s/", checked=True)  # the fetched bytes, as they are
+    flipped = bytearray(blobs[0])
+    flipped[len(flipped) // 2] ^= 0x01
+    for data in (flipped, bytes(flipped) + b"x"):
+        with pytest.raises(IntegrityError):
+            decode_object(m, [data, *blobs[1:]], where="s/", checked=True)  # type: ignore[list-item]
+    with pytest.raises(IntegrityError, match="sha256"):
+        decode_object(m, [bytes(flipped), *blobs[1:]], where="s/")
+
+
 def test_checksums_prove_the_rebuilt_weights(local_store: LocalStore, update_stream: UpdateStream) -> None:
     _publish_stream(local_store, update_stream, 1, encoding="raw", anchor_every=100)
     m = read_manifest(local_store, 1)
