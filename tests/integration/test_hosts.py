@@ -1,0 +1,113 @@
+"""Separate hosts on one machine (examples/wordle/hosts.py): what a host can reach, see and leave behind."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from examples.wordle.hosts import Hosts, HostsUnavailable, unavailable
+
+pytestmark = pytest.mark.skipif(unavailable() is not None, reason=str(unavailable()))
+
+_SERVE = """
+import http.server, sys
+class H(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        body = sys.argv[2].encode()
+        self.send_response(200); self.send_header("Content-Length", str(len(body))); self.end_headers()
+        self.wfile.write(body)
+    def log_message(self, *a): pass
+http.server.HTTPServer((sys.argv[1], 8000), H).serve_forever()
+"""
+
+_GET = """
+import sys, urllib.request
+try:
+    print(urllib.request.urlopen(f"http://{sys.argv[1]}:8000/", timeout=3).read().decode())
+except OSError as exc:
+    print(f"unreachable: {exc}")
+"""
+
+
+@pytest.fixture
+def base() -> Path:
+    path = Path("/var/tmp") / f"deltasync-test-hosts-{time.time_ns()}"
+    yield path
+    subprocess.run(["rm", "-rf", str(path)], check=False)
+
+
+def _namespaces() -> set[str]:
+    out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, check=True).stdout
+    return {line.split()[0] for line in out.splitlines() if line.strip()}
+
+
+def _wait_served(host: object, address: str) -> str:
+    for _ in range(100):
+        out = host.run([sys.executable, "-c", _GET, address]).stdout.strip()  # type: ignore[attr-defined]
+        if not out.startswith("unreachable"):
+            return str(out)
+        time.sleep(0.1)
+    return str(out)
+
+
+def test_hosts_reach_each_other_only_over_their_links_and_see_only_their_own_files(base: Path) -> None:
+    before = _namespaces()
+    with Hosts(["store", "trainer", "engine"], base=base) as hosts:
+        store, trainer, engine = hosts["store"], hosts["trainer"], hosts["engine"]
+        assert (store.address, trainer.address, engine.address) == ("10.77.0.10", "10.77.0.11", "10.77.0.12")
+        # the network: a server on the store's link address is reached from the other hosts
+        store.popen([sys.executable, "-c", _SERVE, store.address, "from-store"], log="server.log")
+        assert _wait_served(trainer, store.address) == "from-store"
+        assert _wait_served(engine, store.address) == "from-store"
+        # a host's loopback is its own: a server on the engine's 127.0.0.1 is not the trainer's 127.0.0.1
+        engine.popen([sys.executable, "-c", _SERVE, "127.0.0.1", "engine-loopback"], log="loopback.log")
+        assert _wait_served(engine, "127.0.0.1") == "engine-loopback"
+        assert trainer.run([sys.executable, "-c", _GET, "127.0.0.1"]).stdout.startswith("unreachable")
+        # and the machine's own network is not there at all
+        routes = trainer.run(["ip", "-4", "addr"]).stdout
+        assert "10.77.0.11/24" in routes and routes.count("inet ") == 2, routes  # lo and eth0 only
+        # the files: each host sees its own directory under base, and no other host's
+        (store.root / "secret").write_text("the store's")
+        look = f"import os; print(sorted(os.listdir({str(base)!r})), os.path.exists({str(store.root / 'secret')!r}))"
+        assert trainer.run([sys.executable, "-c", look]).stdout.split("]")[0] == "['trainer'"
+        assert "False" in trainer.run([sys.executable, "-c", look]).stdout
+        assert "True" in store.run([sys.executable, "-c", look]).stdout
+        # /tmp is the host's own: a file a host writes there is in its directory, not in the machine's /tmp
+        marker = f"deltasync-hosts-{time.time_ns()}"
+        assert trainer.run(["sh", "-c", f"echo x > /tmp/{marker} && ls /tmp/{marker}"]).returncode == 0
+        assert (trainer.root / "tmp" / marker).exists() and not Path("/tmp", marker).exists()
+        assert engine.run(["ls", f"/tmp/{marker}"]).returncode != 0
+        # a process started in a host runs in its directory, and its log is there
+        assert trainer.run(["pwd"]).stdout.strip() == str(trainer.root)
+        assert (store.root / "server.log").exists()
+        made = _namespaces() - before
+        assert len(made) == 4, made  # three hosts and the switch
+    # torn down: namespaces and processes gone, the hosts' directories kept (logs)
+    assert _namespaces() == before
+    assert all(p.poll() is not None for h in hosts for p in [*h.processes, h.holder] if p is not None)
+    assert (base / "store" / "secret").read_text() == "the store's"
+
+
+def test_a_failure_inside_the_block_still_tears_everything_down(base: Path) -> None:
+    before = _namespaces()
+    with pytest.raises(RuntimeError, match="boom"), Hosts(["a", "b"], base=base) as hosts:
+        hosts["a"].popen(["sleep", "600"])
+        raise RuntimeError("boom")
+    assert _namespaces() == before
+    assert all(p.poll() is not None for h in hosts for p in h.processes)
+
+
+def test_bad_arguments_are_refused_before_anything_is_made(tmp_path: Path, base: Path) -> None:
+    before = _namespaces()
+    with pytest.raises(ValueError, match="must not be under /tmp"):
+        Hosts(["a"], base=tmp_path)
+    with pytest.raises(ValueError, match="distinct names"):
+        Hosts(["a", "a"], base=base)
+    with pytest.raises(ValueError, match="must be an identifier"):
+        Hosts(["a b"], base=base)
+    assert _namespaces() == before
+    assert issubclass(HostsUnavailable, RuntimeError)
