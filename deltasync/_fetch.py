@@ -19,6 +19,7 @@ from .manifest import MAX_MANIFEST_BYTES, DeltaManifest, ShardEntry
 from .reader import Trust, check_shard
 from .signing import VerifyKey
 from .store.base import Store
+from .store.local import LocalStore
 from .vocab import Kind
 
 __all__ = ["ObjectFetcher"]
@@ -31,7 +32,8 @@ class ObjectFetcher:
 
     Args:
         store: where the objects are.
-        cache: a directory for verified shards (by sha256).
+        cache: a directory for verified shards (by sha256). A local store is its own cache: shards read from
+            one are not copied there (a retry reads the store again, at the same cost).
         verify_key: require every manifest to be signed by this key.
         retries, backoff_s: attempts after the first, and the first backoff (doubling, capped at 30 s).
         workers: shards fetched in parallel.
@@ -104,7 +106,8 @@ class ObjectFetcher:
             return data
 
         data = self._with_retries(get_checked, name)
-        write_new(cached, data)
+        if not isinstance(self.store, LocalStore):
+            write_new(cached, data)
         return data
 
     def _with_retries(self, fn: Callable[[], bytes], what: str) -> bytes:

@@ -25,6 +25,7 @@ from deltasync import (
     RefusalReason,
     SignatureError,
     SigningKey,
+    StoreError,
     Trust,
     UpdateRefused,
     read_weights,
@@ -315,3 +316,28 @@ def test_a_token_minted_with_another_secret_is_refused(w: World) -> None:
         forged.heartbeat("agent-0", applied_version=None, state="idle")
     assert exc.value.status_code == 403
     forged.close()
+
+
+def test_the_shard_cache_resumes_a_remote_fetch_and_a_local_store_is_its_own_cache(
+    tmp_path: Path, tiny_state_dict: dict[str, torch.Tensor]
+) -> None:
+    """Shards fetched from a remote store are kept by sha256, so a retried fetch does not fetch them again; from a
+    local store they are not copied (re-reading the store costs what reading a cache would)."""
+    from deltasync._fetch import ObjectFetcher
+    from deltasync.store.hub import HubBucketStore
+    from tests.fakes import FakeBucketApi
+
+    remote = HubBucketStore("me/run1", "exp", api=FakeBucketApi(), cache_dir=tmp_path / "hub", backoff_s=0.001)
+    for store, cached in ((remote, True), (LocalStore(tmp_path / "local"), False)):
+        m = write_anchor(store, tiny_state_dict, version=0)
+        cache = tmp_path / f"cache-{cached}"
+        fetcher = ObjectFetcher(store, cache, verify_key=None, retries=0, backoff_s=0.0, workers=2, name="a")
+        first = fetcher.shards([m])
+        assert sorted(p.name for p in cache.iterdir()) == (sorted(e.sha256 for e in m.shards) if cached else [])
+        if cached:  # the store is gone: the retry is served from the cache, checked again
+            store.get = lambda *a, **k: (_ for _ in ()).throw(StoreError("gone"))  # type: ignore[method-assign]
+            assert fetcher.shards([m]) == first
+            for p in cache.iterdir():  # and without it, the retry would have failed
+                p.unlink()
+            with pytest.raises(StoreError, match="gone"):
+                fetcher.shards([m])
