@@ -7,6 +7,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import shutil
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -97,8 +98,8 @@ class ObjectFetcher:
                 data = bytes(read_regular(cached, entry.bytes, "cached shard"))
                 check_shard(data, entry, name=str(cached))
                 return data
-            except FormatError:  # IntegrityError included: refetch it
-                cached.unlink()
+            except FormatError:  # IntegrityError included, and anything planted there that is not a file: refetch it
+                _remove(cached)
 
         def get_checked() -> bytes:
             data = self.store.get(key, max_bytes=entry.bytes)
@@ -133,4 +134,13 @@ class ObjectFetcher:
     def clear(self) -> None:
         """Forget the cached shards (once applied)."""
         for cached in ensure_dir(self.cache).iterdir():
-            cached.unlink(missing_ok=True)
+            _remove(cached)
+
+
+def _remove(path: Path) -> None:
+    """Remove a cache entry, whatever was put there: a file or link is unlinked (never followed), a directory
+    removed with what it holds (``shutil.rmtree`` never follows the links inside)."""
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        path.unlink(missing_ok=True)

@@ -66,10 +66,14 @@ def read_regular(path: str | os.PathLike[str], max_bytes: int, what: str) -> mem
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
     except OSError as exc:
         raise FormatError(f"{path}: cannot read the {what} ({exc})") from None
-    with os.fdopen(fd, "rb", buffering=0) as f:
+    try:  # checked before the fd is wrapped: a directory opens, and fdopen would refuse it with the fd left open
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
             raise FormatError(f"{path}: the {what} is not a regular file")
+    except BaseException:
+        os.close(fd)
+        raise
+    with os.fdopen(fd, "rb", buffering=0) as f:
         if st.st_size > max_bytes:
             raise FormatError(f"{path}: the {what} is {st.st_size} bytes, more than the {max_bytes} allowed")
         view, n = memoryview(np.empty(st.st_size, dtype=np.uint8).data), 0

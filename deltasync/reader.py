@@ -343,7 +343,8 @@ def _check_chain(store: Store, chain: list[DeltaManifest]) -> None:
 def iter_weights(
     store: Store, version: int, *, trust: Trust | None = None, verify: bool = True
 ) -> Iterator[tuple[DeltaManifest, dict[str, torch.Tensor]]]:
-    """Each object on ``version``'s chain and the full state once it is applied, in order."""
+    """Each object on ``version``'s chain and the full state once it is applied, in order. The state is one set
+    of tensors updated in place from object to object (no copy of the model per step): clone what you keep."""
     chain = read_chain(store, version, trust=trust)
     state: dict[str, torch.Tensor] | None = None
     for m in chain:
