@@ -11,7 +11,8 @@ tests run that deployment for real:
 * **files**: each host has a directory under ``base`` that only it sees. A host's processes live in its mount
   namespace (held by one small process per host), where ``base`` is an empty file system holding only the host's
   own directory at its usual path, and ``/tmp`` and ``/dev/shm`` are its own. Everything else (the Python, the code,
-  the virtualenv) is the machine's, as software installed on every host would be.
+  the virtualenv) is the machine's, as software installed on every host would be; where the code or the
+  virtualenv lies under ``/tmp`` (a fresh clone there), it stays visible at its path in every host.
 
 Everything is torn down on exit, even after a failure: processes, namespaces, links. ``base`` stays, with each
 host's logs.
@@ -29,6 +30,7 @@ import shlex
 import shutil
 import signal
 import subprocess
+import sys
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -155,13 +157,15 @@ class Hosts:
         names: the hosts, in address order (``SUBNET.10`` first).
         base: where each host's directory goes (``base/NAME``), created if missing. Not under ``/tmp``: each host
             gets a ``/tmp`` of its own, which would hide it.
+        software: directories every host sees as the machine's (default: the working directory and the running
+            Python's prefix); only those under ``/tmp`` need it, the rest of the machine is seen anyway.
 
     Raises:
         HostsUnavailable: the machine cannot make hosts (:func:`unavailable`), or a setup command failed.
         ValueError: a bad name or ``base``.
     """
 
-    def __init__(self, names: Sequence[str], *, base: Path) -> None:
+    def __init__(self, names: Sequence[str], *, base: Path, software: Sequence[Path] | None = None) -> None:
         base = Path(base).resolve()
         if base == Path("/tmp") or Path("/tmp") in base.parents or Path("/dev/shm") in base.parents:
             raise ValueError(f"hosts' base {base} must not be under /tmp or /dev/shm: each host has its own of those")
@@ -171,6 +175,10 @@ class Hosts:
             if not name.isidentifier():
                 raise ValueError(f"host name {name!r} must be an identifier (letters, digits, _)")
         self.base = base
+        wanted = [Path(p).resolve() for p in (software if software is not None else [Path.cwd(), Path(sys.prefix)])]
+        under_tmp = sorted({p for p in wanted if Path("/tmp") in p.parents})
+        # the outermost ones (a virtualenv inside the working directory comes with it)
+        self.software = [p for p in under_tmp if not any(q in p.parents for q in under_tmp)]
         self.run_id = secrets.token_hex(3)
         self.switch = f"dsh-{self.run_id}-switch"
         self.hosts = {
@@ -237,16 +245,27 @@ class Hosts:
             (host.root / sub).mkdir(parents=True, exist_ok=True)
         (host.root / "tmp").chmod(0o1777)
         own, base = shlex.quote(str(host.root)), shlex.quote(str(self.base))
+        software = []  # the machine's code under /tmp, at its path again in the host's own /tmp
+        for path in self.software:
+            inside = shlex.quote(str(path))
+            software += [
+                f"mkdir -p {inside}",
+                f"mount --bind /mnt/tmp0/{shlex.quote(str(path.relative_to('/tmp')))} {inside}",
+            ]
         setup = " && ".join(
             [
-                "mount -t tmpfs tmpfs /mnt",  # a private place to keep the host's directory while base is hidden
-                "mkdir /mnt/own",
+                "cd /",  # never hold a directory the host is not to see
+                "mount -t tmpfs tmpfs /mnt",  # a private place for what is hidden below and still needed
+                "mkdir /mnt/own /mnt/tmp0",
                 f"mount --bind {own} /mnt/own",
+                "mount --bind /tmp /mnt/tmp0",
                 f"mount -t tmpfs -o mode=0755 tmpfs {base}",  # every host's directory hidden
                 f"mkdir -p {own}",
                 f"mount --move /mnt/own {own}",  # and this host's back at its path
-                "umount /mnt",
                 f"mount --bind {own}/tmp /tmp",
+                *software,
+                "umount /mnt/tmp0",
+                "umount /mnt",
                 f"mount --bind {own}/shm /dev/shm",
                 "echo ready",
                 "exec sleep infinity",

@@ -111,3 +111,18 @@ def test_bad_arguments_are_refused_before_anything_is_made(tmp_path: Path, base:
         Hosts(["a b"], base=base)
     assert _namespaces() == before
     assert issubclass(HostsUnavailable, RuntimeError)
+
+
+def test_software_under_tmp_stays_visible_in_every_host(base: Path, tmp_path: Path) -> None:
+    """A fresh clone under /tmp (its code and virtualenv) is seen at its path by every host, whose /tmp is
+    otherwise its own: the machine's other /tmp files are not."""
+    code = tmp_path / "clone"
+    (code / ".venv").mkdir(parents=True)
+    (code / "tool.py").write_text("print('the machine code')\n")
+    (tmp_path / "other").write_text("not the host's")
+    with Hosts(["a"], base=base, software=[code, code / ".venv", Path.cwd(), Path(sys.prefix)]) as hosts:
+        assert code.resolve() in hosts.software  # and its virtualenv comes with it
+        assert (code / ".venv").resolve() not in hosts.software
+        out = hosts["a"].run([sys.executable, str(code / "tool.py")])
+        assert out.stdout.strip() == "the machine code", out.stderr
+        assert hosts["a"].run(["cat", str(tmp_path / "other")]).returncode != 0
