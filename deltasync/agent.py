@@ -474,19 +474,19 @@ class Agent:
         dirs: list[Path] = []
         stage_s = 0.0
         host, host_version = self.host, self.host_version
+        in_process = getattr(self.target, "in_process", False)  # an engine in this process takes the objects
         try:
             for (m, data), blobs in zip(manifests, shards, strict=True):
                 where = f"{self.store.uri}/{object_prefix(m.version, m.kind)}"
                 # the fetcher checked each shard's size and sha256 as it fetched (ObjectFetcher._shard)
                 deltas = decode_object(m, blobs, where=where, base=host, checked=True)
                 host = dict(apply.write(host, m, deltas))  # the agent's own copy, proven below
-                in_process = getattr(self.target, "in_process", False)
                 if m.kind == "anchor" and in_process:  # own it: the staged entries must keep this version's values
                     host = {n: t.clone() for n, t in host.items()}
                 apply.verify(host, m, names=None if m.kind == "anchor" else {d.ckpt_name for d in deltas})
                 host_version = m.version
                 ts = time.perf_counter()
-                if in_process:  # an engine in this process takes the objects
+                if in_process:
                     objects.append(in_memory(m, deltas))
                 else:
                     # a fresh directory of our own (unpredictable name): nothing planted can redirect these writes

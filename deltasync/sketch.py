@@ -86,17 +86,6 @@ def _weights(stream: int, rows: np.ndarray) -> np.ndarray:
 _W_INT = torch.from_numpy(_weights(1, np.arange(_CHUNK)) | 1)  # odd, in [1, 2**19): never a zero weight
 _W_F64 = torch.cat([_W_INT, torch.ones(_CHUNK, 1, dtype=torch.int64)], 1).to(torch.float64)  # + the plain sum
 _W_T = _W_F64.t().contiguous()  # (LANES + 1, chunk): F.linear's layout, ~3x faster than ``block @ _W_F64`` here
-_V_CACHE: dict[int, torch.Tensor] = {}
-
-
-def _v(chunk: int) -> torch.Tensor:
-    """The per-chunk offsets ``V[chunk]`` (int64, ``LANES``), in ``[0, 2**19)``."""
-    v = _V_CACHE.get(chunk)
-    if v is None:
-        v = torch.from_numpy(_weights(2, np.array([chunk]))[0] & ~np.int64(1))  # even: W + V stays odd
-        if len(_V_CACHE) < 1 << 16:
-            _V_CACHE[chunk] = v
-    return v
 
 
 _W_NP = _W_INT.numpy()
@@ -105,8 +94,9 @@ _V_TABLE_MAX = 1 << 16  # chunks (2**32 words, 8 MiB of offsets); a larger tenso
 
 
 def _v_span(first: int, stop: int) -> np.ndarray:
-    """``V[first:stop]`` (``stop - first`` x ``LANES`` int64), from a table grown on demand: a sketch of the
-    changed elements of a small tensor would otherwise spend more on its offsets than on its elements."""
+    """The per-chunk offsets ``V[first:stop]`` (``stop - first`` x ``LANES`` int64, even, in ``[0, 2**19)``: W + V
+    stays odd), from a table grown on demand: a sketch of the changed elements of a small tensor would otherwise
+    spend more on its offsets than on its elements."""
     global _V_TABLE
     if stop > _V_TABLE_MAX:
         return _weights(2, np.arange(first, stop)) & ~np.int64(1)
@@ -143,14 +133,14 @@ def _sum_words(words: torch.Tensor, start: int) -> list[int]:
             per_chunk = torch.nn.functional.linear(block, _W_T).to(
                 torch.int64
             )  # exact: each lane's sum < 2**52, the plain sum < 2**32
-            offsets = torch.stack([_v(chunk + k) for k in range(count)])
+            offsets = torch.from_numpy(_v_span(chunk, chunk + count))
             lanes = per_chunk[:, :LANES].sum(0) + (per_chunk[:, LANES:] * offsets).sum(0)  # int64, wraps mod 2**64
             take = count * _CHUNK
         else:  # a partial chunk
             take = min(n - pos, _CHUNK - offset)
             part = words[pos : pos + take].to(torch.float64)
             sums = (part @ _W_F64[offset : offset + take]).to(torch.int64)
-            lanes = sums[:LANES] + int(sums[LANES]) * _v(chunk)
+            lanes = sums[:LANES] + int(sums[LANES]) * torch.from_numpy(_v_span(chunk, chunk + 1)[0])
         for k in range(LANES):
             total[k] += int(lanes[k])
         pos += take
