@@ -24,6 +24,7 @@ host's logs.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import secrets
 import shlex
@@ -130,24 +131,16 @@ class Host:
         """Stop every process started in this host (SIGTERM to its group, then SIGKILL), then the holder."""
         for proc in [*self.processes, *([self.holder] if self.holder else [])]:
             if proc.poll() is None:
-                with _suppress_lookup():
+                with contextlib.suppress(ProcessLookupError):
                     os.killpg(proc.pid, signal.SIGTERM)
         deadline = time.monotonic() + grace_s
         for proc in [*self.processes, *([self.holder] if self.holder else [])]:
             try:
                 proc.wait(max(0.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
-                with _suppress_lookup():
+                with contextlib.suppress(ProcessLookupError):
                     os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
-
-
-class _suppress_lookup:  # noqa: N801 - a tiny context manager, named like contextlib's
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, kind: type[BaseException] | None, *_: object) -> bool:
-        return kind is not None and issubclass(kind, ProcessLookupError)
 
 
 class Hosts:
