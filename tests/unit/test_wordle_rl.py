@@ -41,11 +41,16 @@ def _never() -> None:
     pass
 
 
+def _queue(q: RolloutQueue, group: Group) -> None:
+    """A producer's turn: reserve a place, then queue the group."""
+    assert q.reserve(threading.Event())
+    q.put(group)
+
+
 def test_stale_groups_are_dropped_and_counted_judged_by_their_oldest_token() -> None:
-    stop = threading.Event()
     q = RolloutQueue(maxsize=8, max_staleness=2)
     for g in (_group(0), _group(1, 3), _group(3)):
-        q.put(g, stop)
+        _queue(q, g)
     taken, waited = q.take(trainer_version=3, check=_never)
     assert (taken.oldest_version, taken.newest_version) == (1, 3) and taken.spans_update
     assert q.dropped == 1 and dict(q.staleness) == {2: 1} and waited == 0.0
@@ -54,12 +59,16 @@ def test_stale_groups_are_dropped_and_counted_judged_by_their_oldest_token() -> 
 
 
 def test_the_trainer_waits_only_when_nothing_fresh_enough_is_queued() -> None:
-    stop = threading.Event()
     q = RolloutQueue(maxsize=2, max_staleness=0)
-    q.put(_group(4), stop)  # stale for a trainer at v5 with a bound of 0
-    threading.Timer(0.3, lambda: q.put(_group(5), stop)).start()
+    _queue(q, _group(4))  # stale for a trainer at v5 with a bound of 0
+    threading.Timer(0.3, lambda: _queue(q, _group(5))).start()
     group, waited = q.take(trainer_version=5, check=_never)
     assert group.oldest_version == 5 and q.dropped == 1 and waited >= 0.25
+
+
+def test_take_gives_up_after_its_timeout() -> None:
+    group, waited = RolloutQueue(maxsize=2, max_staleness=1).take(trainer_version=0, check=_never, timeout_s=0.2)
+    assert group is None and waited >= 0.15
 
 
 def test_a_failed_worker_is_raised_in_the_trainer_while_it_waits() -> None:
@@ -73,14 +82,74 @@ def test_a_failed_worker_is_raised_in_the_trainer_while_it_waits() -> None:
 def test_a_full_queue_blocks_producers_until_stopped() -> None:
     stop = threading.Event()
     q = RolloutQueue(maxsize=1, max_staleness=2)
-    q.put(_group(0), stop)
-    t = threading.Thread(target=q.put, args=(_group(1), stop))
+    _queue(q, _group(0))
+    got: list[bool] = []
+    t = threading.Thread(target=lambda: got.append(q.reserve(stop)))
     t.start()
     time.sleep(0.2)
     assert t.is_alive()
     stop.set()
     t.join(timeout=2)
-    assert not t.is_alive()
+    assert not t.is_alive() and got == [False] and q.in_flight == 0
+
+
+def test_a_released_place_lets_the_next_producer_in() -> None:
+    q = RolloutQueue(maxsize=1, max_staleness=2)
+    assert q.reserve(threading.Event())
+    q.release()  # its producer failed
+    assert q.in_flight == 0 and q.reserve(threading.Event())
+
+
+def test_production_waits_while_a_new_group_would_be_dropped_at_consumption() -> None:
+    """Sized to consumption: vLLM seen serving v3 while the trainer is at v6 (bound 2): a group started now would be
+    3+ versions behind when taken, so producers wait (one group always goes, to learn that vLLM caught up)."""
+    q = RolloutQueue(maxsize=8, max_staleness=2, per_step=2)
+    assert q.take(trainer_version=6, check=_never, timeout_s=0)[0] is None  # the trainer is at v6
+    _queue(q, _group(3))  # vLLM was last seen serving v3 (this group will be dropped)
+    stop = threading.Event()
+    assert q.reserve(stop)  # nothing in flight: one may go, to learn what vLLM serves now
+    waiting: list[bool] = []
+    t = threading.Thread(target=lambda: waiting.append(q.reserve(stop)))
+    t.start()
+    time.sleep(0.3)
+    assert t.is_alive(), "a second group was started although it would be dropped"
+    q.put(_group(6))  # the probe comes back: vLLM serves v6
+    t.join(timeout=2)
+    assert waiting == [True] and q.held_back_s > 0.1
+    assert q.take(trainer_version=6, check=_never)[0] is not None and q.dropped == 1  # v3's group dropped, v6 taken
+    # the next group would be taken (1 taken + 0 queued + 1 in flight) // 2 = 1 step on, at v7: 1 behind v6;
+    # with two more in flight, 2 steps on (2 behind, within the bound); with four more, 3 behind: held back
+    assert not q._would_drop()
+    q.in_flight += 2
+    assert not q._would_drop()
+    q.in_flight += 2
+    assert q._would_drop()
+
+
+def test_with_a_probe_no_group_is_started_to_be_dropped() -> None:
+    """With a probe (a one-token request that reads vLLM's version tag), producers wait without generating while
+    vLLM lags beyond the bound, and start as soon as the probe sees it caught up."""
+    served = [3]
+    calls: list[float] = []
+
+    def probe() -> int:
+        calls.append(time.monotonic())
+        return served[0]
+
+    q = RolloutQueue(maxsize=8, max_staleness=2, per_step=2, probe=probe, probe_interval_s=0.05)
+    q.set_trainer_version(6)
+    stop = threading.Event()
+    got: list[bool] = []
+    t = threading.Thread(target=lambda: got.append(q.reserve(stop)))
+    t.start()
+    time.sleep(0.4)
+    assert t.is_alive() and q.in_flight == 0, "a group was started while vLLM was 3 versions behind"
+    assert len(calls) >= 3 and q.served_version == 3
+    served[0] = 5
+    t.join(timeout=2)
+    assert got == [True] and q.in_flight == 1 and q.held_back_s > 0.3
+    gaps = [b - a for a, b in zip(calls, calls[1:], strict=False)]
+    assert min(gaps) >= 0.04, "the probe was asked more often than its interval"
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,191 @@
+"""Rollout workers as a service (on the environment host): groups generated against vLLM's inference routes, scored
+by the environment, queued within the staleness bound, and handed to the trainer over HTTP.
+
+    python -m examples.wordle.rollout_server --tokenizer DIR --vllm-url URL --env-url URL [--host H --port P]
+
+The workers never hold the engine credential: they reach only vLLM's inference routes. Production is sized to
+consumption (:class:`~examples.wordle.rollouts.RolloutQueue`): a group that would be beyond the bound when the
+trainer takes it is not started. The trainer takes groups with ``POST /v1/take``
+(:class:`~examples.wordle.rollouts.RemoteRollouts`); when ``WORDLE_ROLLOUT_TOKEN`` is set, every request but
+``/healthz`` must carry it as a bearer token.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import secrets
+import threading
+import time
+from typing import Any
+
+import httpx
+from fastapi import Depends, FastAPI, Header, HTTPException
+from pydantic import BaseModel, ConfigDict, Field
+
+from .rollouts import (
+    Group,
+    Positions,
+    RolloutQueue,
+    RolloutWorkers,
+    game_positions,
+    generate_group,
+    served_probe,
+)
+
+__all__ = ["RolloutService", "create_app"]
+
+logger = logging.getLogger("wordle.rollout_server")
+TOKEN_ENV = "WORDLE_ROLLOUT_TOKEN"
+
+
+class TakeRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    trainer_version: int = Field(ge=0, description="the trainer's version now: groups beyond the bound are dropped")
+    count: int = Field(ge=1, le=256, description="groups wanted")
+    timeout_s: float = Field(20.0, ge=0, le=60, description="answer with fewer groups after this long")
+
+
+class RolloutService:
+    """The workers and their queue.
+
+    Args:
+        make_group: ``(prompt ids, session id, index) -> Group``.
+        positions: where games start.
+        workers: groups generated at a time.
+        max_staleness: the bound (versions).
+        per_step: groups the trainer takes per step.
+        maxsize: groups queued or in flight at most (default: ``per_step * (max_staleness + 1)``, what can be
+            consumed within the bound).
+        probe: what vLLM serves now (:func:`~examples.wordle.rollouts.served_probe`).
+    """
+
+    def __init__(
+        self,
+        make_group: Any,
+        positions: Positions,
+        *,
+        workers: int,
+        max_staleness: int,
+        per_step: int,
+        maxsize: int | None = None,
+        probe: Any = None,
+    ) -> None:
+        self.queue = RolloutQueue(maxsize or per_step * (max_staleness + 1), max_staleness, per_step, probe=probe)
+        self.workers = RolloutWorkers(make_group, positions, workers=workers)
+        self._take_lock = threading.Lock()  # one trainer: takes in order
+        self._started = False
+
+    def start(self, trainer_version: int) -> None:
+        """Start the workers (the first take does: before it, vLLM may still serve its unlabelled start-up
+        weights)."""
+        self.queue.set_trainer_version(trainer_version)
+        if not self._started:
+            self._started = True
+            self.workers.start(self.queue)
+
+    def stop(self) -> None:
+        self.workers.stop()
+
+    def take(self, trainer_version: int, count: int, timeout_s: float) -> dict[str, Any]:
+        deadline = time.monotonic() + timeout_s
+        groups: list[Group] = []
+        waited = 0.0
+        with self._take_lock:
+            self.start(trainer_version)
+            while len(groups) < count:
+                group, w = self.queue.take(
+                    trainer_version, self.workers.check, timeout_s=max(0.0, deadline - time.monotonic())
+                )
+                waited += w
+                if group is None:
+                    break
+                groups.append(group)
+        return {"groups": [g.to_json() for g in groups], "waited_s": waited, **self.stats()}
+
+    def stats(self) -> dict[str, Any]:
+        q = self.queue
+        return {
+            "dropped": q.dropped,
+            "episodes": self.workers.episodes,
+            "held_back_s": q.held_back_s,
+            "staleness": {str(k): v for k, v in sorted(q.staleness.items())},
+            "queued_or_in_flight": len(q._q) + q.in_flight,
+            "served_version": q.served_version,
+        }
+
+
+def create_app(service: RolloutService, token: str | None) -> FastAPI:
+    app = FastAPI(title="Wordle rollout workers", version="1")
+
+    def authorized(authorization: str | None = Header(None)) -> None:
+        if token is None:
+            return
+        given = (authorization or "").removeprefix("Bearer ")
+        if not secrets.compare_digest(given.encode(), token.encode()):
+            raise HTTPException(401, "the rollout service needs its bearer token (WORDLE_ROLLOUT_TOKEN)")
+
+    @app.get("/healthz")
+    def healthz() -> dict[str, str]:
+        return {"status": "ok"}
+
+    @app.get("/v1/stats", dependencies=[Depends(authorized)])
+    def stats() -> dict[str, Any]:
+        return service.stats()
+
+    @app.post("/v1/take", dependencies=[Depends(authorized)])
+    def take(body: TakeRequest) -> dict[str, Any]:
+        try:
+            return service.take(body.trainer_version, body.count, body.timeout_s)
+        except RuntimeError as exc:  # a worker failed: the trainer stops with its reason
+            raise HTTPException(500, str(exc)) from exc
+
+    return app
+
+
+def main() -> None:
+    import uvicorn
+    from transformers import AutoTokenizer
+
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tokenizer", required=True, help="the model's tokenizer (a directory)")
+    parser.add_argument("--vllm-url", required=True, help="vLLM's inference routes")
+    parser.add_argument("--env-url", required=True)
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8800)
+    parser.add_argument("--num-generations", type=int, default=8)
+    parser.add_argument("--prompts-per-step", type=int, default=2)
+    parser.add_argument("--max-tokens", type=int, default=12)
+    parser.add_argument("--max-staleness", type=int, default=2)
+    parser.add_argument("--workers", type=int, default=2, help="groups generated at a time")
+    parser.add_argument("--positions", type=int, default=160, help="game positions to play from")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.INFO, format="[rollouts] %(asctime)s %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+    tok = AutoTokenizer.from_pretrained(args.tokenizer)
+    env = httpx.Client(base_url=args.env_url, timeout=60)
+    vllm = httpx.Client(base_url=args.vllm_url, timeout=300)
+    rows = game_positions(env, tok, args.positions, args.seed)
+
+    def make_group(prompt: list[int], session_id: str, i: int) -> Group:
+        n, max_tokens = args.num_generations, args.max_tokens
+        return generate_group(vllm, env, tok, prompt, session_id, n=n, max_tokens=max_tokens, seed=args.seed + i)
+
+    service = RolloutService(
+        make_group,
+        Positions([(ids, sid) for ids, _, sid in rows], args.seed),
+        workers=args.workers,
+        max_staleness=args.max_staleness,
+        per_step=args.prompts_per_step,
+        probe=lambda: served_probe(vllm, rows[0][0]),
+    )
+    try:
+        uvicorn.run(create_app(service, os.environ.get(TOKEN_ENV)), host=args.host, port=args.port, log_level="warning")
+    finally:
+        service.stop()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,495 @@
+"""The Wordle demo across five hosts that share nothing but a network: what `make demo-hosts` runs.
+
+    sudo python -m examples.wordle.run_hosts [--out demo-out/hosts] [--steps 40]
+
+The hosts are made on this machine (:mod:`examples.wordle.hosts`: network and mount namespaces joined by veth links;
+root needed), each with its own address, loopback, ``/tmp`` and directory, and run what five machines would:
+
+=============  ===========  ==========================================================================================
+host           address      runs
+=============  ===========  ==========================================================================================
+store          10.77.0.10   an S3 API server (moto) holding the run's bucket
+coordinator    10.77.0.11   ``deltasync coordinator`` over TLS (a CA made for the run), SQLite ledger
+trainer        10.77.0.12   the GRPO trainer and its Publisher: writes ``s3://``, registers over https
+inference      10.77.0.13   vLLM with the deltasync backend (inference routes open to the network, its engine
+                            credential in a 0600 file on this host only) and its sidecar agent, reading ``s3://``
+env            10.77.0.14   the Wordle environment (on its loopback) and the rollout workers, which reach vLLM's
+                            inference routes over the network and hand groups to the trainer
+=============  ===========  ==========================================================================================
+
+Every command is printed as the host's shell line (the README's recipe for real machines is these lines). The
+launcher is the operator: it copies the base model to the hosts that load it, the CA certificate to the clients,
+and at the end reads the trainer's checksums and runs the final check on the inference host, where the engine
+credential is. While the demo runs it samples, in every host, the open files of every process (none may lie in
+another host's directory) and the TCP connections (every peer is the host's own loopback or a host address), and
+counts the bytes each host sent and received on its link. Everything is torn down on exit, even after a failure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import secrets
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+from tests.support.launchers import VllmServerProcess
+from tests.support.s3 import CREDENTIALS_ENV
+from tests.support.tls import make_certificates
+
+from .hosts import SUBNET, Host, Hosts, HostsUnavailable, unavailable
+
+__all__ = ["HOSTS", "Deployment", "main"]
+
+HOSTS = ("store", "coordinator", "trainer", "inference", "env")
+PORTS = {"store": 9000, "coordinator": 8600, "inference": 8000, "env": 8700, "rollouts": 8800}
+BUCKET = "wordle-run"
+AGENT_ID = "vllm-0"
+
+_WAIT = """
+import ssl, sys, time, httpx
+url, ca, timeout = sys.argv[1], sys.argv[2], float(sys.argv[3])
+verify = ssl.create_default_context(cafile=ca) if ca else True
+deadline = time.monotonic() + timeout
+while time.monotonic() < deadline:
+    try:
+        if httpx.get(url, timeout=2, verify=verify).status_code < 500:
+            sys.exit(0)
+    except httpx.TransportError:
+        pass
+    time.sleep(0.3)
+sys.exit(f"{url} did not answer within {timeout} s")
+"""
+
+
+class Deployment:
+    """The five hosts' processes, started in order, followed, checked and reported.
+
+    Args:
+        hosts: the hosts (:data:`HOSTS`), made.
+        out: where the report goes (the machine's, not a host's).
+        model: the warm-started base model (copied to the hosts that load it).
+        args: the demo's arguments.
+    """
+
+    def __init__(self, hosts: Hosts, out: Path, model: Path, args: argparse.Namespace) -> None:
+        self.hosts, self.out, self.model, self.args = hosts, out, model, args
+        self.py = sys.executable
+        self.repo = Path(__file__).resolve().parents[2]
+        self.addr = {h.name: h.address for h in hosts}
+        self.procs: dict[str, tuple[Host, subprocess.Popen[Any]]] = {}
+        self.recipe: list[str] = []
+        publisher_token, secret = secrets.token_hex(16), secrets.token_hex(16)
+        self.coordinator_env = {"DELTASYNC_PUBLISHER_TOKEN": publisher_token, "DELTASYNC_AGENT_SECRET": secret}
+        self.rollout_token = secrets.token_hex(16)
+        self.store_uri = f"s3://{BUCKET}/run"
+        self.s3_env = {**CREDENTIALS_ENV, "AWS_ENDPOINT_URL_S3": f"http://{self.addr['store']}:{PORTS['store']}"}
+        self.coordinator_url = f"https://{self.addr['coordinator']}:{PORTS['coordinator']}"
+        self.vllm_url = f"http://{self.addr['inference']}:{PORTS['inference']}"
+        self.rollouts_url = f"http://{self.addr['env']}:{PORTS['rollouts']}"
+        self.samples: list[dict[str, Any]] = []
+        self.violations: list[str] = []
+        self.peers: Counter[str] = Counter()
+
+    # ---------------------------------------------------------------- running things in hosts
+
+    def _base_env(self) -> dict[str, str]:
+        # the code is the machine's (software installed on every host); the vLLM and HF caches are each host's own
+        return {"PYTHONPATH": str(self.repo), "HOME": "/tmp/home", "PYTHONUNBUFFERED": "1"}
+
+    def _show(self, host: Host, argv: list[str], env: dict[str, str]) -> None:
+        secret = ("TOKEN", "SECRET", "KEY", "KEY_ID")
+        shown = {
+            k: ("..." if k.rsplit("_", 1)[-1] in secret else v) for k, v in env.items() if k not in self._base_env()
+        }
+        pairs = " ".join(f"{k}={shlex.quote(v)}" for k, v in shown.items())
+        line = f"{host.name}$ {pairs + ' ' if pairs else ''}{shlex.join(argv).replace(self.py, 'python')}"
+        self.recipe.append(line)
+        print(f"[hosts] {line}", flush=True)
+
+    def start(self, name: str, host: Host, argv: list[str], env: dict[str, str] | None = None) -> None:
+        env = {**self._base_env(), **(env or {})}
+        self._show(host, argv, env)
+        self.procs[name] = (host, host.popen(argv, env=env, log=f"{name}.log"))
+
+    def run(self, host: Host, argv: list[str], env: dict[str, str] | None = None, timeout: float = 120) -> str:
+        env = {**self._base_env(), **(env or {})}
+        self._show(host, argv, env)
+        done = host.run(argv, env=env, timeout=timeout)
+        if done.returncode:
+            raise RuntimeError(f"{host.name}: {shlex.join(argv)} exited with {done.returncode}: {done.stderr[-2000:]}")
+        return done.stdout
+
+    def wait_http(self, host: Host, url: str, name: str, *, ca: str = "", timeout_s: float = 120) -> None:
+        """Wait, from ``host``, until ``url`` answers (the process ``name`` must stay up)."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            proc = self.procs[name][1]
+            if proc.poll() is not None:
+                raise RuntimeError(f"{name} exited with {proc.returncode}; see {self.procs[name][0].root / name}.log")
+            done = host.run([self.py, "-c", _WAIT, url, ca, "5"], env=self._base_env(), timeout=30)
+            if done.returncode == 0:
+                return
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{name} did not answer {url} within {timeout_s} s; see its log in {host.root}")
+
+    # ---------------------------------------------------------------- the deployment
+
+    def provision(self) -> None:
+        """What an operator copies onto each machine: the base model where it is loaded, a tokenizer on the
+        environment host, the CA's certificate on the clients, the server certificate on the coordinator."""
+        h = self.hosts
+        for name in ("trainer", "inference"):
+            shutil.copytree(self.model, h[name].root / "model")
+        shutil.copytree(self.model, h["env"].root / "tokenizer", ignore=shutil.ignore_patterns("*.safetensors"))
+        ca, cert, key = make_certificates(self.out / "tls", (self.addr["coordinator"],))
+        shutil.copy(cert, h["coordinator"].root / "server.pem")
+        shutil.copy(key, h["coordinator"].root / "server.key")
+        os.chmod(h["coordinator"].root / "server.key", 0o600)
+        for name in ("trainer", "inference"):
+            shutil.copy(ca, h[name].root / "ca.pem")
+        token = h["inference"].root / "engine.token"
+        fd = os.open(token, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(secrets.token_urlsafe(32) + "\n")
+
+    def start_all(self) -> None:
+        h, a, py = self.hosts, self.addr, self.py
+        store = h["store"]
+        self.start("s3", store, [py, "-m", "moto.server", "-H", a["store"], "-p", str(PORTS["store"])], CREDENTIALS_ENV)
+        self.wait_http(store, self.s3_env["AWS_ENDPOINT_URL_S3"], "s3")
+        make_bucket = f"import boto3; boto3.client('s3').create_bucket(Bucket={BUCKET!r})"
+        self.run(store, [py, "-c", make_bucket], self.s3_env)
+
+        coord = h["coordinator"]
+        self.start(
+            "coordinator",
+            coord,
+            [py, "-m", "deltasync.cli", "coordinator", "--db", "ledger.db", "--store", self.store_uri]
+            + ["--host", a["coordinator"], "--port", str(PORTS["coordinator"])]
+            + ["--ssl-certfile", "server.pem", "--ssl-keyfile", "server.key"],
+            {**self.coordinator_env, **self.s3_env},
+        )
+        agent_token = self.run(
+            coord, [py, "-m", "deltasync.cli", "token", "--agent-id", AGENT_ID], self.coordinator_env
+        ).strip()
+        self.wait_http(
+            h["trainer"], self.coordinator_url + "/healthz", "coordinator", ca=str(h["trainer"].root / "ca.pem")
+        )
+
+        inference = h["inference"]
+        engine = {"DELTASYNC_ENGINE_TOKEN_FILE": str(inference.root / "engine.token")}
+        server = VllmServerProcess(
+            inference.root / "model", log=inference.root / "vllm.log", args=["--enable-scale-out"]
+        )
+        argv = server.command()
+        argv[argv.index("--host") + 1] = "0.0.0.0"  # the inference routes are open to the rollout workers
+        argv[argv.index("--port") + 1] = str(PORTS["inference"])
+        argv[argv.index("--model") + 1] = "model"
+        self.start("vllm", inference, argv, {**server.environment(), **engine})
+
+        env = h["env"]
+        self.start(
+            "env", env, [py, "-m", "examples.wordle.env_server", "--host", "127.0.0.1", "--port", str(PORTS["env"])]
+        )
+        print("[hosts] waiting for vLLM (about a minute on 2 cores)", flush=True)
+        self.wait_http(env, self.vllm_url + "/health", "vllm", timeout_s=600)
+
+        local_vllm = f"http://127.0.0.1:{PORTS['inference']}"  # the agent reaches its engine on its own loopback
+        self.start(
+            "agent",
+            inference,
+            [py, "-m", "deltasync.cli", "agent", "--vllm-url", local_vllm, "--coordinator", self.coordinator_url]
+            + ["--ca-bundle", "ca.pem", "--store", self.store_uri, "--agent-id", AGENT_ID]
+            + ["--staging-dir", "staging", "--poll-wait-s", "5", "--backoff-s", "0.2"],
+            {"DELTASYNC_AGENT_TOKEN": agent_token, **engine, **self.s3_env},
+        )
+        self.start(
+            "rollouts",
+            env,
+            [py, "-m", "examples.wordle.rollout_server", "--tokenizer", "tokenizer", "--vllm-url", self.vllm_url]
+            + ["--env-url", f"http://127.0.0.1:{PORTS['env']}", "--host", a["env"], "--port", str(PORTS["rollouts"])]
+            + ["--max-staleness", str(self.args.max_staleness), "--seed", str(self.args.seed)]
+            + ["--positions", str(max(64, 2 * self.args.steps))],
+            {"WORDLE_ROLLOUT_TOKEN": self.rollout_token},
+        )
+        self.wait_http(env, f"http://127.0.0.1:{PORTS['env']}/healthz", "env")
+        self.wait_http(h["trainer"], self.rollouts_url + "/healthz", "rollouts")
+        trainer = h["trainer"]
+        self.start(
+            "trainer",
+            trainer,
+            [py, "-m", "examples.wordle.train", "--model", "model", "--rollouts-url", self.rollouts_url]
+            + ["--coordinator", self.coordinator_url, "--ca-bundle", "ca.pem", "--store", self.store_uri]
+            + ["--served-from", "coordinator", "--agent-id", AGENT_ID, "--skip-final-check", "--out", "run"]
+            + ["--steps", str(self.args.steps), "--warmup-steps", "0", "--learning-rate", str(self.args.learning_rate)]
+            + ["--max-staleness", str(self.args.max_staleness), "--seed", str(self.args.seed)],
+            {"DELTASYNC_PUBLISHER_TOKEN": self.coordinator_env["DELTASYNC_PUBLISHER_TOKEN"], **self.s3_env}
+            | {"WORDLE_ROLLOUT_TOKEN": self.rollout_token},
+        )
+
+    # ---------------------------------------------------------------- watching
+
+    def _host_of_pids(self) -> dict[int, Host]:
+        """Every process on the machine that lives in one of the hosts (by its network namespace)."""
+        by_ns: dict[str, Host] = {}
+        for host in self.hosts:
+            assert host.holder is not None
+            by_ns[os.readlink(f"/proc/{host.holder.pid}/ns/net")] = host
+        out = {}
+        for proc in Path("/proc").glob("[0-9]*"):
+            try:
+                host = by_ns.get(os.readlink(proc / "ns/net"))
+            except OSError:
+                continue
+            if host is not None:
+                out[int(proc.name)] = host
+        return out
+
+    def sample(self) -> None:
+        """One sample: CPU seconds per host, open files checked, TCP peers recorded and checked."""
+        tick = os.sysconf("SC_CLK_TCK")
+        cpu: Counter[str] = Counter()
+        base = self.hosts.base
+        for pid, host in self._host_of_pids().items():
+            try:
+                fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+                cpu[host.name] += (int(fields[11]) + int(fields[12])) / tick
+                fds = list(Path(f"/proc/{pid}/fd").iterdir())
+            except OSError:
+                continue
+            for fd in fds:
+                try:
+                    target = os.readlink(fd)
+                except OSError:
+                    continue
+                if target.startswith(str(base) + "/") and not target.startswith(str(host.root) + "/"):
+                    self.violations.append(f"{host.name} pid {pid} opened {target}")
+        for host in self.hosts:
+            done = subprocess.run(
+                ["ip", "netns", "exec", host.netns, "ss", "-tnH", "state", "established"],
+                capture_output=True,
+                text=True,
+                check=False,
+            )
+            for line in done.stdout.splitlines():
+                parts = line.split()
+                if len(parts) < 4:
+                    continue
+                local, peer = parts[-2].rsplit(":", 1)[0], parts[-1].rsplit(":", 1)[0]
+                local_port = parts[-2].rsplit(":", 1)[1]
+                for address in (local, peer):
+                    bare = address.strip("[]").removeprefix("::ffff:")
+                    if not (bare in ("127.0.0.1", "::1") or bare.startswith(SUBNET + ".")):
+                        self.violations.append(f"{host.name}: a connection through {address} ({line.strip()})")
+                if peer.startswith(SUBNET + "."):
+                    server = {v: k for k, v in PORTS.items()}.get(int(local_port))
+                    if server is None:  # this side is the client
+                        self.peers[f"{host.name} -> {self._name_of(peer)}"] += 1
+        self.samples.append({"t": time.time(), "cpu": dict(cpu)})
+
+    def _name_of(self, address: str) -> str:
+        return next((n for n, a in self.addr.items() if a == address.removeprefix("::ffff:")), address)
+
+    def link_bytes(self) -> dict[str, dict[str, int]]:
+        """Bytes each host sent and received on its link (the switch's port counters)."""
+        done = subprocess.run(
+            ["ip", "-n", self.hosts.switch, "-s", "-j", "link", "show"], capture_output=True, text=True, check=True
+        )
+        names = list(self.addr)
+        out = {}
+        for link in json.loads(done.stdout):
+            if link["ifname"].startswith("p") and link["ifname"][1:].isdigit():
+                stats = link["stats64"]
+                # the switch's port receives what its host sends
+                out[names[int(link["ifname"][1:])]] = {"sent": stats["rx"]["bytes"], "received": stats["tx"]["bytes"]}
+        return out
+
+    def follow(self) -> list[dict[str, Any]]:
+        """Progress lines while the trainer runs; a sample every ~2 s; any other process exiting is a failure."""
+        metrics = self.hosts["trainer"].root / "run" / "metrics.jsonl"
+        rows: list[dict[str, Any]] = []
+        offset, last_sample = 0, 0.0
+        trainer = self.procs["trainer"][1]
+        while True:
+            done = trainer.poll() is not None
+            for name, (host, proc) in self.procs.items():
+                if name != "trainer" and proc.poll() is not None:
+                    raise RuntimeError(f"{name} exited with {proc.returncode}; see {host.root / name}.log")
+            if time.monotonic() - last_sample > 2:
+                self.sample()
+                last_sample = time.monotonic()
+            if metrics.exists():
+                with open(metrics) as f:
+                    f.seek(offset)
+                    for line in f:
+                        r = json.loads(line)
+                        rows.append(r)
+                        print(
+                            f"[hosts] step {r['step']:3d}: reward {r['reward']:.3f}, rollouts from "
+                            f"v{min(g[0] for g in r['groups'])} (trainer at v{r['policy_version']}), dropped so far "
+                            f"{r['dropped_total']}, published v{r['version']}",
+                            flush=True,
+                        )
+                    offset = f.tell()
+            if done:
+                if trainer.returncode != 0:
+                    log = (self.hosts["trainer"].root / "trainer.log").read_text()[-3000:]
+                    raise RuntimeError(f"the trainer exited with {trainer.returncode}:\n{log}")
+                return rows
+            time.sleep(0.5)
+
+    def final_check(self, final: dict[str, Any]) -> dict[str, Any]:
+        """On the inference host, with the engine credential that never leaves it: what vLLM computes with, against
+        the trainer's checksums (copied over by the operator, as a file)."""
+        inference = self.hosts["inference"]
+        shutil.copy(self.hosts["trainer"].root / "run" / "final.json", inference.root / "trainer-final.json")
+        argv = [self.py, "-m", "examples.wordle.check_served", "--vllm-url", f"http://127.0.0.1:{PORTS['inference']}"]
+        argv += ["--out", "served.json", "--expect", "trainer-final.json"]
+        env = {**self._base_env(), "DELTASYNC_ENGINE_TOKEN_FILE": str(inference.root / "engine.token")}
+        self._show(inference, argv, env)
+        inference.run(argv, env=env, timeout=300)
+        return dict(json.loads((inference.root / "served.json").read_text()))
+
+
+def _cpu_cores(samples: list[dict[str, Any]], start: float, end: float) -> dict[str, float]:
+    inside = [s for s in samples if start <= s["t"] <= end] or samples
+    first, last = inside[0], inside[-1]
+    wall = max(last["t"] - first["t"], 1e-9)
+    return {n: (last["cpu"].get(n, 0.0) - first["cpu"].get(n, 0.0)) / wall for n in last["cpu"]}
+
+
+def report(
+    deployment: Deployment, rows: list[dict[str, Any]], final: dict[str, Any], served: dict[str, Any]
+) -> dict[str, Any]:
+    from .run_demo import _quantile
+
+    quarter = max(1, len(rows) // 4)
+    latency = list(final["publish_to_served_s"].values())
+    drops = [b["dropped_total"] - a["dropped_total"] for a, b in zip([{"dropped_total": 0}, *rows], rows, strict=False)]
+    summary = {
+        "steps": len(rows),
+        "wall_s": final["rl_ended_at"] - final["rl_started_at"],
+        "cpu_cores_per_host": _cpu_cores(deployment.samples, final["rl_started_at"], final["rl_ended_at"]),
+        "link_bytes": deployment.link_bytes(),
+        "connections": dict(sorted(deployment.peers.items())),
+        "publish_to_served_ms_median": _quantile(latency, 0.5) * 1e3,
+        "publish_to_served_ms_p90": _quantile(latency, 0.9) * 1e3,
+        "staleness_histogram": final["staleness_histogram"],
+        "dropped_groups": final["dropped_groups"],
+        "dropped_per_step": sum(drops) / max(1, len(rows)),
+        "episodes": final["episodes"],
+        "reward_first_quarter": sum(r["reward"] for r in rows[:quarter]) / quarter,
+        "reward_last_quarter": sum(r["reward"] for r in rows[-quarter:]) / quarter,
+        "violations": deployment.violations,
+        "trainer_version": final["version"],
+        "served_weight_version": served["weight_version"],
+        "tensors_checked": served.get("tensors_checked", 0),
+        "bit_exact": bool(served.get("bit_exact")),
+    }
+    print("\n[hosts] five hosts, one network:")
+    for name, cores in sorted(summary["cpu_cores_per_host"].items()):
+        link = summary["link_bytes"].get(name, {})
+        print(
+            f"  {name:12s} {deployment.addr[name]:12s} CPU {cores:5.2f} cores"
+            f"   sent {link.get('sent', 0) / 1e6:8.2f} MB   received {link.get('received', 0) / 1e6:8.2f} MB"
+        )
+    print("  connections seen (client -> server): " + ", ".join(summary["connections"]))
+    print(
+        f"  publish -> served across hosts: median {summary['publish_to_served_ms_median']:.0f} ms, "
+        f"p90 {summary['publish_to_served_ms_p90']:.0f} ms"
+    )
+    print(
+        f"  staleness at consumption {summary['staleness_histogram']}; dropped {summary['dropped_groups']} groups "
+        f"({summary['dropped_per_step']:.2f} per step); {summary['episodes']} episodes generated"
+    )
+    print(
+        f"  reward: first quarter {summary['reward_first_quarter']:.3f}, "
+        f"last quarter {summary['reward_last_quarter']:.3f}"
+    )
+    print(f"  isolation: {len(summary['violations'])} violations (files of another host, connections off the links)")
+    print(
+        f"final: trainer v{summary['trainer_version']} / vLLM weight_version {summary['served_weight_version']}: "
+        f"{'BIT-EXACT' if summary['bit_exact'] else 'MISMATCH'} over {summary['tensors_checked']} tensors"
+    )
+    return summary
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    """Build and warm-start the model, make the hosts, run the deployment, check, report, tear down."""
+    from .run_demo import build_model, warm_start
+
+    out = args.out.absolute()
+    shutil.rmtree(out, ignore_errors=True)
+    out.mkdir(parents=True)
+    print(f"[hosts] building the tiny Qwen3 and its Wordle tokenizer in {out / 'model'}", flush=True)
+    model = build_model(out / "model")
+    if args.warmup_steps > 0:
+        warm_start(model, args.warmup_steps, args.seed)
+    base = args.base.absolute() / f"run-{os.getpid()}"
+    t0 = time.monotonic()
+    with Hosts(HOSTS, base=base) as hosts:
+        print(f"[hosts] made {', '.join(f'{h.name} {h.address}' for h in hosts)}; their directories under {base}")
+        deployment = Deployment(hosts, out, model, args)
+        try:
+            deployment.provision()
+            deployment.start_all()
+            rows = deployment.follow()
+            final = json.loads((hosts["trainer"].root / "run" / "final.json").read_text())
+            served = deployment.final_check(final)
+            deployment.sample()
+            summary = report(deployment, rows, final, served)
+            summary["namespaces"] = [hosts.switch, *(h.netns for h in hosts)]
+            summary["base"] = str(base)
+        finally:
+            (out / "recipe.txt").write_text("\n".join(deployment.recipe) + "\n")
+            for host in hosts:  # the hosts' logs outlive them
+                for log in host.root.glob("*.log"):
+                    (out / "logs" / host.name).mkdir(parents=True, exist_ok=True)
+                    shutil.copy(log, out / "logs" / host.name / log.name)
+    summary["after_setup_s"] = time.monotonic() - t0
+    result = {
+        "summary": summary,
+        "steps": rows,
+        "final": {k: v for k, v in final.items() if k != "effective_checksums"},
+    }
+    (out / "report.json").write_text(json.dumps(result, indent=1))
+    print(f"[hosts] torn down; {summary['after_setup_s']:.0f} s after set-up; logs and recipe in {out}")
+    shutil.rmtree(base, ignore_errors=True)
+    return result
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path, default=Path("demo-out/hosts"))
+    parser.add_argument("--base", type=Path, default=Path("/var/tmp/deltasync-hosts"), help="the hosts' directories")
+    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--warmup-steps", type=int, default=300)
+    parser.add_argument("--learning-rate", type=float, default=1e-5)
+    parser.add_argument("--max-staleness", type=int, default=2)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    why = unavailable()
+    if why is not None:
+        print(f"[hosts] cannot run: {why}", file=sys.stderr)
+        return 2
+    signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
+    try:
+        result = run(args)
+    except (HostsUnavailable, KeyboardInterrupt) as exc:
+        print(f"[hosts] stopped: {exc!r}; every host was torn down", file=sys.stderr)
+        return 130 if isinstance(exc, KeyboardInterrupt) else 2
+    summary = result["summary"]
+    return 0 if summary["bit_exact"] and not summary["violations"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
