@@ -144,6 +144,8 @@ def summarize(
         "episodes_per_s": final["episodes"] / wall,
         "staleness_histogram": final["staleness_histogram"],
         "dropped_groups": final["dropped_groups"],
+        "dropped_per_step": final["dropped_groups"] / max(1, len(rows)),
+        "held_back_s": final.get("held_back_s", 0.0),
         "publish_to_served_ms_median": _quantile(latency, 0.5) * 1e3,
         "publish_to_served_ms_p90": _quantile(latency, 0.9) * 1e3,
         "pause_ms_median": _quantile(list(pauses.values()), 0.5) * 1e3,
@@ -163,6 +165,8 @@ SUMMARY_LINES = [
     ("rollout throughput (episodes/s)", "episodes_per_s", "{:.1f}"),
     ("staleness at consumption {versions: groups}", "staleness_histogram", "{}"),
     ("dropped groups", "dropped_groups", "{}"),
+    ("dropped groups per step", "dropped_per_step", "{:.2f}"),
+    ("rollouts held back, would be dropped (s)", "held_back_s", "{:.1f}"),
     ("publish -> served, median (ms)", "publish_to_served_ms_median", "{:.0f}"),
     ("publish -> served, p90 (ms)", "publish_to_served_ms_p90", "{:.0f}"),
     ("vLLM pause, median (ms)", "pause_ms_median", "{:.0f}"),
@@ -243,9 +247,16 @@ def plot(
     ax.set_title("weight sync")
     ax.legend()
     ax = axes[1][0]
-    ax.plot(steps, [r["reward"] for r in rows], marker=".")
+    rewards = [r["reward"] for r in rows]
+    window = max(1, min(10, len(rewards) // 4))
+    trend = [
+        sum(rewards[max(0, i - window + 1) : i + 1]) / (i + 1 - max(0, i - window + 1)) for i in range(len(rewards))
+    ]
+    ax.plot(steps, rewards, marker=".", alpha=0.35, label="per step")
+    ax.plot(steps, trend, linewidth=2, label=f"{window}-step moving average")
     ax.set_xlabel("step")
     ax.set_title("mean reward")
+    ax.legend()
     ax = axes[1][1]
     train = [r["train_s"] * 1e3 for r in rows]
     wait = [r["rollout_wait_s"] * 1e3 for r in rows]
