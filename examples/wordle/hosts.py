@@ -8,6 +8,7 @@ tests run that deployment for real:
 * **network**: each host is a network namespace with its own loopback and one interface, ``eth0``, with address
   ``10.77.0.<10 + i>/24``, linked by a veth pair to a bridge in a namespace of its own (the switch). A host reaches
   another only through these addresses; its ``127.0.0.1`` is its own.
+* **processes**: each host has its own PID namespace and ``/proc``: it sees only its own processes.
 * **files**: each host has a directory under ``base`` that only it sees. A host's processes live in its mount
   namespace (held by one small process per host), where ``base`` is an empty file system holding only the host's
   own directory at its usual path, and ``/tmp`` and ``/dev/shm`` are its own. Everything else (the Python, the code,
@@ -79,12 +80,15 @@ class Host:
     """This host's directory: the only directory under the hosts' ``base`` its processes can see."""
     netns: str
     holder: subprocess.Popen[bytes] | None = None
+    init_pid: int = 0
+    """The host's first process (PID 1 in its PID namespace), as this machine numbers it."""
     processes: list[subprocess.Popen[Any]] = field(default_factory=list)
 
     def _enter(self) -> list[str]:
         if self.holder is None or self.holder.poll() is not None:
             raise HostsUnavailable(f"host {self.name} is not running (its namespace holder exited)")
-        return ["nsenter", "-t", str(self.holder.pid), "-m", "-n", "--"]
+        # the host's init (PID 1 inside): its mount, network and PID namespaces; nsenter forks into the last
+        return ["nsenter", "-t", str(self.init_pid), "-m", "-n", "-p", "--"]
 
     def command(self, argv: Sequence[str], env: Mapping[str, str] | None = None, cwd: Path | None = None) -> list[str]:
         """``argv`` as a command line that runs inside this host (its namespaces, ``cwd`` default: its directory)."""
@@ -128,19 +132,23 @@ class Host:
         return subprocess.run(self.command(argv, env), capture_output=True, text=True, timeout=timeout, check=False)
 
     def stop(self, grace_s: float = 5.0) -> None:
-        """Stop every process started in this host (SIGTERM to its group, then SIGKILL), then the holder."""
-        for proc in [*self.processes, *([self.holder] if self.holder else [])]:
+        """Stop every process started in this host (SIGTERM to its group, then SIGKILL), then the holder (SIGKILL:
+        it waits for the host's init, which ignores SIGTERM; the init's end ends whatever is left in the host)."""
+        for proc in self.processes:
             if proc.poll() is None:
                 with contextlib.suppress(ProcessLookupError):
                     os.killpg(proc.pid, signal.SIGTERM)
         deadline = time.monotonic() + grace_s
         for proc in [*self.processes, *([self.holder] if self.holder else [])]:
-            try:
-                proc.wait(max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
+            if proc is not self.holder:
+                try:
+                    proc.wait(max(0.0, deadline - time.monotonic()))
+                    continue
+                except subprocess.TimeoutExpired:
+                    pass
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
 
 
 class Hosts:
@@ -264,8 +272,11 @@ class Hosts:
                 "exec sleep infinity",
             ]
         )
+        # its own PID namespace too, with its own /proc: a host sees only its processes (as root on a shared /proc
+        # it could read another host's environment, or its files through /proc/PID/root)
         host.holder = subprocess.Popen(
-            ["ip", "netns", "exec", host.netns, "unshare", "--mount", "--propagation", "private", "sh", "-c", setup],
+            ["ip", "netns", "exec", host.netns, "unshare", "--mount", "--propagation", "private"]
+            + ["--pid", "--fork", "--kill-child", "--mount-proc", "sh", "-c", setup],
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             start_new_session=True,
@@ -279,6 +290,10 @@ class Hosts:
         host.holder.stderr.close()
         if line.strip() != b"ready":
             raise HostsUnavailable(f"host {host.name}: its mount namespace could not be set up: {err.strip()}")
+        children = Path(f"/proc/{host.holder.pid}/task/{host.holder.pid}/children").read_text().split()
+        if len(children) != 1:
+            raise HostsUnavailable(f"host {host.name}: its init process was not found ({children})")
+        host.init_pid = int(children[0])
 
     def teardown(self) -> None:
         """Stop every process and delete every namespace this instance made (links go with them). Idempotent."""

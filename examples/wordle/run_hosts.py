@@ -347,6 +347,40 @@ class Deployment:
                 return rows
             time.sleep(0.5)
 
+    def probe_engine_boundary(self) -> dict[str, Any]:
+        """From the environment host (where model-written code would run): try to change the engine through vLLM's
+        port, and to read its credential. Every administrative request must be refused, and the file not seen."""
+        env = self.hosts["env"]
+        token_file = self.hosts["inference"].root / "engine.token"
+        script = f"""
+import json, httpx
+out = {{}}
+for method, path, body in [("POST", "/pause", None), ("POST", "/collective_rpc", {{"method": "deltasync_effective"}}),
+                           ("POST", "/update_weights", {{}}), ("GET", "/weight_info", None),
+                           ("POST", "/update_weight_version", {{"version": "999"}})]:
+    r = httpx.request(method, {self.vllm_url!r} + path, json=body, timeout=30,
+                      headers={{"X-DeltaSync-Engine-Token": "guess-" + "x" * 40}} if path == "/pause" else {{}})
+    out[method + " " + path] = r.status_code
+try:
+    open({str(token_file)!r}).read()
+    out["read engine.token"] = "read"
+except OSError as exc:
+    out["read engine.token"] = type(exc).__name__
+import os
+leaks = 0
+for pid in (p for p in os.listdir("/proc") if p.isdigit()):
+    try:
+        leaks += b"DELTASYNC_ENGINE_TOKEN" in open(f"/proc/{{pid}}/environ", "rb").read()
+    except OSError:
+        pass
+out["processes showing an engine credential"] = leaks
+print(json.dumps(out))
+"""
+        done = env.run([self.py, "-c", script], env=self._base_env(), timeout=120)
+        if done.returncode:
+            raise RuntimeError(f"the engine-boundary probe failed: {done.stderr[-2000:]}")
+        return dict(json.loads(done.stdout.strip().splitlines()[-1]))
+
     def final_check(self, final: dict[str, Any]) -> dict[str, Any]:
         """On the inference host, with the engine credential that never leaves it: what vLLM computes with, against
         the trainer's checksums (copied over by the operator, as a file)."""
@@ -445,8 +479,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             rows = deployment.follow()
             final = json.loads((hosts["trainer"].root / "run" / "final.json").read_text())
             served = deployment.final_check(final)
+            boundary = deployment.probe_engine_boundary()
             deployment.sample()
             summary = report(deployment, rows, final, served)
+            summary["engine_boundary_from_env_host"] = boundary
+            print(f"  from the environment host, vLLM's administrative routes answered: {boundary}")
             summary["namespaces"] = [hosts.switch, *(h.netns for h in hosts)]
             summary["base"] = str(base)
         finally:

@@ -126,3 +126,37 @@ def test_software_under_tmp_stays_visible_in_every_host(base: Path, tmp_path: Pa
         out = hosts["a"].run([sys.executable, str(code / "tool.py")])
         assert out.stdout.strip() == "the machine code", out.stderr
         assert hosts["a"].run(["cat", str(tmp_path / "other")]).returncode != 0
+
+
+_PS = """
+import json, os
+pids = sorted(int(p) for p in os.listdir("/proc") if p.isdigit())
+seen = {}
+for pid in pids:
+    try:
+        seen[pid] = open(f"/proc/{pid}/cmdline", "rb").read().replace(b"\\0", b" ").decode()[:80]
+    except OSError:
+        pass
+print(json.dumps(seen))
+"""
+
+
+def test_a_host_sees_only_its_own_processes(base: Path) -> None:
+    """Each host has its own PID namespace and /proc: no host can list another's processes, read their
+    environment (where credentials live) or reach their files through /proc/PID/root."""
+    import json
+
+    with Hosts(["inference", "env"], base=base) as hosts:
+        inference, env = hosts["inference"], hosts["env"]
+        secret = "DELTASYNC_ENGINE_TOKEN=do-not-leak-" + "x" * 20
+        server = inference.popen([sys.executable, "-c", "import time; time.sleep(60)"], env=dict([secret.split("=")]))
+        time.sleep(0.5)
+        seen = json.loads(env.run([sys.executable, "-c", _PS]).stdout)
+        assert not any("time.sleep(60)" in cmd for cmd in seen.values()), seen
+        assert len(seen) <= 4, seen  # its init, the probe itself (and nsenter's fork parent)
+        mine = json.loads(inference.run([sys.executable, "-c", _PS]).stdout)
+        assert any("time.sleep(60)" in cmd for cmd in mine.values())
+        # the machine's PID of the sleeper means nothing in the other host
+        probe = f"import sys; print(open('/proc/{server.pid}/environ','rb').read())"
+        out = env.run([sys.executable, "-c", probe])
+        assert "do-not-leak" not in out.stdout + out.stderr

@@ -39,6 +39,12 @@ def test_shortened_demo_across_five_hosts(tmp_path: Path) -> None:
     # no process opened a file in another host's directory; every TCP peer was a host's own loopback or a host
     # address on the links
     assert summary["violations"] == []
+    # the environment host (where model-written code runs) reaches vLLM's inference routes, but every
+    # administrative request it makes is refused (no credential, or a guessed one), and it cannot see the credential
+    boundary = summary["engine_boundary_from_env_host"]
+    assert boundary.pop("read engine.token") == "FileNotFoundError"
+    assert boundary.pop("processes showing an engine credential") == 0  # its own /proc shows only its processes
+    assert boundary and all(status in (401, 403) for status in boundary.values()), boundary
     # the traffic went where the deployment says, over the links: rollout workers to vLLM's inference routes, the
     # trainer to the rollout service and the coordinator, the agent to the coordinator; store traffic both ways
     connections = set(summary["connections"])
