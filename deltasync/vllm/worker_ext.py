@@ -100,3 +100,25 @@ class DeltaSyncWorkerExtension:
         if checksums:
             return {name: tensor_checksum(t) for name, t in out.items()}
         return out
+
+    def deltasync_lora_replace(self, lora_int_id: int, adapter_dir: str) -> dict[str, Any]:
+        """Replace the weights of the loaded LoRA adapter ``lora_int_id`` in its slot by the PEFT adapter staged in
+        ``adapter_dir`` (:func:`deltasync.vllm.lora_slots.replace_adapter`); never raises: a refusal comes back as
+        ``{"ok": False, "refused": message}`` with nothing written."""
+        from .lora_slots import replace_adapter
+
+        try:
+            return {"ok": True, **replace_adapter(self, int(lora_int_id), str(adapter_dir))}
+        except Exception as exc:  # noqa: BLE001 - a raising worker desyncs vLLM's executor at TP > 1
+            return {"ok": False, "refused": f"{type(exc).__name__}: {exc}"[:2000]}
+
+    def deltasync_lora_buffers(self, lora_int_id: int) -> dict[str, Any]:
+        """``xxh3_128`` of every LoRA buffer slot this rank holds for the active adapter ``lora_int_id``
+        (:func:`deltasync.vllm.lora_slots.adapter_buffers`); ``{}`` when it is not active."""
+        from ..format import tensor_checksum
+        from .lora_slots import AdapterRefused, adapter_buffers
+
+        try:
+            return {k: tensor_checksum(t) for k, t in adapter_buffers(self, int(lora_int_id)).items()}
+        except AdapterRefused:
+            return {}

@@ -161,7 +161,14 @@ def main() -> None:
     parser.add_argument("--workers", type=int, default=2, help="groups generated at a time")
     parser.add_argument("--positions", type=int, default=160, help="game positions to play from")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--ssl-certfile",
+        help="serve HTTPS with this certificate (PEM): the bearer token and the groups cross the network",
+    )
+    parser.add_argument("--ssl-keyfile", help="the certificate's private key (PEM)")
     args = parser.parse_args()
+    if bool(args.ssl_certfile) != bool(args.ssl_keyfile):
+        parser.error("--ssl-certfile and --ssl-keyfile go together")
     logging.basicConfig(level=logging.INFO, format="[rollouts] %(asctime)s %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)
     tok = AutoTokenizer.from_pretrained(args.tokenizer)
@@ -182,7 +189,14 @@ def main() -> None:
         probe=lambda: served_probe(vllm, rows[0][0]),
     )
     try:
-        uvicorn.run(create_app(service, os.environ.get(TOKEN_ENV)), host=args.host, port=args.port, log_level="warning")
+        uvicorn.run(
+            create_app(service, os.environ.get(TOKEN_ENV)),
+            host=args.host,
+            port=args.port,
+            log_level="warning",
+            ssl_certfile=args.ssl_certfile,
+            ssl_keyfile=args.ssl_keyfile,
+        )
     finally:
         service.stop()
 

@@ -474,13 +474,17 @@ class RemoteRollouts:
     taken within the staleness bound, as from a local :class:`RolloutQueue`; its counters come with each answer.
 
     Args:
-        url: the service's base URL.
+        url: the service's base URL (``https://`` across hosts: the token and the groups cross the network).
         token: its bearer token (``WORDLE_ROLLOUT_TOKEN``), or ``None``.
+        ca_bundle: CA certificates (PEM) for an ``https://`` service (default: the system's).
     """
 
-    def __init__(self, url: str, token: str | None = None) -> None:
+    def __init__(self, url: str, token: str | None = None, ca_bundle: str | None = None) -> None:
+        import ssl
+
         headers = {} if token is None else {"Authorization": f"Bearer {token}"}
-        self._http = httpx.Client(base_url=url, timeout=60, headers=headers)
+        verify: ssl.SSLContext | bool = ssl.create_default_context(cafile=ca_bundle) if ca_bundle else True
+        self._http = httpx.Client(base_url=url, timeout=60, headers=headers, verify=verify)
         self.dropped = 0
         self.episodes = 0
         self.held_back_s = 0.0

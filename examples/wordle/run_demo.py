@@ -354,7 +354,13 @@ def main() -> int:
     parser.add_argument("--out", type=Path, default=Path("demo-out"))
     parser.add_argument("--steps", type=int, default=80)
     parser.add_argument("--warmup-steps", type=int, default=300)
-    parser.add_argument("--learning-rate", type=float, default=1e-5)
+    parser.add_argument(
+        "--learning-rate",
+        type=float,
+        default=3e-4,
+        help="3e-4: the tiny model's reward rises within 80 steps (at 1e-5 it stays flat); it also changes most of "
+        "its bf16 elements every step, where a real model at 1e-6 changes 1-3%%",
+    )
     parser.add_argument("--max-staleness", type=int, default=2)
     parser.add_argument("--seed", type=int, default=0)
     modes = parser.add_mutually_exclusive_group()

@@ -139,7 +139,7 @@ def run_parser(doc: str | None) -> argparse.ArgumentParser:
     parser.add_argument("--vllm-url", help="vLLM's server (not needed with --rollouts-url, --served-from coordinator)")
     parser.add_argument("--env-url", help="the environment (not needed with --rollouts-url)")
     parser.add_argument("--coordinator", required=True, help="URL, or replicas of one ledger: URL1,URL2")
-    parser.add_argument("--ca-bundle", help="CA certificates (PEM) for an https coordinator")
+    parser.add_argument("--ca-bundle", help="CA certificates (PEM) for an https coordinator (and rollout service)")
     parser.add_argument("--store", required=True)
     parser.add_argument("--out", type=Path, required=True)
     return parser
@@ -224,7 +224,7 @@ def main() -> None:
         served = ServedVersions.from_vllm(args.vllm_url)
     rollouts: LocalRollouts | RemoteRollouts
     if args.rollouts_url:
-        rollouts = RemoteRollouts(args.rollouts_url, os.environ.get("WORDLE_ROLLOUT_TOKEN"))
+        rollouts = RemoteRollouts(args.rollouts_url, os.environ.get("WORDLE_ROLLOUT_TOKEN"), args.ca_bundle)
     else:
         env = httpx.Client(base_url=args.env_url, timeout=60)
         vllm = httpx.Client(base_url=args.vllm_url, timeout=300)

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from cryptography import x509
 
-__all__ = ["make_certificates"]
+__all__ = ["make_ca", "make_certificates"]
 
 
 def _name(name: str) -> x509.GeneralName:
@@ -21,6 +21,13 @@ def _name(name: str) -> x509.GeneralName:
 def make_certificates(directory: Path, names: tuple[str, ...] = ("127.0.0.1", "localhost")) -> tuple[Path, Path, Path]:
     """Write ``ca.pem``, ``server.pem`` and ``server.key`` (for ``names``: IP addresses or DNS names) into
     ``directory``."""
+    ca, leaves = make_ca(directory, {"server": names})
+    return ca, *leaves["server"]
+
+
+def make_ca(directory: Path, servers: dict[str, tuple[str, ...]]) -> tuple[Path, dict[str, tuple[Path, Path]]]:
+    """A CA (``ca.pem``; its key is never written) and one server certificate per entry of ``servers``
+    (``NAME.pem`` and ``NAME.key``, for its IP addresses or DNS names) in ``directory``."""
     from cryptography.hazmat.primitives import hashes, serialization
     from cryptography.hazmat.primitives.asymmetric import ec
     from cryptography.x509.oid import NameOID
@@ -55,27 +62,31 @@ def make_certificates(directory: Path, names: tuple[str, ...] = ("127.0.0.1", "l
         .add_extension(x509.SubjectKeyIdentifier.from_public_key(ca_key.public_key()), critical=False)
         .sign(ca_key, hashes.SHA256())
     )
-    key = ec.generate_private_key(ec.SECP256R1())
-    cert = (
-        x509.CertificateBuilder()
-        .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, names[0])]))
-        .issuer_name(ca_name)
-        .public_key(key.public_key())
-        .serial_number(x509.random_serial_number())
-        .not_valid_before(now - datetime.timedelta(minutes=5))
-        .not_valid_after(now + datetime.timedelta(days=1))
-        .add_extension(
-            x509.SubjectAlternativeName([_name(n) for n in names]),
-            critical=False,
+    ca_path = directory / "ca.pem"
+    ca_path.write_bytes(ca.public_bytes(serialization.Encoding.PEM))
+    leaves = {}
+    for server, names in servers.items():
+        key = ec.generate_private_key(ec.SECP256R1())
+        cert = (
+            x509.CertificateBuilder()
+            .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, names[0])]))
+            .issuer_name(ca_name)
+            .public_key(key.public_key())
+            .serial_number(x509.random_serial_number())
+            .not_valid_before(now - datetime.timedelta(minutes=5))
+            .not_valid_after(now + datetime.timedelta(days=1))
+            .add_extension(x509.SubjectAlternativeName([_name(n) for n in names]), critical=False)
+            .add_extension(x509.ExtendedKeyUsage([x509.oid.ExtendedKeyUsageOID.SERVER_AUTH]), critical=False)
+            .add_extension(x509.AuthorityKeyIdentifier.from_issuer_public_key(ca_key.public_key()), critical=False)
+            .sign(ca_key, hashes.SHA256())
         )
-        .add_extension(x509.ExtendedKeyUsage([x509.oid.ExtendedKeyUsageOID.SERVER_AUTH]), critical=False)
-        .add_extension(x509.AuthorityKeyIdentifier.from_issuer_public_key(ca_key.public_key()), critical=False)
-        .sign(ca_key, hashes.SHA256())
-    )
-    paths = directory / "ca.pem", directory / "server.pem", directory / "server.key"
-    paths[0].write_bytes(ca.public_bytes(serialization.Encoding.PEM))
-    paths[1].write_bytes(cert.public_bytes(serialization.Encoding.PEM))
-    paths[2].write_bytes(
-        key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
-    )
-    return paths
+        cert_path, key_path = directory / f"{server}.pem", directory / f"{server}.key"
+        cert_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+        key_path.write_bytes(
+            key.private_bytes(
+                serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+            )
+        )
+        key_path.chmod(0o600)
+        leaves[server] = (cert_path, key_path)
+    return ca_path, leaves

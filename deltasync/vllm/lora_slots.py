@@ -1,0 +1,126 @@
+"""A served LoRA adapter's weights replaced in place, in the slot vLLM already holds it in (issue 24, first part).
+
+vLLM keeps each active adapter in one slot of per-layer stacked buffers (``lora_a_stacked[i][slot, 0, :r, :in]``,
+``lora_b_stacked[i][slot, 0, :out, :r]``, one per packed slice, sliced per rank at TP > 1), with the scaling
+(``alpha / r``) folded into B when the adapter is loaded. Its own way to change an adapter's weights,
+``load_inplace``, removes the adapter, frees its slot and loads it again, and stays set on the request, so every
+later step reloads it from disk.
+
+:func:`replace_adapter` goes through vLLM's own steps instead, for one adapter already loaded, between two engine
+steps (the agent's pause):
+
+1. the staged adapter (a PEFT directory: ``adapter_config.json`` and ``adapter_model.safetensors``) is read and
+   validated by vLLM's loader (``_load_adapter``: rank, target modules, dtype), packed and scaled by its manager
+   (``_create_merged_loras_inplace``), exactly as a fresh load would;
+2. it is refused, before anything is written, unless it has the same modules with the same shapes as the adapter
+   it replaces (another rank or other target modules is another adapter, not a version of this one);
+3. each module's slot is written by the layer's own ``set_lora`` (which slices for the rank, zeroes the slot and
+   copies), the registered copy is replaced (an adapter evicted and activated again comes back at this version),
+   and a write that fails part-way deactivates the adapter (its next use activates the new version whole:
+   never a mix in a slot).
+
+The adapter keeps its slot, its id and its name: requests that name it use the new weights from the next step on.
+A request in flight during the swap (the engine paused with ``keep``) continues on the new weights; its earlier
+tokens were sampled with the old ones, as for full weights.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+__all__ = ["AdapterRefused", "adapter_buffers", "replace_adapter"]
+
+
+class AdapterRefused(ValueError):
+    """The staged adapter is not a version of the served one (other modules, shapes or rank), or the served one
+    is not loaded; nothing was written."""
+
+
+def _managers(worker: Any) -> tuple[Any, Any]:
+    runner = getattr(worker, "model_runner", None)
+    wm = getattr(runner, "lora_manager", None)
+    if wm is None:
+        raise AdapterRefused("this engine serves no LoRA adapters (start vLLM with --enable-lora)")
+    return wm, wm._adapter_manager
+
+
+def _shapes(lora_model: Any) -> dict[str, list[tuple[int, ...]]]:
+    """Module -> the shapes of its (packed) A and B tensors."""
+    out: dict[str, list[tuple[int, ...]]] = {}
+    for name, w in lora_model.loras.items():
+        shapes: list[tuple[int, ...]] = []
+        for t in (w.lora_a, w.lora_b):
+            for part in t if isinstance(t, list) else [t]:
+                shapes.append(tuple(part.shape) if part is not None else ())
+        out[name] = shapes
+    return out
+
+
+def replace_adapter(worker: Any, lora_int_id: int, adapter_dir: str) -> dict[str, Any]:
+    """Replace the weights of the loaded adapter ``lora_int_id`` by the PEFT adapter in ``adapter_dir`` (see the
+    module). Returns ``{"slot": int | None, "modules": int, "written": int}`` (``slot`` ``None``: the adapter is
+    loaded but not active; its registered copy was replaced and the next activation uses it).
+
+    Raises:
+        AdapterRefused: not a version of the served adapter, or the adapter is not loaded; nothing was written.
+    """
+    from vllm.lora.request import LoRARequest
+
+    wm, mm = _managers(worker)
+    if lora_int_id not in mm.list_adapters():
+        raise AdapterRefused(f"adapter {lora_int_id} is not loaded in this engine: load it once, then replace it")
+    old = mm.get_adapter(lora_int_id)
+    lora = wm._load_adapter(LoRARequest(f"deltasync-{lora_int_id}", lora_int_id, adapter_dir))
+    mm._create_merged_loras_inplace(lora)  # packed and scaled as vLLM's _add_adapter does
+    if lora.rank != old.rank:
+        raise AdapterRefused(f"{adapter_dir}: rank {lora.rank}, the served adapter {lora_int_id} has rank {old.rank}")
+    new_shapes, old_shapes = _shapes(lora), _shapes(old)
+    if new_shapes != old_shapes:
+        diff = sorted(set(new_shapes) ^ set(old_shapes)) or sorted(
+            n for n in new_shapes if new_shapes[n] != old_shapes[n]
+        )
+        raise AdapterRefused(
+            f"{adapter_dir}: not a version of the served adapter {lora_int_id} (modules or shapes differ: "
+            f"{diff[:4]}); load it as another adapter"
+        )
+    mm._registered_adapters[lora_int_id] = lora
+    slot = mm.lora_index_to_id.index(lora_int_id) if lora_int_id in mm.lora_index_to_id else None
+    written = 0
+    if slot is not None:
+        try:
+            for module_name, module in mm.modules.items():
+                weights = mm._get_lora_layer_weights(lora, module_name)
+                if not weights:
+                    module.reset_lora(slot)
+                    continue
+                module.set_lora(slot, weights.lora_a, weights.lora_b)
+                written += 1
+        except Exception as exc:
+            # never a mix in a slot: the adapter leaves it, and its next use activates the new version whole
+            mm.deactivate_adapter(lora_int_id)
+            raise RuntimeError(
+                f"adapter {lora_int_id}: writing slot {slot} failed after {written} modules ({exc}); the adapter was "
+                "deactivated, its next use loads this version into a slot"
+            ) from exc
+    return {"slot": slot, "modules": len(lora.loras), "written": written}
+
+
+def adapter_buffers(worker: Any, lora_int_id: int) -> dict[str, torch.Tensor]:
+    """What this rank holds in its LoRA buffers for adapter ``lora_int_id`` (active), by
+    ``module.a{i}`` / ``module.b{i}``: the whole slot of each stacked buffer (copies). Two adapters hold the same
+    weights when these are equal, bit for bit."""
+    _, mm = _managers(worker)
+    if lora_int_id not in mm.lora_index_to_id:
+        raise AdapterRefused(f"adapter {lora_int_id} is not active in this engine")
+    slot = mm.lora_index_to_id.index(lora_int_id)
+    out: dict[str, torch.Tensor] = {}
+    for module_name, module in mm.modules.items():
+        for kind in ("a", "b"):
+            stacked = getattr(module, f"lora_{kind}_stacked", None)
+            if stacked is None:
+                continue
+            for i, t in enumerate(stacked if isinstance(stacked, (tuple, list)) else (stacked,)):
+                out[f"{module_name}.{kind}{i}"] = t[slot].detach().to("cpu", copy=True)
+    return out

@@ -1,0 +1,129 @@
+"""A served LoRA adapter replaced in place, in its slot (issue 24, first part: the engine side).
+
+vLLM on CPU with ``enable_lora``: an adapter is loaded under one id, then a newer version of it (a PEFT directory)
+replaces its weights in its slot through the worker extension (``deltasync_lora_replace``). What vLLM computes
+with it must equal a fresh load of that version under another id, token ids and logprobs, and every buffer slot
+must read back bit-exact. Another rank or other target modules are refused with nothing written."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+
+TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def make_adapter(model_dir: Path, out: Path, seed: int, *, rank: int = 8, targets: list[str] = TARGETS) -> str:
+    """A PEFT LoRA adapter of the tiny model with random non-zero A and B (bf16), saved as vLLM loads it."""
+    import peft
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16)
+    config = peft.LoraConfig(r=rank, lora_alpha=16, target_modules=targets, init_lora_weights=False)
+    model = peft.get_peft_model(base, config)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_" in name:
+                p.normal_(0, 0.05)
+    model.save_pretrained(out)
+    return str(out)
+
+
+@pytest.fixture(scope="module")
+def lora_llm(tiny_model_dir: Path) -> Iterator[Any]:
+    pytest.importorskip("vllm")
+    from tests.support.launchers import offline_llm
+
+    os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
+    llm = offline_llm(tiny_model_dir, enable_lora=True, max_loras=2, max_lora_rank=8)
+    yield llm
+    llm.llm_engine.engine_core.shutdown()
+
+
+def _outputs(llm: Any, request: Any) -> list[tuple[list[int], list[dict[int, float]]]]:
+    from vllm import SamplingParams
+
+    params = SamplingParams(max_tokens=8, temperature=0.0, logprobs=3, seed=0)
+    outs = llm.generate(["hello world", "the quick brown", "wordle"], params, lora_request=request, use_tqdm=False)
+    return [
+        (list(o.outputs[0].token_ids), [{k: v.logprob for k, v in lp.items()} for lp in o.outputs[0].logprobs])
+        for o in outs
+    ]
+
+
+def _buffers(llm: Any, lora_id: int) -> dict[str, str]:
+    return dict(llm.collective_rpc("deltasync_lora_buffers", args=(lora_id,))[0])
+
+
+def test_a_new_version_replaces_the_adapter_in_its_slot_bit_exact(
+    lora_llm: Any, tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    from vllm.lora.request import LoRARequest
+
+    v0 = make_adapter(tiny_model_dir, tmp_path / "v0", seed=1)
+    v1 = make_adapter(tiny_model_dir, tmp_path / "v1", seed=2)
+    served = LoRARequest("policy", 1, v0)
+    before = _outputs(lora_llm, served)
+    slot_before = _buffers(lora_llm, 1)
+    result = lora_llm.collective_rpc("deltasync_lora_replace", args=(1, v1))[0]
+    assert result["ok"] and result["slot"] is not None and result["written"] == result["modules"] > 0, result
+    after = _outputs(lora_llm, served)  # the same request (id 1): its path is not read again
+    fresh = _outputs(lora_llm, LoRARequest("fresh-v1", 2, v1))  # vLLM's own load of v1, in another slot
+    assert after == fresh, "the adapter replaced in place computes otherwise than a fresh load of that version"
+    assert after != before
+    buffers, reference = _buffers(lora_llm, 1), _buffers(lora_llm, 2)
+    assert buffers and buffers == reference, sorted(k for k in buffers if buffers[k] != reference.get(k))[:5]
+    assert buffers != slot_before
+
+
+@pytest.mark.parametrize(
+    "other",
+    [
+        {"rank": 4},  # another rank
+        {"targets": ["q_proj", "v_proj"]},  # other target modules, same rank
+    ],
+    ids=["rank", "targets"],
+)
+def test_another_adapter_shape_is_refused_before_any_write(
+    lora_llm: Any, tiny_model_dir: Path, tmp_path: Path, other: dict[str, Any]
+) -> None:
+    from vllm.lora.request import LoRARequest
+
+    served = LoRARequest("policy-r", 3, make_adapter(tiny_model_dir, tmp_path / "v0", seed=3))
+    before = _outputs(lora_llm, served)
+    slot = _buffers(lora_llm, 3)
+    result = lora_llm.collective_rpc(
+        "deltasync_lora_replace", args=(3, make_adapter(tiny_model_dir, tmp_path / "other", seed=4, **other))
+    )[0]
+    assert not result["ok"] and "AdapterRefused" in result["refused"], result
+    assert ("rank 4" in result["refused"]) if "rank" in other else ("not a version" in result["refused"])
+    assert _buffers(lora_llm, 3) == slot and _outputs(lora_llm, served) == before
+
+
+def test_an_adapter_not_loaded_or_a_broken_directory_is_refused(
+    lora_llm: Any, tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    good = make_adapter(tiny_model_dir, tmp_path / "v0", seed=5)
+    result = lora_llm.collective_rpc("deltasync_lora_replace", args=(77, good))[0]
+    assert not result["ok"] and "not loaded" in result["refused"]
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "adapter_config.json").write_text((Path(good) / "adapter_config.json").read_text())
+    (broken / "adapter_model.safetensors").write_bytes(b"\x08\x00\x00\x00\x00\x00\x00\x00{}garbage")
+    from vllm.lora.request import LoRARequest
+
+    served = LoRARequest("policy-b", 4, good)
+    before = _outputs(lora_llm, served)
+    result = lora_llm.collective_rpc("deltasync_lora_replace", args=(4, str(broken)))[0]
+    assert not result["ok"], result
+    assert _outputs(lora_llm, served) == before
+    missing = lora_llm.collective_rpc("deltasync_lora_replace", args=(4, str(tmp_path / "nowhere")))[0]
+    assert not missing["ok"], missing
