@@ -8,7 +8,10 @@ tests run that deployment for real:
 * **network**: each host is a network namespace with its own loopback and one interface, ``eth0``, with address
   ``10.77.0.<10 + i>/24``, linked by a veth pair to a bridge in a namespace of its own (the switch). A host reaches
   another only through these addresses; its ``127.0.0.1`` is its own.
-* **processes**: each host has its own PID namespace and ``/proc``: it sees only its own processes.
+* **processes**: each host has its own PID namespace and ``/proc``: it sees only its own processes, which run as
+  the host's own unprivileged user (``UID_BASE + i``), with no capabilities and no way to gain one: root inside a
+  host could undo its mounts, enter another host's network or change the machine's kernel settings. Files the
+  operator puts in a host's directory are given to that user (:meth:`Host.own`).
 * **files**: each host has a directory under ``base`` that only it sees. A host's processes live in its mount
   namespace (held by one small process per host), where ``base`` is an empty file system holding only the host's
   own directory at its usual path, and ``/tmp`` and ``/dev/shm`` are its own. Everything else (the Python, the code,
@@ -31,6 +34,7 @@ import secrets
 import shlex
 import shutil
 import signal
+import stat
 import subprocess
 import sys
 import time
@@ -39,10 +43,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-__all__ = ["SUBNET", "Host", "Hosts", "HostsUnavailable", "unavailable"]
+__all__ = ["SUBNET", "UID_BASE", "Host", "Hosts", "HostsUnavailable", "unavailable"]
 
 SUBNET = "10.77.0"
 """The hosts' /24: host ``i`` is ``SUBNET.(10 + i)``."""
+UID_BASE = 47000
+"""Host ``i``'s processes run as user and group ``UID_BASE + i``, unprivileged."""
 
 _TOOLS = ("ip", "unshare", "nsenter", "mount")
 
@@ -82,6 +88,8 @@ class Host:
     holder: subprocess.Popen[bytes] | None = None
     init_pid: int = 0
     """The host's first process (PID 1 in its PID namespace), as this machine numbers it."""
+    uid: int = 0
+    """The unprivileged user (and group) every process of this host runs as."""
     processes: list[subprocess.Popen[Any]] = field(default_factory=list)
 
     def _enter(self) -> list[str]:
@@ -92,9 +100,22 @@ class Host:
 
     def command(self, argv: Sequence[str], env: Mapping[str, str] | None = None, cwd: Path | None = None) -> list[str]:
         """``argv`` as a command line that runs inside this host (its namespaces, ``cwd`` default: its directory)."""
-        pairs = [f"{k}={v}" for k, v in (env or {}).items()]
+        pairs = [f"{k}={v}" for k, v in {"HOME": str(self.root), **(env or {})}.items()]
         where = str(cwd or self.root)
-        return [*self._enter(), "env", "-C", where, *pairs, *argv]
+        # the host's own unprivileged user, no capabilities and no way to gain any: root inside a host could
+        # undo its mounts, enter another host's network or change the machine's kernel settings
+        drop = [f"--reuid={self.uid}", f"--regid={self.uid}", "--clear-groups", "--bounding-set=-all"]
+        drop += ["--inh-caps=-all", "--no-new-privs"]
+        return [*self._enter(), "setpriv", *drop, "env", "-C", where, *pairs, *argv]
+
+    def own(self, *paths: Path) -> None:
+        """Give ``paths`` (files or directory trees the operator put in this host's directory) to the host's
+        user. Links are not followed."""
+        for path in paths:
+            os.chown(path, self.uid, self.uid, follow_symlinks=False)
+            if path.is_dir() and not path.is_symlink():
+                for sub in path.rglob("*"):
+                    os.chown(sub, self.uid, self.uid, follow_symlinks=False)
 
     def popen(
         self,
@@ -114,7 +135,10 @@ class Host:
             log: a file name in this host's directory for stdout and stderr (default: inherited).
         """
         if log is not None:
-            out = open(self.root / log, "ab")  # noqa: SIM115 - the process owns it; closed below
+            if "/" in log or log in ("", ".", ".."):
+                raise ValueError(f"log {log!r} must be a file name in the host's directory")
+            fd = os.open(self.root / log, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW, 0o644)
+            out = os.fdopen(fd, "ab")
             kwargs.setdefault("stdout", out)
             kwargs.setdefault("stderr", subprocess.STDOUT)
         try:
@@ -131,23 +155,46 @@ class Host:
         """Run a command inside this host to completion; its output is returned, not checked."""
         return subprocess.run(self.command(argv, env), capture_output=True, text=True, timeout=timeout, check=False)
 
+    def _inside(self) -> list[int]:
+        """This host's live processes but its init (their machine PIDs; zombies left out)."""
+        try:
+            ns = os.readlink(f"/proc/{self.init_pid}/ns/pid")
+        except OSError:
+            return []
+        pids = []
+        for proc in Path("/proc").glob("[0-9]*"):
+            pid = int(proc.name)
+            if pid == self.init_pid:
+                continue
+            try:
+                if (
+                    os.readlink(proc / "ns/pid") == ns
+                    and (proc / "stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+                ):
+                    pids.append(pid)
+            except OSError:
+                continue
+        return pids
+
     def stop(self, grace_s: float = 5.0) -> None:
-        """Stop every process started in this host (SIGTERM to its group, then SIGKILL), then the holder (SIGKILL:
-        it waits for the host's init, which ignores SIGTERM; the init's end ends whatever is left in the host)."""
+        """Stop this host: SIGTERM to every process in it (those started here and any they left behind), up to
+        ``grace_s`` for them to exit, then SIGKILL to the holder, whose end ends the host's init and, with it,
+        whatever is left in the host."""
         for proc in self.processes:
             if proc.poll() is None:
                 with contextlib.suppress(ProcessLookupError):
                     os.killpg(proc.pid, signal.SIGTERM)
-        deadline = time.monotonic() + grace_s
+        if self.init_pid:
+            for pid in self._inside():
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGTERM)
+            deadline = time.monotonic() + grace_s
+            while self._inside() and time.monotonic() < deadline:
+                time.sleep(0.05)
         for proc in [*self.processes, *([self.holder] if self.holder else [])]:
-            if proc is not self.holder:
-                try:
-                    proc.wait(max(0.0, deadline - time.monotonic()))
-                    continue
-                except subprocess.TimeoutExpired:
-                    pass
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)
+            if proc.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
 
 
@@ -158,8 +205,9 @@ class Hosts:
         names: the hosts, in address order (``SUBNET.10`` first).
         base: where each host's directory goes (``base/NAME``), created if missing. Not under ``/tmp``: each host
             gets a ``/tmp`` of its own, which would hide it.
-        software: directories every host sees as the machine's (default: the working directory and the running
-            Python's prefix); only those under ``/tmp`` need it, the rest of the machine is seen anyway.
+        software: directories every host must see at their paths (default: the working directory; the running
+            Python and its virtualenv always are). The rest of the machine is seen anyway; only these, where they
+            lie under /tmp or in a directory other users cannot enter (/root), need it.
 
     Raises:
         HostsUnavailable: the machine cannot make hosts (:func:`unavailable`), or a setup command failed.
@@ -168,22 +216,46 @@ class Hosts:
 
     def __init__(self, names: Sequence[str], *, base: Path, software: Sequence[Path] | None = None) -> None:
         base = Path(base).resolve()
-        if base == Path("/tmp") or Path("/tmp") in base.parents or Path("/dev/shm") in base.parents:
-            raise ValueError(f"hosts' base {base} must not be under /tmp or /dev/shm: each host has its own of those")
+        if isinstance(names, str):
+            raise ValueError(f"host names must be a list of names, got the string {names!r}")
+        for private in (Path("/tmp"), Path("/dev/shm")):
+            if base == private or private in base.parents:
+                raise ValueError(f"hosts' base {base} must not be under {private}: each host has its own")
+        if len(base.parents) < 2:
+            raise ValueError(f"hosts' base {base} must be a directory of its own (e.g. /var/tmp/hosts), not {base}")
         if len(set(names)) != len(names) or not 0 < len(names) <= 200:
             raise ValueError(f"host names must be 1 to 200 distinct names, got {list(names)}")
         for name in names:
-            if not name.isidentifier():
-                raise ValueError(f"host name {name!r} must be an identifier (letters, digits, _)")
+            if not name.isidentifier() or len(name) > 32:
+                raise ValueError(f"host name {name!r} must be an identifier (letters, digits, _) of 32 at most")
+        python = [Path(sys.prefix), Path(sys.base_prefix), Path(sys.executable).resolve().parent]
+        given = software if software is not None else [Path.cwd()]
+        wanted = sorted({Path(p).resolve() for p in [*given, *python]})
+        for path in wanted:
+            if path == base or base in path.parents:
+                raise ValueError(f"hosts' base {base} holds {path}, which every host must see: choose another base")
+        closed = [d for d in [*reversed(base.parents), base] if d.exists() and not d.stat().st_mode & stat.S_IXOTH]
+        if closed:
+            raise ValueError(f"hosts' base {base} lies in {closed[0]}, which other users cannot enter: choose another")
         self.base = base
-        wanted = [Path(p).resolve() for p in (software if software is not None else [Path.cwd(), Path(sys.prefix)])]
-        under_tmp = sorted({p for p in wanted if Path("/tmp") in p.parents})
-        # the outermost ones (a virtualenv inside the working directory comes with it)
-        self.software = [p for p in under_tmp if not any(q in p.parents for q in under_tmp)]
+        # what a host sees otherwise than the machine: its own /tmp, and an empty directory for every directory on
+        # the software's path that other users cannot enter (/root, where pyenv puts Python); the software is
+        # bound back at its path inside (a virtualenv inside the working directory comes with it)
+        self.covers: dict[Path, list[Path]] = {Path("/tmp"): []}
+        for path in wanted:
+            cover = next((d for d in [*reversed(path.parents), path] if d in self.covers), None)
+            if cover is None:
+                cover = next(
+                    (d for d in [*reversed(path.parents)][1:] + [path] if not d.stat().st_mode & stat.S_IXOTH), None
+                )
+            if cover is not None:
+                self.covers.setdefault(cover, []).append(path)
+        for cover, paths in self.covers.items():
+            self.covers[cover] = [p for p in paths if not any(q in p.parents for q in paths)]
         self.run_id = secrets.token_hex(3)
-        self.switch = f"dsh-{self.run_id}-switch"
+        self.switch = f"dsh-{self.run_id}--switch"  # never a host's: host names have no "-"
         self.hosts = {
-            name: Host(name, f"{SUBNET}.{10 + i}", base / name, f"dsh-{self.run_id}-{name}")
+            name: Host(name, f"{SUBNET}.{10 + i}", base / name, f"dsh-{self.run_id}-{name}", uid=UID_BASE + i)
             for i, name in enumerate(names)
         }
         self._made: list[str] = []
@@ -242,38 +314,51 @@ class Hosts:
     def _hold(self, host: Host) -> None:
         """Start the process whose mount namespace is the host's: ``base`` holds only the host's directory, and
         ``/tmp`` and ``/dev/shm`` are the host's own."""
+        if host.root.is_symlink() or (host.root.exists() and not host.root.is_dir()):
+            raise HostsUnavailable(f"host {host.name}: {host.root} is not a directory")
+        host.root.mkdir(parents=True, exist_ok=True)
         for sub in ("tmp", "shm"):
-            (host.root / sub).mkdir(parents=True, exist_ok=True)
-        (host.root / "tmp").chmod(0o1777)
+            if (host.root / sub).is_symlink():  # left by an earlier run's host: never followed
+                (host.root / sub).unlink()
+            (host.root / sub).mkdir(exist_ok=True)
+        os.chown(host.root, host.uid, host.uid, follow_symlinks=False)
+        os.chown(host.root / "shm", host.uid, host.uid, follow_symlinks=False)
+        os.chmod(host.root / "tmp", 0o1777, follow_symlinks=False)
         own, base = shlex.quote(str(host.root)), shlex.quote(str(self.base))
-        software = []  # the machine's code under /tmp, at its path again in the host's own /tmp
-        for path in self.software:
-            inside = shlex.quote(str(path))
-            software += [
-                f"mkdir -p {inside}",
-                f"mount --bind /mnt/tmp0/{shlex.quote(str(path.relative_to('/tmp')))} {inside}",
-            ]
+        keep, cover, back, release = [], [], [], []
+        for k, (hidden, paths) in enumerate(self.covers.items()):
+            saved, where = f"/mnt/c{k}", shlex.quote(str(hidden))
+            if paths:  # the machine's directory, kept aside while it is covered
+                keep += [f"mkdir {saved}", f"mount --bind {where} {saved}"]
+                release.append(f"umount {saved}")
+            if hidden == Path("/tmp"):
+                cover.append(f"mount --bind {own}/tmp /tmp")
+            else:
+                cover.append(f"mount -t tmpfs -o mode=0755 tmpfs {where}")
+            for path in paths:  # the software, at its path again
+                inside = shlex.quote(str(path))
+                rel = shlex.quote(str(path.relative_to(hidden))) if path != hidden else "."
+                back += [f"mkdir -p {inside}", f"mount --bind {saved}/{rel} {inside}"]
         setup = " && ".join(
             [
                 "cd /",  # never hold a directory the host is not to see
                 "mount -t tmpfs tmpfs /mnt",  # a private place for what is hidden below and still needed
-                "mkdir /mnt/own /mnt/tmp0",
+                "mkdir /mnt/own",
                 f"mount --bind {own} /mnt/own",
-                "mount --bind /tmp /mnt/tmp0",
+                *keep,
                 f"mount -t tmpfs -o mode=0755 tmpfs {base}",  # every host's directory hidden
                 f"mkdir -p {own}",
                 f"mount --move /mnt/own {own}",  # and this host's back at its path
-                f"mount --bind {own}/tmp /tmp",
-                *software,
-                "umount /mnt/tmp0",
+                *cover,
+                *back,
+                *release,
                 "umount /mnt",
                 f"mount --bind {own}/shm /dev/shm",
+                "if [ -d /run/netns ]; then mount -t tmpfs -o mode=0755 tmpfs /run/netns; fi",  # no handles shown
                 "echo ready",
                 "exec sleep infinity",
             ]
         )
-        # its own PID namespace too, with its own /proc: a host sees only its processes (as root on a shared /proc
-        # it could read another host's environment, or its files through /proc/PID/root)
         host.holder = subprocess.Popen(
             ["ip", "netns", "exec", host.netns, "unshare", "--mount", "--propagation", "private"]
             + ["--pid", "--fork", "--kill-child", "--mount-proc", "sh", "-c", setup],

@@ -41,10 +41,10 @@ TOKEN_ENV = "WORDLE_ROLLOUT_TOKEN"
 
 
 class TakeRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
     trainer_version: int = Field(ge=0, description="the trainer's version now: groups beyond the bound are dropped")
-    count: int = Field(ge=1, le=256, description="groups wanted")
-    timeout_s: float = Field(20.0, ge=0, le=60, description="answer with fewer groups after this long")
+    count: int = Field(ge=1, le=256, description="groups wanted (at most the service's --prompts-per-step)")
+    timeout_s: float = Field(20.0, ge=0, le=60, allow_inf_nan=False, description="answer with fewer after this long")
 
 
 class RolloutService:
@@ -72,7 +72,10 @@ class RolloutService:
         maxsize: int | None = None,
         probe: Any = None,
     ) -> None:
-        self.queue = RolloutQueue(maxsize or per_step * (max_staleness + 1), max_staleness, per_step, probe=probe)
+        if workers < 1 or (maxsize is not None and maxsize < 1):
+            raise ValueError(f"need workers >= 1 and maxsize >= 1 (or None), got {workers} and {maxsize}")
+        size = per_step * (max_staleness + 1) if maxsize is None else maxsize
+        self.queue = RolloutQueue(size, max_staleness, per_step, probe=probe)
         self.workers = RolloutWorkers(make_group, positions, workers=workers)
         self._take_lock = threading.Lock()  # one trainer: takes in order
         self._started = False
@@ -117,13 +120,27 @@ class RolloutService:
 
 
 def create_app(service: RolloutService, token: str | None) -> FastAPI:
+    """The service's routes. ``token``: the bearer token every request but ``/healthz`` must carry (``None``: no
+    authentication, for a service only its own host reaches); an empty one is refused."""
+    from fastapi import Request
+    from fastapi.exceptions import RequestValidationError
+    from fastapi.responses import JSONResponse
+
+    if token is not None and len(token) < 16:
+        raise ValueError(f"{TOKEN_ENV} must be at least 16 characters (an empty one would turn authentication off)")
     app = FastAPI(title="Wordle rollout workers", version="1")
+    expected = f"Bearer {token}".encode()
+
+    @app.exception_handler(RequestValidationError)
+    def invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
+        # the errors without the input: a NaN or an out-of-range float would not render as JSON
+        errors = [{"loc": e.get("loc"), "msg": e.get("msg"), "type": e.get("type")} for e in exc.errors()]
+        return JSONResponse({"detail": errors}, status_code=422)
 
     def authorized(authorization: str | None = Header(None)) -> None:
         if token is None:
             return
-        given = (authorization or "").removeprefix("Bearer ")
-        if not secrets.compare_digest(given.encode(), token.encode()):
+        if not secrets.compare_digest((authorization or "").encode(), expected):
             raise HTTPException(401, "the rollout service needs its bearer token (WORDLE_ROLLOUT_TOKEN)")
 
     @app.get("/healthz")
@@ -136,10 +153,18 @@ def create_app(service: RolloutService, token: str | None) -> FastAPI:
 
     @app.post("/v1/take", dependencies=[Depends(authorized)])
     def take(body: TakeRequest) -> dict[str, Any]:
+        per_step = service.queue.per_step
+        if body.count > per_step:
+            # production is sized to per_step groups a version: a trainer that takes more would wait forever
+            raise HTTPException(
+                422,
+                f"take {body.count} groups: this service was started with --prompts-per-step {per_step}; start it "
+                "with the trainer's --prompts-per-step",
+            )
         try:
             return service.take(body.trainer_version, body.count, body.timeout_s)
-        except RuntimeError as exc:  # a worker failed: the trainer stops with its reason
-            raise HTTPException(500, str(exc)) from exc
+        except Exception as exc:  # noqa: BLE001 - a worker failed: the trainer stops with its reason
+            raise HTTPException(500, f"{type(exc).__name__}: {exc}"[:2000]) from exc
 
     return app
 

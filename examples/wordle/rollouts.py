@@ -64,9 +64,9 @@ class Completion:
     """vLLM's log-probability of each sampled token (the behaviour policy)."""
     reward: float
     first_version: int
-    """Weight version of the first token, from the server's ``weight_versions``."""
+    """The oldest weight version among its tokens, from the server's ``weight_versions``."""
     last_version: int
-    """Weight version of the last token (differs when an update happened mid-request)."""
+    """The newest (differs when an update happened mid-request)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -102,13 +102,16 @@ class Group:
 
 
 def version_range(spans: list[dict[str, Any]] | None) -> tuple[int, int]:
-    """(first, last) version of a choice's ``weight_versions`` spans; :class:`Unlabelled` if any is not a version."""
+    """(oldest, newest) version of a choice's ``weight_versions`` spans; :class:`Unlabelled` if any is not a
+    version. The oldest, not the first: an engine rolled back during a request (``--allow-rollback``) sampled
+    later tokens with older weights."""
     if not spans:
         raise Unlabelled(f"vLLM returned no weight_versions ({spans!r}): is it started with --enable-scale-out?")
     versions = [parse_weight_version(s["version"]) for s in spans]
-    if any(v is None for v in versions):
+    known = [v for v in versions if v is not None]
+    if len(known) != len(versions):
         raise Unlabelled(f"tokens sampled by weights labelled {[s['version'] for s in spans]}, not a version")
-    return versions[0], versions[-1]  # type: ignore[return-value]
+    return min(known), max(known)
 
 
 def score(env: httpx.Client, session_id: str, text: str) -> float:
@@ -242,6 +245,7 @@ class RolloutQueue:
         """Producer seconds spent waiting in :meth:`reserve` because the group would have been dropped."""
         self.probe, self.probe_interval_s = probe, probe_interval_s
         self._probed_at = float("-inf")
+        self._probe_failed = False
 
     def _would_drop(self) -> bool | None:
         """Whether a group started now would be beyond the bound when taken; ``None``: not known (what vLLM
@@ -276,7 +280,9 @@ class RolloutQueue:
             with self._cond:
                 if len(self._q) + self.in_flight < self.maxsize:
                     drop = self._would_drop()
-                    if drop is False or (self.probe is None and self.in_flight == 0):
+                    # not known (no probe, or it could not say): one group at a time, to learn it
+                    blind = self.probe is None or self._probe_failed
+                    if drop is False or (self.in_flight == 0 and blind):
                         self.in_flight += 1
                         return True
                     if self.probe is not None and time.monotonic() - self._probed_at >= self.probe_interval_s:
@@ -291,8 +297,13 @@ class RolloutQueue:
                     t0 = time.perf_counter()
             if probe_now:
                 assert self.probe is not None
-                version = self.probe()
+                try:
+                    version = self.probe()
+                except Exception:  # noqa: BLE001 - a failing probe is one that cannot say
+                    logger.exception("the served-version probe failed")
+                    version = None
                 with self._cond:
+                    self._probe_failed = version is None
                     self._saw_served(version)
         return False
 

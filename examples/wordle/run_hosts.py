@@ -145,23 +145,28 @@ class Deployment:
 
     def provision(self) -> None:
         """What an operator copies onto each machine: the base model where it is loaded, a tokenizer on the
-        environment host, the CA's certificate on the clients, the server certificate on the coordinator."""
+        environment host, the CA's certificate on the clients, each server's certificate and key on its host,
+        the engine credential on the inference host; each given to the host's user."""
         h = self.hosts
         for name in ("trainer", "inference"):
             shutil.copytree(self.model, h[name].root / "model")
+            h[name].own(h[name].root / "model")
         shutil.copytree(self.model, h["env"].root / "tokenizer", ignore=shutil.ignore_patterns("*.safetensors"))
+        h["env"].own(h["env"].root / "tokenizer")
         ca, leaves = make_ca(self.out / "tls", {"coordinator": (self.addr["coordinator"],), "env": (self.addr["env"],)})
         for name, (cert, key) in leaves.items():  # each server's certificate and key on its host only
             shutil.copy(cert, h[name].root / "server.pem")
             shutil.copy(key, h[name].root / "server.key")
             os.chmod(h[name].root / "server.key", 0o600)
+            h[name].own(h[name].root / "server.pem", h[name].root / "server.key")
             key.unlink()
         for name in ("trainer", "inference"):
             shutil.copy(ca, h[name].root / "ca.pem")
         token = h["inference"].root / "engine.token"
-        fd = os.open(token, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        fd = os.open(token, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         with os.fdopen(fd, "w") as f:
             f.write(secrets.token_urlsafe(32) + "\n")
+        h["inference"].own(token)
 
     def start_all(self) -> None:
         h, a, py = self.hosts, self.addr, self.py

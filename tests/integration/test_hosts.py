@@ -121,8 +121,8 @@ def test_software_under_tmp_stays_visible_in_every_host(base: Path, tmp_path: Pa
     (code / "tool.py").write_text("print('the machine code')\n")
     (tmp_path / "other").write_text("not the host's")
     with Hosts(["a"], base=base, software=[code, code / ".venv", Path.cwd(), Path(sys.prefix)]) as hosts:
-        assert code.resolve() in hosts.software  # and its virtualenv comes with it
-        assert (code / ".venv").resolve() not in hosts.software
+        assert code.resolve() in hosts.covers[Path("/tmp")]  # and its virtualenv comes with it
+        assert (code / ".venv").resolve() not in hosts.covers[Path("/tmp")]
         out = hosts["a"].run([sys.executable, str(code / "tool.py")])
         assert out.stdout.strip() == "the machine code", out.stderr
         assert hosts["a"].run(["cat", str(tmp_path / "other")]).returncode != 0
@@ -160,3 +160,76 @@ def test_a_host_sees_only_its_own_processes(base: Path) -> None:
         probe = f"import sys; print(open('/proc/{server.pid}/environ','rb').read())"
         out = env.run([sys.executable, "-c", probe])
         assert "do-not-leak" not in out.stdout + out.stderr
+
+
+def _sh(host: object, cmd: str) -> tuple[int, str]:
+    done = host.run(["sh", "-c", cmd])  # type: ignore[attr-defined]
+    return int(done.returncode), str(done.stdout + done.stderr)
+
+
+def test_a_host_is_no_root_of_the_machine(base: Path) -> None:
+    """Found by the adversary: a host's processes ran as root with every capability. One wrote the machine's
+    core_pattern (the kernel then ran its program as root in the machine's namespaces), one unmounted the base to
+    reach another host's files, one entered an earlier host's network through /run/netns, one took another
+    host's address. Each host's processes now run as its own unprivileged user without capabilities."""
+    with Hosts(["a", "b"], base=base) as hosts:
+        a, b = hosts["a"], hosts["b"]
+        assert _sh(b, "id -u")[1].strip() == str(b.uid) and b.uid != a.uid and b.uid != 0
+        assert _sh(b, "grep CapEff /proc/self/status")[1].split()[-1] == "0000000000000000"
+        # the machine's kernel settings (the same value written back: a hole would change nothing)
+        assert _sh(b, 'v=$(cat /proc/sys/kernel/core_pattern); printf %s "$v" > /proc/sys/kernel/core_pattern')[0]
+        (a.root / "secret").write_text("A")
+        code, out = _sh(b, f"umount -l {base} ; cat {base}/a/secret ; echo pwned > {base}/a/planted")
+        assert "A" not in out.split() and not (a.root / "planted").exists(), out
+        assert _sh(b, f"ls /run/netns; nsenter --net=/run/netns/{a.netns} true")[0] != 0
+        assert _sh(b, f"ip addr add {a.address}/24 dev eth0")[0] != 0
+        assert _sh(b, "mkdir -p /tmp/cg && mount -t cgroup2 none /tmp/cg")[0] != 0
+        # its own directory is its user's to write; the machine's software is readable, not writable
+        assert _sh(b, "echo mine > own.txt && cat own.txt")[1].strip() == "mine"
+        assert _sh(b, f"touch {Path(sys.executable).resolve().parent}/planted")[0] != 0
+
+
+_GRACEFUL = """
+import signal, sys, time
+def bye(*_):
+    time.sleep(1.0)
+    open("flushed", "w").write("done")
+    sys.exit(0)
+signal.signal(signal.SIGTERM, bye)
+print("ready", flush=True)
+time.sleep(60)
+"""
+
+
+def test_processes_get_their_grace_at_teardown(base: Path) -> None:
+    """Found by the adversary: teardown waited on nsenter, which dies on SIGTERM at once, then killed the host:
+    a process that needs a moment to flush never got it. Now every process in the host gets ``grace_s``."""
+    with Hosts(["a"], base=base) as hosts:
+        a = hosts["a"]
+        proc = a.popen([sys.executable, "-c", _GRACEFUL], stdout=subprocess.PIPE)
+        assert proc.stdout is not None
+        with proc.stdout:
+            assert proc.stdout.readline().strip() == b"ready"
+    assert (a.root / "flushed").read_text() == "done"
+
+
+@pytest.mark.parametrize(
+    ("names", "where", "match"),
+    [
+        ("ab", "base", "list of names"),
+        (["a"], "/dev/shm", "/dev/shm"),
+        (["a"], "/", "directory of its own"),
+        (["a"], "/var", "directory of its own"),
+        (["a"], "cwd", "which every host must see"),
+        (["x" * 40], "base", "32 at most"),
+    ],
+)
+def test_bad_names_and_bases_are_value_errors(base: Path, names: object, where: str, match: str) -> None:
+    path = {"base": base, "cwd": Path.cwd()}.get(where, Path(where))
+    with pytest.raises(ValueError, match=match):
+        Hosts(names, base=path)  # type: ignore[arg-type]
+
+
+def test_a_host_named_switch_is_an_ordinary_host(base: Path) -> None:
+    with Hosts(["switch", "b"], base=base) as hosts:
+        assert hosts["switch"].run(["true"]).returncode == 0
