@@ -60,7 +60,9 @@ def _outputs(llm: Any, request: Any) -> list[tuple[list[int], list[dict[int, flo
 
 
 def _buffers(llm: Any, lora_id: int) -> dict[str, str]:
-    return dict(llm.collective_rpc("deltasync_lora_buffers", args=(lora_id,))[0])
+    """Every rank's buffer slots for the adapter (``rank/module.a0`` ...)."""
+    ranks = llm.collective_rpc("deltasync_lora_buffers", args=(lora_id,))
+    return {f"{r}/{k}": v for r, slots in enumerate(ranks) for k, v in slots.items()}
 
 
 def test_a_new_version_replaces_the_adapter_in_its_slot_bit_exact(
@@ -127,3 +129,31 @@ def test_an_adapter_not_loaded_or_a_broken_directory_is_refused(
     assert _outputs(lora_llm, served) == before
     missing = lora_llm.collective_rpc("deltasync_lora_replace", args=(4, str(tmp_path / "nowhere")))[0]
     assert not missing["ok"], missing
+
+
+def test_tp2_each_rank_replaces_its_slice_bit_exact(
+    tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """At TP=2 each rank holds its slice of every adapter (B rows of column-parallel layers, A columns of
+    row-parallel ones): the layer's own set_lora slices the replacement as it slices a fresh load."""
+    pytest.importorskip("vllm")
+    from vllm.lora.request import LoRARequest
+
+    from tests.support.launchers import offline_llm
+
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")  # one core per rank
+    monkeypatch.setenv("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
+    v0 = make_adapter(tiny_model_dir, tmp_path / "v0", seed=11)
+    v1 = make_adapter(tiny_model_dir, tmp_path / "v1", seed=12)
+    llm = offline_llm(tiny_model_dir, tensor_parallel_size=2, enable_lora=True, max_loras=2, max_lora_rank=8)
+    try:
+        served = LoRARequest("policy", 1, v0)
+        before = _outputs(llm, served)
+        results = llm.collective_rpc("deltasync_lora_replace", args=(1, v1))
+        assert len(results) == 2 and all(r["ok"] and r["written"] > 0 for r in results), results
+        after, fresh = _outputs(llm, served), _outputs(llm, LoRARequest("fresh-v1", 2, v1))
+        assert after == fresh and after != before
+        buffers, reference = _buffers(llm, 1), _buffers(llm, 2)
+        assert {k.split("/")[0] for k in buffers} == {"0", "1"} and buffers == reference
+    finally:
+        llm.llm_engine.engine_core.shutdown()
