@@ -1,6 +1,6 @@
 """The Wordle demo across five hosts that share nothing but a network: what `make demo-hosts` runs.
 
-    sudo python -m examples.wordle.run_hosts [--out demo-out/hosts] [--steps 40]
+    sudo python -m examples.wordle.run_hosts [--out demo-out/hosts] [--steps 80]
 
 The hosts are made on this machine (:mod:`examples.wordle.hosts`: network and mount namespaces joined by veth links;
 root needed), each with its own address, loopback, ``/tmp`` and directory, and run what five machines would:
@@ -516,7 +516,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=Path("demo-out/hosts"))
     parser.add_argument("--base", type=Path, default=Path("/var/tmp/deltasync-hosts"), help="the hosts' directories")
-    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--steps", type=int, default=80)
     parser.add_argument("--warmup-steps", type=int, default=300)
     parser.add_argument(
         "--learning-rate",
