@@ -21,7 +21,9 @@ steps (the agent's pause):
 
 The adapter keeps its slot, its id and its name: requests that name it use the new weights from the next step on.
 A request in flight during the swap (the engine paused with ``keep``) continues on the new weights; its earlier
-tokens were sampled with the old ones, as for full weights.
+tokens were sampled with the old ones, as for full weights. vLLM keys the prefix cache of an adapter's requests by
+its name and path, not its weights: after a replace the caller resets the prefix cache (as the agent does after a
+full-weight update), or a later request could reuse KV blocks computed with the old version.
 """
 
 from __future__ import annotations
