@@ -13,7 +13,8 @@ steps (the agent's pause):
    validated by vLLM's loader (``_load_adapter``: rank, target modules, dtype), packed and scaled by its manager
    (``_create_merged_loras_inplace``), exactly as a fresh load would;
 2. it is refused, before anything is written, unless it has the same modules with the same shapes as the adapter
-   it replaces (another rank or other target modules is another adapter, not a version of this one);
+   it replaces (another rank or other target modules is another adapter, not a version of this one) and holds
+   only finite values;
 3. each module's slot is written by the layer's own ``set_lora`` (which slices for the rank, zeroes the slot and
    copies), the registered copy is replaced (an adapter evicted and activated again comes back at this version),
    and a write that fails part-way deactivates the adapter (its next use activates the new version whole:
@@ -87,6 +88,11 @@ def replace_adapter(worker: Any, lora_int_id: int, adapter_dir: str) -> dict[str
             f"{adapter_dir}: not a version of the served adapter {lora_int_id} (modules or shapes differ: "
             f"{diff[:4]}); load it as another adapter"
         )
+    for name, w in lora.loras.items():
+        for t in (w.lora_a, w.lora_b):
+            for part in t if isinstance(t, list) else [t]:
+                if part is not None and part.is_floating_point() and not bool(torch.isfinite(part).all()):
+                    raise AdapterRefused(f"{adapter_dir}: {name} holds NaN or infinite values; nothing was written")
     mm._registered_adapters[lora_int_id] = lora
     slot = mm.lora_index_to_id.index(lora_int_id) if lora_int_id in mm.lora_index_to_id else None
     written = 0

@@ -110,6 +110,24 @@ def test_another_adapter_shape_is_refused_before_any_write(
     assert _buffers(lora_llm, 3) == slot and _outputs(lora_llm, served) == before
 
 
+def test_an_adapter_with_a_nan_is_refused_before_any_write(lora_llm: Any, tiny_model_dir: Path, tmp_path: Path) -> None:
+    import torch
+    from safetensors.torch import load_file, save_file
+    from vllm.lora.request import LoRARequest
+
+    served = LoRARequest("policy-n", 5, make_adapter(tiny_model_dir, tmp_path / "v0", seed=6))
+    before = _outputs(lora_llm, served)
+    slot = _buffers(lora_llm, 5)
+    poisoned = Path(make_adapter(tiny_model_dir, tmp_path / "v1", seed=7))
+    tensors = load_file(poisoned / "adapter_model.safetensors")
+    name = sorted(k for k in tensors if "lora_B" in k)[-1]
+    tensors[name][0, 0] = torch.nan
+    save_file(tensors, poisoned / "adapter_model.safetensors")
+    result = lora_llm.collective_rpc("deltasync_lora_replace", args=(5, str(poisoned)))[0]
+    assert not result["ok"] and "NaN or infinite" in result["refused"], result
+    assert _buffers(lora_llm, 5) == slot and _outputs(lora_llm, served) == before
+
+
 def test_an_adapter_not_loaded_or_a_broken_directory_is_refused(
     lora_llm: Any, tiny_model_dir: Path, tmp_path: Path
 ) -> None:
