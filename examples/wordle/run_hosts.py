@@ -106,7 +106,7 @@ class Deployment:
         return {"PYTHONPATH": str(self.repo), "HOME": "/tmp/home", "PYTHONUNBUFFERED": "1"}
 
     def _show(self, host: Host, argv: list[str], env: dict[str, str]) -> None:
-        secret = ("TOKEN", "SECRET", "KEY", "KEY_ID")
+        secret = ("TOKEN", "SECRET", "KEY")  # AWS_ACCESS_KEY_ID is shown: an identifier, not a secret
         shown = {
             k: ("..." if k.rsplit("_", 1)[-1] in secret else v) for k, v in env.items() if k not in self._base_env()
         }
