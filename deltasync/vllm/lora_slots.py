@@ -16,7 +16,8 @@ steps (the agent's pause):
    it replaces (another rank or other target modules is another adapter, not a version of this one) and holds
    only finite values;
 3. each module's slot is written by the layer's own ``set_lora`` (which slices for the rank, zeroes the slot and
-   copies), the registered copy is replaced (an adapter evicted and activated again comes back at this version),
+   copies), the registered copy is replaced (an adapter that leaves its slot and is activated again comes back at
+   this version; one loaded again from disk comes back from its request's path, see :func:`replace_adapter`),
    and a write that fails part-way deactivates the adapter (its next use activates the new version whole:
    never a mix in a slot).
 
@@ -33,12 +34,17 @@ from typing import Any
 
 import torch
 
-__all__ = ["AdapterRefused", "adapter_buffers", "replace_adapter"]
+__all__ = ["AdapterRefused", "AdapterWriteFailed", "adapter_buffers", "replace_adapter"]
 
 
 class AdapterRefused(ValueError):
     """The staged adapter is not a version of the served one (other modules, shapes or rank), or the served one
     is not loaded; nothing was written."""
+
+
+class AdapterWriteFailed(RuntimeError):
+    """Writing the slot failed part-way (past the first write): the adapter was deactivated, so no request uses a
+    mix; its next use activates the new version whole. Reset the prefix cache as after a replace."""
 
 
 def _managers(worker: Any) -> tuple[Any, Any]:
@@ -66,17 +72,35 @@ def replace_adapter(worker: Any, lora_int_id: int, adapter_dir: str) -> dict[str
     module). Returns ``{"slot": int | None, "modules": int, "written": int}`` (``slot`` ``None``: the adapter is
     loaded but not active; its registered copy was replaced and the next activation uses it).
 
+    ``adapter_dir`` should be the directory the adapter is served from, the new version written there atomically
+    (a new directory renamed over the old): vLLM loads an adapter again from its request's path when it left the
+    CPU cache (more adapters than ``max_cpu_loras``) or after ``finish_weight_update``, which drops every adapter.
+
     Raises:
-        AdapterRefused: not a version of the served adapter, or the adapter is not loaded; nothing was written.
+        AdapterRefused: not a version of the served adapter (other rank, modules or shapes; a classification head
+            or MoE experts, not replaced in place yet; a value that is not finite), the adapter is not loaded, or
+            ``adapter_dir`` is not an absolute directory; nothing was written.
+        AdapterWriteFailed: a layer's write failed part-way; the adapter was deactivated (its next use activates
+            the new version whole).
     """
+    import os
+
     from vllm.lora.request import LoRARequest
 
     wm, mm = _managers(worker)
-    if lora_int_id not in mm.list_adapters():
+    # not a relative name: vLLM would take it for a Hub repository and download it on the engine loop
+    if not os.path.isabs(adapter_dir) or not os.path.isdir(adapter_dir):
+        raise AdapterRefused(f"{adapter_dir!r} is not an absolute path to a directory holding the staged adapter")
+    registered = mm.list_adapters()  # a copy: reading it leaves the cache's eviction order alone
+    if lora_int_id not in registered:
         raise AdapterRefused(f"adapter {lora_int_id} is not loaded in this engine: load it once, then replace it")
-    old = mm.get_adapter(lora_int_id)
+    old = registered[lora_int_id]
+    if getattr(old, "modules_to_save", None) or any(n.endswith(".experts") for n in old.loras):
+        raise AdapterRefused(f"adapter {lora_int_id}: a classification head or MoE experts are not replaced in place")
     lora = wm._load_adapter(LoRARequest(f"deltasync-{lora_int_id}", lora_int_id, adapter_dir))
     mm._create_merged_loras_inplace(lora)  # packed and scaled as vLLM's _add_adapter does
+    if getattr(lora, "modules_to_save", None):
+        raise AdapterRefused(f"{adapter_dir}: a classification head (modules_to_save) is not replaced in place")
     if lora.rank != old.rank:
         raise AdapterRefused(f"{adapter_dir}: rank {lora.rank}, the served adapter {lora_int_id} has rank {old.rank}")
     new_shapes, old_shapes = _shapes(lora), _shapes(old)
@@ -108,7 +132,7 @@ def replace_adapter(worker: Any, lora_int_id: int, adapter_dir: str) -> dict[str
         except Exception as exc:
             # never a mix in a slot: the adapter leaves it, and its next use activates the new version whole
             mm.deactivate_adapter(lora_int_id)
-            raise RuntimeError(
+            raise AdapterWriteFailed(
                 f"adapter {lora_int_id}: writing slot {slot} failed after {written} modules ({exc}); the adapter was "
                 "deactivated, its next use loads this version into a slot"
             ) from exc
@@ -127,8 +151,8 @@ def adapter_buffers(worker: Any, lora_int_id: int) -> dict[str, torch.Tensor]:
     for module_name, module in mm.modules.items():
         for kind in ("a", "b"):
             stacked = getattr(module, f"lora_{kind}_stacked", None)
-            if stacked is None:
+            if stacked is None or isinstance(stacked, list):  # MoE keeps per-expert views: not read here
                 continue
-            for i, t in enumerate(stacked if isinstance(stacked, (tuple, list)) else (stacked,)):
+            for i, t in enumerate(stacked if isinstance(stacked, tuple) else (stacked,)):
                 out[f"{module_name}.{kind}{i}"] = t[slot].detach().to("cpu", copy=True)
     return out

@@ -104,11 +104,14 @@ class DeltaSyncWorkerExtension:
     def deltasync_lora_replace(self, lora_int_id: int, adapter_dir: str) -> dict[str, Any]:
         """Replace the weights of the loaded LoRA adapter ``lora_int_id`` in its slot by the PEFT adapter staged in
         ``adapter_dir`` (:func:`deltasync.vllm.lora_slots.replace_adapter`); never raises: a refusal comes back as
-        ``{"ok": False, "refused": message}`` with nothing written."""
-        from .lora_slots import replace_adapter
+        ``{"ok": False, "refused": message}`` with nothing written, a write that failed part-way as
+        ``{"ok": False, "failed": message}`` (the adapter was deactivated)."""
+        from .lora_slots import AdapterWriteFailed, replace_adapter
 
         try:
             return {"ok": True, **replace_adapter(self, int(lora_int_id), str(adapter_dir))}
+        except AdapterWriteFailed as exc:  # past the first write: the adapter was deactivated
+            return {"ok": False, "failed": f"{type(exc).__name__}: {exc}"[:2000]}
         except Exception as exc:  # noqa: BLE001 - a raising worker desyncs vLLM's executor at TP > 1
             return {"ok": False, "refused": f"{type(exc).__name__}: {exc}"[:2000]}
 

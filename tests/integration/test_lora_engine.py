@@ -147,6 +147,10 @@ def test_an_adapter_not_loaded_or_a_broken_directory_is_refused(
     assert _outputs(lora_llm, served) == before
     missing = lora_llm.collective_rpc("deltasync_lora_replace", args=(4, str(tmp_path / "nowhere")))[0]
     assert not missing["ok"], missing
+    # a relative name is refused before vLLM's loader, which would take it for a Hub repository and download it
+    relative = lora_llm.collective_rpc("deltasync_lora_replace", args=(4, "some-org/some-adapter"))[0]
+    assert not relative["ok"] and "absolute path" in relative["refused"], relative
+    assert _outputs(lora_llm, served) == before
 
 
 def test_tp2_each_rank_replaces_its_slice_bit_exact(
