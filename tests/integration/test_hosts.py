@@ -220,14 +220,15 @@ def test_processes_get_their_grace_at_teardown(base: Path) -> None:
         (["a"], "/dev/shm", "/dev/shm"),
         (["a"], "/", "directory of its own"),
         (["a"], "/var", "directory of its own"),
-        (["a"], "cwd", "which every host must see"),
+        (["a"], "holds-software", "which every host must see"),
         (["x" * 40], "base", "32 at most"),
     ],
 )
 def test_bad_names_and_bases_are_value_errors(base: Path, names: object, where: str, match: str) -> None:
-    path = {"base": base, "cwd": Path.cwd()}.get(where, Path(where))
+    path = base if where in ("base", "holds-software") else Path(where)
+    software = [base / "code"] if where == "holds-software" else None  # a base that would hide the code
     with pytest.raises(ValueError, match=match):
-        Hosts(names, base=path)  # type: ignore[arg-type]
+        Hosts(names, base=path, software=software)  # type: ignore[arg-type]
 
 
 def test_a_host_named_switch_is_an_ordinary_host(base: Path) -> None:
