@@ -24,15 +24,7 @@ import httpx
 from fastapi import Depends, FastAPI, Header, HTTPException
 from pydantic import BaseModel, ConfigDict, Field
 
-from .rollouts import (
-    Group,
-    Positions,
-    RolloutQueue,
-    RolloutWorkers,
-    game_positions,
-    generate_group,
-    served_probe,
-)
+from .rollouts import Group, LocalRollouts, Positions, wordle_producer
 
 __all__ = ["RolloutService", "create_app"]
 
@@ -72,24 +64,29 @@ class RolloutService:
         maxsize: int | None = None,
         probe: Any = None,
     ) -> None:
-        if workers < 1 or (maxsize is not None and maxsize < 1):
-            raise ValueError(f"need workers >= 1 and maxsize >= 1 (or None), got {workers} and {maxsize}")
-        size = per_step * (max_staleness + 1) if maxsize is None else maxsize
-        self.queue = RolloutQueue(size, max_staleness, per_step, probe=probe)
-        self.workers = RolloutWorkers(make_group, positions, workers=workers)
+        local = LocalRollouts(
+            make_group,
+            positions,
+            workers=workers,
+            max_staleness=max_staleness,
+            per_step=per_step,
+            maxsize=maxsize,
+            probe=probe,
+        )
+        self._local, self.queue, self.workers = local, local.queue, local.workers
         self._take_lock = threading.Lock()  # one trainer: takes in order
-        self._started = False
+
+    @property
+    def _started(self) -> bool:
+        return bool(self.workers.threads)
 
     def start(self, trainer_version: int) -> None:
         """Start the workers (the first take does: before it, vLLM may still serve its unlabelled start-up
         weights)."""
-        self.queue.set_trainer_version(trainer_version)
-        if not self._started:
-            self._started = True
-            self.workers.start(self.queue)
+        self._local.start(trainer_version)
 
     def stop(self) -> None:
-        self.workers.stop()
+        self._local.stop()
 
     def take(self, trainer_version: int, count: int, timeout_s: float) -> dict[str, Any]:
         deadline = time.monotonic() + timeout_s
@@ -199,19 +196,16 @@ def main() -> None:
     tok = AutoTokenizer.from_pretrained(args.tokenizer)
     env = httpx.Client(base_url=args.env_url, timeout=60)
     vllm = httpx.Client(base_url=args.vllm_url, timeout=300)
-    rows = game_positions(env, tok, args.positions, args.seed)
-
-    def make_group(prompt: list[int], session_id: str, i: int) -> Group:
-        n, max_tokens = args.num_generations, args.max_tokens
-        return generate_group(vllm, env, tok, prompt, session_id, n=n, max_tokens=max_tokens, seed=args.seed + i)
-
+    make_group, positions, probe = wordle_producer(
+        vllm, env, tok, positions=args.positions, seed=args.seed, n=args.num_generations, max_tokens=args.max_tokens
+    )
     service = RolloutService(
         make_group,
-        Positions([(ids, sid) for ids, _, sid in rows], args.seed),
+        positions,
         workers=args.workers,
         max_staleness=args.max_staleness,
         per_step=args.prompts_per_step,
-        probe=lambda: served_probe(vllm, rows[0][0]),
+        probe=probe,
     )
     try:
         uvicorn.run(

@@ -45,6 +45,7 @@ __all__ = [
     "generate_group",
     "prompt_ids",
     "served_probe",
+    "wordle_producer",
 ]
 
 logger = logging.getLogger("wordle.rollouts")
@@ -420,6 +421,20 @@ class RolloutWorkers:
             t.join(timeout=60)
 
 
+def wordle_producer(
+    vllm: httpx.Client, env: httpx.Client, tok: Any, *, positions: int, seed: int, n: int, max_tokens: int
+) -> tuple[Callable[[list[int], str, int], Group], Positions, Callable[[], int | None]]:
+    """What rollout workers need, wherever they run: ``positions`` game positions from the environment, a group
+    maker (``n`` completions of ``max_tokens`` from vLLM, scored by the environment), and a probe of the version
+    vLLM serves."""
+    rows = game_positions(env, tok, positions, seed)
+
+    def make_group(prompt: list[int], session_id: str, i: int) -> Group:
+        return generate_group(vllm, env, tok, prompt, session_id, n=n, max_tokens=max_tokens, seed=seed + i)
+
+    return make_group, Positions([(ids, sid) for ids, _, sid in rows], seed), lambda: served_probe(vllm, rows[0][0])
+
+
 class LocalRollouts:
     """Rollout workers in the trainer's process: asynchronous (threads generate into a :class:`RolloutQueue`
     sized to consumption, started by :meth:`start`) or lock-step (``sync``: each step's groups generated when the
@@ -437,15 +452,19 @@ class LocalRollouts:
         maxsize: int | None = None,
         probe: Callable[[], int | None] | None = None,
     ) -> None:
+        if workers < 1 or (maxsize is not None and maxsize < 1):
+            raise ValueError(f"need workers >= 1 and maxsize >= 1 (or None), got {workers} and {maxsize}")
         self.sync = sync
         self.workers = RolloutWorkers(make_group, positions, workers=workers)
         bound = 0 if sync else max_staleness
-        self.queue = RolloutQueue(maxsize or per_step * (bound + 1), bound, per_step, probe=probe)
+        size = per_step * (bound + 1) if maxsize is None else maxsize
+        self.queue = RolloutQueue(size, bound, per_step, probe=probe)
 
     def start(self, trainer_version: int) -> None:
-        """Start the workers for a trainer at ``trainer_version`` (asynchronous mode)."""
+        """Start the workers for a trainer at ``trainer_version`` (asynchronous mode; once: later calls only
+        update the trainer's version)."""
         self.queue.set_trainer_version(trainer_version)
-        if not self.sync:
+        if not self.sync and not self.workers.threads:
             self.workers.start(self.queue)
 
     def take(self, version: int, count: int) -> tuple[list[Group], float]:

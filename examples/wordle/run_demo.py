@@ -349,9 +349,8 @@ def run_once(out: Path, model: Path, args: argparse.Namespace, *, sync: bool) ->
     return result
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", type=Path, default=Path("demo-out"))
+def add_run_arguments(parser: argparse.ArgumentParser) -> None:
+    """The arguments of one demo run, the same on one machine and across hosts (``run_hosts``)."""
     parser.add_argument("--steps", type=int, default=80)
     parser.add_argument("--warmup-steps", type=int, default=300)
     parser.add_argument(
@@ -363,6 +362,12 @@ def main() -> int:
     )
     parser.add_argument("--max-staleness", type=int, default=2)
     parser.add_argument("--seed", type=int, default=0)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path, default=Path("demo-out"))
+    add_run_arguments(parser)
     modes = parser.add_mutually_exclusive_group()
     modes.add_argument("--sync", action="store_true", help="lock-step: vLLM serves each version before rollouts")
     modes.add_argument("--compare", action="store_true", help="sync, then async, same seed and steps; side by side")

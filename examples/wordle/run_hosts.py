@@ -46,6 +46,7 @@ from tests.support.s3 import CREDENTIALS_ENV
 from tests.support.tls import make_ca
 
 from .hosts import SUBNET, Host, Hosts, HostsUnavailable, unavailable
+from .run_demo import _quantile, add_run_arguments, build_model, warm_start
 
 __all__ = ["HOSTS", "Deployment", "main"]
 
@@ -412,8 +413,6 @@ def _cpu_cores(samples: list[dict[str, Any]], start: float, end: float) -> dict[
 def report(
     deployment: Deployment, rows: list[dict[str, Any]], final: dict[str, Any], served: dict[str, Any]
 ) -> dict[str, Any]:
-    from .run_demo import _quantile
-
     quarter = max(1, len(rows) // 4)
     latency = list(final["publish_to_served_s"].values())
     drops = [b["dropped_total"] - a["dropped_total"] for a, b in zip([{"dropped_total": 0}, *rows], rows, strict=False)]
@@ -467,8 +466,6 @@ def report(
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     """Build and warm-start the model, make the hosts, run the deployment, check, report, tear down."""
-    from .run_demo import build_model, warm_start
-
     out = args.out.absolute()
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True)
@@ -516,17 +513,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=Path("demo-out/hosts"))
     parser.add_argument("--base", type=Path, default=Path("/var/tmp/deltasync-hosts"), help="the hosts' directories")
-    parser.add_argument("--steps", type=int, default=80)
-    parser.add_argument("--warmup-steps", type=int, default=300)
-    parser.add_argument(
-        "--learning-rate",
-        type=float,
-        default=3e-4,
-        help="3e-4: the tiny model's reward rises within 80 steps (at 1e-5 it stays flat); it also changes most of "
-        "its bf16 elements every step, where a real model at 1e-6 changes 1-3%%",
-    )
-    parser.add_argument("--max-staleness", type=int, default=2)
-    parser.add_argument("--seed", type=int, default=0)
+    add_run_arguments(parser)
     args = parser.parse_args()
     why = unavailable()
     if why is not None:

@@ -37,17 +37,7 @@ from tests.support.models import qwen3_effective_checksums
 
 from .game import render_messages
 from .grpo import grpo_tis_loss
-from .rollouts import (
-    Group,
-    LocalRollouts,
-    Positions,
-    RemoteRollouts,
-    ServedVersions,
-    game_positions,
-    generate_group,
-    prompt_ids,
-    served_probe,
-)
+from .rollouts import LocalRollouts, RemoteRollouts, ServedVersions, prompt_ids, wordle_producer
 from .solver import TreeSolver
 
 logger = logging.getLogger("wordle.train")
@@ -228,23 +218,26 @@ def main() -> None:
     else:
         env = httpx.Client(base_url=args.env_url, timeout=60)
         vllm = httpx.Client(base_url=args.vllm_url, timeout=300)
-        rows = game_positions(env, tok, max(64, args.steps * args.prompts_per_step), args.seed)
-
-        def make_group(prompt: list[int], session_id: str, i: int) -> Group:
-            n, max_tokens = args.num_generations, args.max_tokens
-            return generate_group(vllm, env, tok, prompt, session_id, n=n, max_tokens=max_tokens, seed=args.seed + i)
-
+        make_group, positions, probe = wordle_producer(
+            vllm,
+            env,
+            tok,
+            positions=max(64, args.steps * args.prompts_per_step),
+            seed=args.seed,
+            n=args.num_generations,
+            max_tokens=args.max_tokens,
+        )
         # production sized to consumption: what is queued or in flight is consumed over the next steps, and more
         # than the bound allows would be generated only to be dropped (AsyncGRPO sizes its in-flight tasks so)
         rollouts = LocalRollouts(
             make_group,
-            Positions([(ids, sid) for ids, _, sid in rows], args.seed),
+            positions,
             workers=args.rollout_workers,
             max_staleness=args.max_staleness,
             per_step=args.prompts_per_step,
             sync=args.sync,
             maxsize=args.queue_size,
-            probe=lambda: served_probe(vllm, rows[0][0]),
+            probe=probe,
         )
     staleness = 0 if args.sync else args.max_staleness
     opt = torch.optim.AdamW(model.parameters(), lr=args.learning_rate)
