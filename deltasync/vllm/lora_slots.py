@@ -30,6 +30,7 @@ full-weight update), or a later request could reuse KV blocks computed with the 
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -55,15 +56,20 @@ def _managers(worker: Any) -> tuple[Any, Any]:
     return wm, wm._adapter_manager
 
 
-def _shapes(lora_model: Any) -> dict[str, list[tuple[int, ...]]]:
-    """Module -> the shapes of its (packed) A and B tensors."""
-    out: dict[str, list[tuple[int, ...]]] = {}
+def _parts(lora_model: Any) -> Iterator[tuple[str, torch.Tensor | None]]:
+    """(module, tensor) for every A and B of every module, packed slices one by one (``None``: a slice the adapter
+    does not have)."""
     for name, w in lora_model.loras.items():
-        shapes: list[tuple[int, ...]] = []
         for t in (w.lora_a, w.lora_b):
             for part in t if isinstance(t, list) else [t]:
-                shapes.append(tuple(part.shape) if part is not None else ())
-        out[name] = shapes
+                yield name, part
+
+
+def _shapes(lora_model: Any) -> dict[str, list[tuple[int, ...]]]:
+    """Module -> the shapes of its (packed) A and B tensors."""
+    out: dict[str, list[tuple[int, ...]]] = {name: [] for name in lora_model.loras}
+    for name, part in _parts(lora_model):
+        out[name].append(tuple(part.shape) if part is not None else ())
     return out
 
 
@@ -112,11 +118,9 @@ def replace_adapter(worker: Any, lora_int_id: int, adapter_dir: str) -> dict[str
             f"{adapter_dir}: not a version of the served adapter {lora_int_id} (modules or shapes differ: "
             f"{diff[:4]}); load it as another adapter"
         )
-    for name, w in lora.loras.items():
-        for t in (w.lora_a, w.lora_b):
-            for part in t if isinstance(t, list) else [t]:
-                if part is not None and part.is_floating_point() and not bool(torch.isfinite(part).all()):
-                    raise AdapterRefused(f"{adapter_dir}: {name} holds NaN or infinite values; nothing was written")
+    for name, part in _parts(lora):
+        if part is not None and part.is_floating_point() and not bool(torch.isfinite(part).all()):
+            raise AdapterRefused(f"{adapter_dir}: {name} holds NaN or infinite values; nothing was written")
     mm._registered_adapters[lora_int_id] = lora
     slot = mm.lora_index_to_id.index(lora_int_id) if lora_int_id in mm.lora_index_to_id else None
     written = 0
