@@ -83,11 +83,16 @@ class Bench:
         largest = max(t.numel() * t.element_size() for t in self.curr.values()) / 2**20
         self.first_memory = {
             "engine_extra_peak_mib": round(self.memory()["peak_mib"] - self.worker["rss_mib"]),
-            "agent_host_copy_mib": round(model_mib),
+            "agent_host_copy_mib": self.agent_host_mib(),
             "model_mib": round(model_mib),
             "largest_tensor_mib": round(largest),
         }
         print(f"{label}: memory at the first sync: {self.first_memory}", flush=True)
+
+    def agent_host_mib(self) -> int:
+        """The agent's host copy of the model (none when the engine decodes the published objects itself)."""
+        host = self.agent.host or {}
+        return round(sum(t.numel() * t.element_size() for t in host.values()) / 2**20)
 
     def memory(self) -> dict[str, Any]:
         return dict(self.llm.collective_rpc("deltasync_status")[0]["memory"] or {"rss_mib": 0, "peak_mib": 0})
@@ -141,6 +146,8 @@ class Bench:
                     "prepared": bool(last.get("prepared")),
                     "engine_extra_peak_mib": round(extra),
                     "decoded_delta_mib": round(self.base.nnz * 10 / 2**20),  # bf16 value + int64 index
+                    "agent_host_copy_mib": self.agent_host_mib(),
+                    "decodes": bool(self.llm.collective_rpc("deltasync_status")[0].get("decodes")),
                 }
             )
             row = rows[-1]
@@ -150,7 +157,8 @@ class Bench:
                 f"before {row['before_pause_ms']:7.0f} ms {row['before']} {row['engine_prepare_ms']} "
                 f"({row['before_pause_ms'] * 1e6 / max(row['changed'], 1):.0f} ns per changed element)  "
                 f"audit {row['audit_ms']:6.0f} ms  engine peak +{row['engine_extra_peak_mib']} MiB "
-                f"(decoded delta {row['decoded_delta_mib']} MiB)",
+                f"(decoded delta {row['decoded_delta_mib']} MiB)  agent host copy {row['agent_host_copy_mib']} MiB "
+                f"({'the engine decodes' if row['decodes'] else 'the agent decodes'})",
                 flush=True,
             )
         return rows

@@ -1,8 +1,10 @@
 """The inference-side agent: poll the coordinator, fetch and verify, then patch a running engine.
 
-It owns the version state machine of one engine. Everything slow (fetch, authenticate, decode against the
-agent's host copy, prove the result against the manifest's checksums, stage) happens **before** the engine is
-paused; the pause covers only the apply. The engine, not the agent, is the truth about what is served: its
+It owns the version state machine of one engine. Everything slow (fetch, authenticate, stage; then the engine's
+decode and proof) happens **before** the engine is paused; the pause covers only the apply. An engine that decodes
+published objects against what it serves gets them as fetched, and the agent keeps no copy of the model; for
+another (tensor parallel in place), the agent decodes each object against its host copy, proves it against the
+manifest's checksums, and stages it decoded. The engine, not the agent, is the truth about what is served: its
 version, health, run and the highest version it has served come from it on every sync.
 
 What it promises (docs/RELIABILITY.md):
@@ -49,9 +51,10 @@ from .errors import (
     VersionGapError,
 )
 from .layout import object_prefix
+from .manifest import DeltaManifest
 from .reader import Trust, decode_object, read_weights
 from .signing import VerifyKey
-from .staging import StagedObject, StagedUpdate, in_memory, stage_object
+from .staging import StagedObject, StagedUpdate, in_memory, stage_object, stage_published
 from .store.base import Store
 from .targets.base import EngineClaim, EngineState, EngineTarget
 from .targets.vllm import OfflineLLMTarget
@@ -378,7 +381,7 @@ class Agent:
                     reason=RefusalReason.ROLLBACK,
                 ) from None
             raise
-        if plan.route == "deltas" and held is not None and self.host_version != held:
+        if plan.route == "deltas" and held is not None and self.host_version != held and not self._stages_published(st):
             if self._rebuild_host(held) is None:  # the delta route needs the engine's version in host memory
                 plan = self.coordinator.plan(None)
         return plan
@@ -441,8 +444,14 @@ class Agent:
             self.target.pause()
             self._paused_for_lag = True
 
+    def _stages_published(self, st: EngineState) -> bool:
+        """Whether objects go to the engine as fetched (it decodes them against what it serves, and this agent
+        keeps no copy of the model), or decoded against this agent's host copy."""
+        return st.decodes and not getattr(self.target, "in_process", False)
+
     def _prepare(self, plan: SyncPlan, st: EngineState, timings: dict[str, float]) -> tuple[StagedUpdate, list[Path]]:
-        """Fetch, authenticate, admit, decode into the host copy, check checksums, stage. No engine calls."""
+        """Fetch, authenticate, admit, then stage: as fetched for an engine that decodes, otherwise decoded into
+        the host copy and checked against the manifest's checksums. No engine calls."""
         t0 = time.perf_counter()
         manifests = [self.fetcher.manifest(step.version, step.kind, step.checksum) for step in plan.steps]
         holding = apply.Holding(
@@ -472,6 +481,13 @@ class Agent:
         t1 = time.perf_counter()
         objects: list[StagedObject] = []
         dirs: list[Path] = []
+        if self._stages_published(st):
+            self.host, self.host_version = None, None  # the engine decodes against what it serves
+            for (m, data), blobs in zip(manifests, shards, strict=True):
+                dirs.append(self._staging_dir(m))
+                objects.append(dataclasses.replace(stage_published(dirs[-1], m, data, blobs), manifest=None))
+            timings.update(fetch=t1 - t0, decode=0.0, stage=time.perf_counter() - t1)
+            return StagedUpdate(objects=tuple(objects)), dirs
         stage_s = 0.0
         host, host_version = self.host, self.host_version
         in_process = getattr(self.target, "in_process", False)  # an engine in this process takes the objects
@@ -489,10 +505,7 @@ class Agent:
                 if in_process:
                     objects.append(in_memory(m, deltas))
                 else:
-                    # a fresh directory of our own (unpredictable name): nothing planted can redirect these writes
-                    name = f"v{m.version:08d}" + ("-anchor-" if m.kind == "anchor" else "-")
-                    directory = Path(tempfile.mkdtemp(prefix=name, dir=ensure_dir(self.staging)))
-                    directory.chmod(0o755)  # the engine may run as another user
+                    directory = self._staging_dir(m)
                     # files only: the host copy (whose tensors an anchor's entries are) moves on with later objects
                     objects.append(dataclasses.replace(stage_object(directory, m, data, deltas), deltas=None))
                     dirs.append(directory)
@@ -503,6 +516,13 @@ class Agent:
         self.host, self.host_version = host, host_version
         timings.update(fetch=t1 - t0, decode=time.perf_counter() - t1 - stage_s, stage=stage_s)
         return StagedUpdate(objects=tuple(objects)), dirs
+
+    def _staging_dir(self, m: DeltaManifest) -> Path:
+        """A fresh directory of this agent's own (unpredictable name): nothing planted can redirect its writes."""
+        name = f"v{m.version:08d}" + ("-anchor-" if m.kind == "anchor" else "-")
+        directory = Path(tempfile.mkdtemp(prefix=name, dir=ensure_dir(self.staging)))
+        directory.chmod(0o755)  # the engine may run as another user
+        return directory
 
     def _apply(self, update: StagedUpdate, timings: dict[str, float]) -> None:
         """Prepare (engines that read and plan before the pause), pause, apply, resume, audit (engines that read

@@ -18,7 +18,7 @@ import os
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Literal, TypeVar
+from typing import Any, Literal, Protocol, TypeVar, runtime_checkable
 
 import numpy as np
 import torch
@@ -44,6 +44,7 @@ from .vocab import (
 
 __all__ = [
     "DEFAULT_ZSTD_LEVEL",
+    "BaseValues",
     "FORMAT_VERSION",
     "ShardHeader",
     "TensorDelta",
@@ -60,6 +61,18 @@ DEFAULT_ZSTD_LEVEL = 3
 """zstd level of ``packed``; benchmarks/bench_codec.py measures the alternatives."""
 
 _INT_TORCH = {np.int16: torch.int16, np.int32: torch.int32}
+
+
+@runtime_checkable
+class BaseValues(Protocol):
+    """Where a decoder reads the base values of ``packed`` entries coded ``ordinal-delta``, when the base version
+    is not at hand as whole tensors: an engine reads them from what it serves (only the changed elements)."""
+
+    def values_at(self, name: str, shape: tuple[int, ...], dtype: torch.dtype, indices: torch.Tensor) -> torch.Tensor:
+        """The base version's values of tensor ``name`` (``shape``, ``dtype``) at sorted flat ``indices``: a 1-D
+        ``dtype`` tensor of ``indices.numel()`` values on CPU. Raises ``FormatError`` (naming the tensor) when they
+        cannot be read."""
+        ...
 
 
 def tensor_checksum(tensor: torch.Tensor, span: tuple[int, int] | None = None) -> str:
@@ -362,7 +375,7 @@ def decode_shard(
     buf: bytes | bytearray | memoryview,
     *,
     name: str,
-    base: Mapping[str, torch.Tensor] | None = None,
+    base: Mapping[str, torch.Tensor] | BaseValues | None = None,
     parsed: tuple[ShardHeader, SafetensorsFile] | None = None,
 ) -> tuple[ShardHeader, dict[str, TensorDelta]]:
     """Validate and decode a whole shard; nothing is returned unless everything is valid.
@@ -371,8 +384,9 @@ def decode_shard(
         buf: the shard's bytes. A writable buffer (``bytearray``) is decoded without copying
             the raw values.
         name: the file's name for error messages.
-        base: full tensors of the base version, by checkpoint name; needed for ``packed``
-            entries coded as ``ordinal-delta`` (only the values at the changed indices are read).
+        base: full tensors of the base version, by checkpoint name, or a :class:`BaseValues` to read them from;
+            needed for ``packed`` entries coded as ``ordinal-delta`` (only the values at the changed indices are
+            read). Tensors are decoded on several threads: a :class:`BaseValues` must allow concurrent reads.
         parsed: what :func:`~deltasync._shard_header.parse_shard` returned for ``buf`` (callers that checked the
             header first pass it, so it is parsed once).
 
@@ -426,7 +440,7 @@ def _decode_tensor(
     info: TensorInfo,
     encoding: Encoding,
     st: SafetensorsFile,
-    base: Mapping[str, torch.Tensor] | None,
+    base: Mapping[str, torch.Tensor] | BaseValues | None,
     writable: bool,
     file: str,
 ) -> TensorDelta:
@@ -484,22 +498,30 @@ def _undo_ordinal_delta(
     info: TensorInfo,
     coded: np.ndarray,
     signed: type[np.signedinteger[Any]],
-    base: Mapping[str, torch.Tensor] | None,
+    base: Mapping[str, torch.Tensor] | BaseValues | None,
     indices: np.ndarray | None,
 ) -> np.ndarray:
-    held = None if base is None else base.get(t)
-    if held is None:
-        raise _bad(file, f"tensor {t!r} is coded against the base version, but the base has no such tensor")
-    if tuple(held.shape) != info.shape or held.dtype != DTYPES[info.dtype]:
-        found = f"{DTYPE_NAMES.get(held.dtype, str(held.dtype))} {list(held.shape)}"
-        raise _bad(
-            file,
-            f"tensor {t!r}: the shard expects {info.dtype} {list(info.shape)}, the base holds "
-            f"{found} (a delta for another model?)",
-        )
-    held_bits = _bits_of(held, info.dtype)
-    # np.take: ~1.2x numpy's fancy indexing on a large tensor
-    base_bits = np.take(held_bits, indices) if indices is not None else held_bits[info.bounds[0] : info.bounds[1]]
+    if isinstance(base, BaseValues):
+        at = torch.from_numpy(indices) if indices is not None else torch.arange(*info.bounds, dtype=torch.int64)
+        read = base.values_at(t, info.shape, DTYPES[info.dtype], at)
+        if read.dtype != DTYPES[info.dtype] or read.numel() != at.numel():
+            raise _bad(file, f"tensor {t!r}: the base gave {read.numel()} {read.dtype} values for {at.numel()}")
+        base_bits = _bits_of(read, info.dtype)
+    else:
+        held = None if base is None else base.get(t)
+        if held is None:
+            raise _bad(file, f"tensor {t!r} is coded against the base version, but the base has no such tensor")
+        if tuple(held.shape) != info.shape or held.dtype != DTYPES[info.dtype]:
+            found = f"{DTYPE_NAMES.get(held.dtype, str(held.dtype))} {list(held.shape)}"
+            raise _bad(
+                file,
+                f"tensor {t!r}: the shard expects {info.dtype} {list(info.shape)}, the base holds "
+                f"{found} (a delta for another model?)",
+            )
+        held_bits = _bits_of(held, info.dtype)
+        # np.take: ~1.2x numpy's fancy indexing on a large tensor
+        bounds = info.bounds
+        base_bits = np.take(held_bits, indices) if indices is not None else held_bits[bounds[0] : bounds[1]]
     out = _codec.to_ordinal(base_bits).astype(signed)
     out += _codec.zigzag_decode(coded, signed)
     info_range = np.iinfo(base_bits.dtype)

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -24,7 +24,7 @@ from ._safetensors import SafetensorsFile
 from ._shard_header import ShardHeader
 from ._shard_header import parse_shard as _parse_shard
 from .errors import FormatError, IntegrityError, ObjectNotFound, StoreError
-from .format import TensorDelta, decode_shard
+from .format import BaseValues, TensorDelta, decode_shard
 from .layout import manifest_key, object_prefix, parse_manifest_key, signature_key
 from .manifest import MAX_MANIFEST_BYTES, DeltaManifest, ShardEntry
 from .runrecord import RunView, read_run_view
@@ -165,7 +165,7 @@ def _read_manifest(store: Store, version: int, kind: Kind, trust: Trust | None, 
     return manifest
 
 
-def check_shard(data: bytes, entry: ShardEntry, *, name: str) -> None:
+def check_shard(data: bytes | bytearray | memoryview, entry: ShardEntry, *, name: str) -> None:
     """Raise IntegrityError unless ``data`` has the size and sha256 the manifest promises."""
     if len(data) != entry.bytes:
         raise IntegrityError(f"{name}: size is {len(data)} bytes, the manifest says {entry.bytes}; refetch it")
@@ -214,7 +214,7 @@ def prove_object(store: Store, manifest: DeltaManifest) -> None:
 
 
 def _check_header_against_manifest(
-    manifest: DeltaManifest, index: int, data: bytearray, name: str
+    manifest: DeltaManifest, index: int, data: bytearray | memoryview, name: str
 ) -> tuple[ShardHeader, SafetensorsFile]:
     """A shard's header (read without its payload) must describe what the manifest says this shard holds;
     returns the parsed shard for the decoder."""
@@ -236,10 +236,10 @@ def _check_header_against_manifest(
 
 def decode_object(
     manifest: DeltaManifest,
-    shards: list[bytes],
+    shards: Sequence[bytes | bytearray | memoryview],
     *,
     where: str,
-    base: Mapping[str, torch.Tensor] | None = None,
+    base: Mapping[str, torch.Tensor] | BaseValues | None = None,
     checked: bool = False,
 ) -> list[TensorDelta]:
     """Check and decode every shard of an object against its manifest; nothing is applied.
@@ -252,10 +252,11 @@ def decode_object(
         manifest: the object's manifest.
         shards: the bytes of ``manifest.shards``, in order.
         where: the object's location, for messages (``store uri/prefix``).
-        base: the base version's tensors (``packed`` deltas are coded against them).
+        base: the base version's tensors, or where to read them (``packed`` deltas are coded against them).
         checked: every shard's size and sha256 were checked against ``manifest`` already (an agent's fetcher
             checks them as it fetches; ``bytes`` cannot change since): not hashed a second time (a mutable buffer,
-            or one of another size, is hashed all the same).
+            or one of another size, is hashed all the same). A ``bytearray`` or writable ``memoryview`` is decoded in
+            place (the caller's to give up).
 
     Raises:
         IntegrityError: a shard's size or sha256 differs from the manifest.
@@ -266,7 +267,11 @@ def decode_object(
         name = f"{where}{entry.file}"
         if not (checked and isinstance(data, bytes) and len(data) == entry.bytes):  # only immutable bytes stay checked
             check_shard(data, entry, name=name)
-        buf = bytearray(data)
+        buf: bytearray | memoryview
+        if isinstance(data, bytearray) or (isinstance(data, memoryview) and not data.readonly):
+            buf = data
+        else:
+            buf = bytearray(data)
         parsed = _check_header_against_manifest(manifest, i, buf, name)
         _, deltas = decode_shard(buf, name=name, base=base, parsed=parsed)
         out.extend(deltas.values())

@@ -1,10 +1,19 @@
 """The typed message between an agent and its engine: one verified object, staged for applying.
 
-The agent fetches and authenticates an object, decodes it against its host copy, proves the result against
-the manifest's checksums, and only then stages it: the verified ``manifest.json`` and the object re-encoded
-``raw`` (no base needed to decode it), in a directory the engine can read. A :class:`StagedObject` names those
-files; it crosses vLLM's RPC boundary as ``update_info`` (:meth:`to_update_info` / :meth:`from_update_info`),
-parsed and validated once. In-process engines take the decoded entries directly (:attr:`deltas`).
+The agent fetches and authenticates an object and stages it, in a directory the engine can read, one of two ways:
+
+* **as published** (:func:`stage_published`, ``published=True``): the verified ``manifest.json`` and the shards
+  exactly as fetched. The engine checks each shard's size and sha256 against the manifest and decodes it against
+  what it serves (a ``packed`` delta is coded against the base version's values: the engine reads only the changed
+  elements of its own). The agent holds no copy of the model. Engines that can read every tensor they serve say so
+  (``decodes`` in their status).
+* **decoded** (:func:`stage_object`): the agent decodes the object against its host copy of the model, proves
+  the result against the manifest's checksums, and stages the manifest and the object re-encoded ``raw`` (no base
+  needed to decode it). For engines that hold tensors in part (tensor parallel in place).
+
+A :class:`StagedObject` names those files; it crosses vLLM's RPC boundary as ``update_info``
+(:meth:`to_update_info` / :meth:`from_update_info`), parsed and validated once. In-process engines take the decoded
+entries directly (:attr:`deltas`).
 """
 
 from __future__ import annotations
@@ -16,18 +25,21 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from ._localfs import ensure_dir, inside, read_regular, write_new
 from ._shard_header import parse_shard
 from .apply import check_decoded
 from .errors import FormatError
-from .format import TensorDelta, decode_shard, encode_shard_parts
+from .format import BaseValues, TensorDelta, decode_shard, encode_shard_parts
 from .layout import MANIFEST_FILE, shard_file
 from .manifest import MAX_MANIFEST_BYTES, DeltaManifest
+from .reader import decode_object
 from .vocab import DTYPES, KINDS, MAX_VERSION, Kind
 
-__all__ = ["StagedObject", "StagedUpdate", "read_staged", "stage_object"]
+__all__ = ["StagedObject", "StagedUpdate", "read_staged", "read_staged_manifest", "stage_object", "stage_published"]
 
-_FIELDS = ("kind", "version", "base_version", "manifest_path", "shard_paths")
+_FIELDS = ("kind", "version", "base_version", "manifest_path", "shard_paths", "published")
 _MAX_OBJECTS = 10_000
 
 
@@ -48,7 +60,10 @@ class StagedObject:
     manifest_path: str
     """The staged, verified ``manifest.json`` (model fingerprint, run, checksums of the result)."""
     shard_paths: tuple[str, ...]
-    """The staged shards, ``raw`` encoding, local paths every rank can read."""
+    """The staged shards, local paths every rank can read: the manifest's shards in order (``published``), or one
+    ``raw`` shard the agent decoded."""
+    published: bool = False
+    """The shards are the published ones, as fetched: the engine decodes them against what it serves."""
     manifest: DeltaManifest | None = dataclasses.field(default=None, compare=False)
     """The parsed manifest (in-process engines; not sent over RPC)."""
     deltas: tuple[TensorDelta, ...] | None = dataclasses.field(default=None, compare=False, repr=False)
@@ -67,6 +82,8 @@ class StagedObject:
             raise ValueError("staged object: manifest_path must be a path")
         if not all(isinstance(p, str) and p for p in self.shard_paths):
             raise ValueError("staged object: shard_paths must be paths")
+        if type(self.published) is not bool:
+            raise ValueError(f"staged object: published must be a bool, got {self.published!r}")
 
     @property
     def label(self) -> str:
@@ -77,6 +94,8 @@ class StagedObject:
         """The JSON ``update_info`` of vLLM's ``update_weights`` (files only; no tensors cross the RPC)."""
         out = {f: getattr(self, f) for f in _FIELDS}
         out["shard_paths"] = list(self.shard_paths)
+        if not self.published:
+            del out["published"]  # what an engine from before published staging reads
         return out
 
     @classmethod
@@ -101,6 +120,7 @@ class StagedObject:
             base_version=info.get("base_version"),
             manifest_path=info["manifest_path"],
             shard_paths=tuple(paths),
+            published=info.get("published", False),
         )
 
 
@@ -204,10 +224,64 @@ def stage_object(
     )
 
 
+def stage_published(
+    directory: str | os.PathLike[str],
+    manifest: DeltaManifest,
+    manifest_bytes: bytes,
+    shards: Sequence[bytes],
+) -> StagedObject:
+    """Write an authenticated object into ``directory`` as it was published: its manifest and its shards (the
+    manifest's names, in order), for an engine that decodes them itself. Written as :func:`stage_object` writes."""
+    root = ensure_dir(Path(directory))
+    if len(shards) != len(manifest.shards):
+        raise ValueError(f"stage_published: {len(shards)} shards for a manifest of {len(manifest.shards)}")
+    paths = [write_new(root / entry.file, data) for entry, data in zip(manifest.shards, shards, strict=True)]
+    return StagedObject(
+        kind=manifest.kind,
+        version=manifest.version,
+        base_version=manifest.base_version,
+        manifest_path=write_new(root / MANIFEST_FILE, manifest_bytes),
+        shard_paths=tuple(paths),
+        published=True,
+        manifest=manifest,
+    )
+
+
+def read_staged_manifest(obj: StagedObject, *, root: str | os.PathLike[str] | None) -> DeltaManifest:
+    """A staged object's manifest, read and checked against the message: :func:`read_staged`'s first step (an
+    engine admits an object by its manifest before it decodes anything against what it serves).
+
+    Raises:
+        FormatError: as :func:`read_staged`.
+    """
+    if root is None:
+        raise FormatError(
+            f"staged {obj.label}: this receiver has no staging directory (its agent names one at init, "
+            "staging_root=...); refusing files an update message names"
+        )
+    stray = [p for p in (obj.manifest_path, *obj.shard_paths) if not inside(Path(root), p)]
+    if stray:
+        raise FormatError(
+            f"staged {obj.label}: {stray[0]} is not inside the staging directory {root} (or goes through a "
+            "symlink); refusing to read it"
+        )
+    data = bytes(read_regular(obj.manifest_path, MAX_MANIFEST_BYTES, "manifest"))
+    manifest = DeltaManifest.from_json(data, name=obj.manifest_path)
+    if (manifest.kind, manifest.version, manifest.base_version) != (obj.kind, obj.version, obj.base_version):
+        raise FormatError(
+            f"{obj.manifest_path}: the staged manifest is {manifest.kind} v{manifest.version} (base "
+            f"{manifest.base_version}), the update message says {obj.label}"
+        )
+    return manifest
+
+
 def read_staged(
-    obj: StagedObject, *, root: str | os.PathLike[str] | None = None
+    obj: StagedObject,
+    *,
+    root: str | os.PathLike[str] | None = None,
+    base: Mapping[str, torch.Tensor] | BaseValues | None = None,
 ) -> tuple[DeltaManifest, list[TensorDelta]]:
-    """Read and check a staged object: its manifest, then each ``raw`` shard against it; nothing is applied.
+    """Read and check a staged object: its manifest, then each shard against it; nothing is applied.
 
     Objects built in this process (:attr:`StagedObject.deltas`) are returned as they are.
 
@@ -216,31 +290,28 @@ def read_staged(
         root: the staging directory the receiver accepts files from (named by its agent at ``init``): every
             path must lie under it with no symbolic link on the way (an update message cannot point anywhere
             else). Required for objects given as files.
+        base: what a ``published`` delta's ``packed`` entries are decoded against: the base version's values
+            (:func:`~deltasync.reader.decode_object`).
 
     Raises:
         FormatError: no ``root`` was named, a file is outside it, unreadable, malformed, or disagrees with the
-            manifest or with the message.
+            manifest or with the message (``IntegrityError``: a published shard's size or sha256 is not the
+            manifest's).
+        ValueError: a published delta's packed entries need ``base`` and none was given.
     """
     if obj.manifest is not None and obj.deltas is not None:
         return obj.manifest, list(obj.deltas)
-    if root is None:
-        raise FormatError(
-            f"staged {obj.label}: this receiver has no staging directory (its agent names one at init, "
-            "staging_root=...); refusing files an update message names"
-        )
-    else:
-        stray = [p for p in (obj.manifest_path, *obj.shard_paths) if not inside(Path(root), p)]
-        if stray:
+    manifest = read_staged_manifest(obj, root=root)
+    where = f"{os.path.dirname(obj.manifest_path)}/"
+    if obj.published:
+        if len(obj.shard_paths) != len(manifest.shards):
             raise FormatError(
-                f"staged {obj.label}: {stray[0]} is not inside the staging directory {root} (or goes through a "
-                "symlink); refusing to read it"
+                f"{obj.manifest_path}: {len(obj.shard_paths)} staged shards, the manifest has {len(manifest.shards)}"
             )
-    data = bytes(read_regular(obj.manifest_path, MAX_MANIFEST_BYTES, "manifest"))
-    manifest = DeltaManifest.from_json(data, name=obj.manifest_path)
-    if (manifest.kind, manifest.version, manifest.base_version) != (obj.kind, obj.version, obj.base_version):
-        raise FormatError(
-            f"{obj.manifest_path}: the staged manifest is {manifest.kind} v{manifest.version} (base "
-            f"{manifest.base_version}), the update message says {obj.label}"
+        # each shard read into its own buffer, hashed against the manifest and decoded in place (decode_object)
+        pairs = zip(obj.shard_paths, manifest.shards, strict=True)
+        return manifest, decode_object(
+            manifest, [read_regular(p, e.bytes, "shard") for p, e in pairs], where=where, base=base
         )
     cap = 1 << 20  # header and alignment
     for entry in manifest.tensors.values():
@@ -258,5 +329,5 @@ def read_staged(
             if e is None or e.shape != info.shape or e.dtype != info.dtype or info.nnz > e.nnz:
                 raise FormatError(f"{path}: tensor {t!r} does not match the staged manifest's entry {e}")
         deltas.extend(decode_shard(shard, name=path)[1].values())
-    check_decoded(manifest, deltas, where=f"{os.path.dirname(obj.manifest_path)}/")
+    check_decoded(manifest, deltas, where=where)
     return manifest, deltas

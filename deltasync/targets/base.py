@@ -109,6 +109,9 @@ class EngineState:
     """The last drift a proof found (tensors, version, when), until an anchor restores the engine."""
     detail: str = ""
     """Why it is unhealthy, or what its last outcome was."""
+    decodes: bool = False
+    """Every rank decodes published objects against what it serves: its agent stages them as fetched and keeps no
+    copy of the model (:func:`~deltasync.staging.stage_published`)."""
     ranks: tuple[Mapping[str, Any], ...] = field(default=(), repr=False)
     """Each rank's raw status."""
 
@@ -183,6 +186,7 @@ def combine_ranks(ranks: Sequence[Mapping[str, Any]], label: str | None) -> Engi
         agent_id=first.get("agent"),
         drift=next((r["drift"] for r in ranks if r.get("drift")), None),
         detail="; ".join(details),
+        decodes=all(r.get("decodes") is True for r in ranks),
         ranks=tuple(ranks),
     )
 

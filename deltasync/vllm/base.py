@@ -7,6 +7,7 @@ the modes and the failure semantics); the proofs are in :mod:`deltasync.vllm.pro
 from __future__ import annotations
 
 import logging
+import math
 import os
 import time
 from dataclasses import dataclass
@@ -23,6 +24,7 @@ from .. import apply
 from ..errors import ApplyError, RefusalReason
 from ..format import TensorDelta
 from ..manifest import DeltaManifest, model_fingerprint
+from ..vocab import DTYPES
 from .patch_map import MapCorruption, PatchMap, build_map
 from .plain import plain_parameters
 from .reload import LayerwiseReloader
@@ -129,6 +131,10 @@ class EngineBase(WeightTransferEngine[DeltaSyncInitInfo, DeltaSyncUpdateInfo]):
         self._moe_on_cpu: bool | None = None
         self._prepared: tuple[str, list[tuple[DeltaManifest, list[TensorDelta]]], list[Any]] | None = None
         self._readback: list[Any] = []  # the last session's writes, read back by the audit after the pause
+        self._served_reads: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+        """What decoding the session's published objects read of the served values (the proof reuses them)."""
+        self._decodes_of: tuple[int, int] | None = None
+        self._decodes_value = False
         self._manifest: DeltaManifest | None = None  # the served version's: its published checksums
         self._staged_manifest: DeltaManifest | None = None
         self._touched: set[str] = set()  # the last session's tensors, proven in parts after the pause
@@ -251,6 +257,44 @@ class EngineBase(WeightTransferEngine[DeltaSyncInitInfo, DeltaSyncUpdateInfo]):
                 raise ApplyError(f"deltasync: the patch map could not be built ({self._map_failed})") from exc
         return self._map
 
+    def decodes(self) -> bool:
+        """Whether this engine decodes published objects against what it serves (its agent then stages them as
+        fetched and keeps no copy of the model): it must read every tensor it serves whole, on every rank. Reload
+        mode reads its shadow; in place, a single rank reads its live parameters (the map is built by the first
+        update, whose anchor needs no base: until then this is a promise :meth:`_undecodable` keeps per tensor)."""
+        if self.mode == "reload":
+            return True
+        parallel = self.vllm_config.parallel_config
+        if self.mode != "inplace" or parallel.tensor_parallel_size * parallel.pipeline_parallel_size != 1:
+            return False
+        spec = self.served_spec()
+        if self._map is None or spec is None:
+            return True
+        if self._decodes_of != (id(self._map), id(spec)):  # status is polled every sync: judged once per map
+            self._decodes_of = (id(self._map), id(spec))
+            self._decodes_value = all(self._undecodable(n) is None for n in spec)
+        return self._decodes_value
+
+    def _undecodable(self, name: str) -> str | None:
+        """Why this engine cannot read what it serves of checkpoint tensor ``name`` (``None``: it can)."""
+        spec = self.served_spec()
+        if spec is None or name not in spec:
+            return "not a tensor of the served model"
+        if self.mode == "reload":
+            return None if name in self._get_shadow() else "not in the shadow"
+        if self.mode != "inplace":
+            return f"apply mode {self.mode}"
+        pm = self.patch_map()
+        if name in pm:
+            dtype, shape = spec[name]
+            if not pm.holds_whole(name, math.prod(shape)):
+                return "this rank holds it in part"
+            if any(pm.param(p).dtype != DTYPES[dtype] for p in pm.params_of(name)):
+                return f"its parameters are not {dtype}"
+            return None
+        # modules the map cannot hold are reloaded from the shadow, which every update then keeps current
+        return None if pm.unmapped and name in self._get_shadow() else "the patch map does not hold it"
+
     def _get_shadow(self) -> Shadow:
         if self._shadow is None:
             self._shadow = Shadow(self.base_path or self.model_config.model)
@@ -310,6 +354,7 @@ class EngineBase(WeightTransferEngine[DeltaSyncInitInfo, DeltaSyncUpdateInfo]):
             "outcome": dict(self.outcome),
             "map": None if self._map is None else self._map.summary(),
             "map_error": self._map_failed,
+            "decodes": self.decodes(),
             "detail": self.detail,
             "drift": self.drift,
             "proofs": dict(self.proofs),

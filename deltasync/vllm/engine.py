@@ -41,12 +41,13 @@ from typing import Any
 import torch
 
 from .. import apply
-from ..errors import ApplyError, RefusalReason, UpdateRefused
+from ..errors import ApplyError, FormatError, RefusalReason, UpdateRefused
 from ..format import TensorDelta
 from ..manifest import DeltaManifest
-from ..staging import StagedUpdate, read_staged
+from ..staging import StagedUpdate, read_staged, read_staged_manifest
 from .base import DeltaSyncInitInfo, DeltaSyncUpdateInfo, logger
 from .proof import ProvingEngine
+from .served import ServedValues
 
 __all__ = ["DeltaSyncInitInfo", "DeltaSyncUpdateInfo", "DeltaSyncWeightTransferEngine"]
 
@@ -216,15 +217,54 @@ class DeltaSyncWeightTransferEngine(ProvingEngine):
         return StagedUpdate.from_update_info(info)
 
     def _read(self, update: StagedUpdate) -> list[tuple[DeltaManifest, list[TensorDelta]]]:
+        """Each staged object read and checked; published ones decoded against what this engine serves (and, in a
+        catch-up, against the objects before them). Nothing is written."""
+        source = None
+        if any(obj.published and obj.kind == "delta" for obj in update.objects):
+            try:  # admitted by their manifests first: a delta on another base is never decoded against this one
+                self._admit_manifests([read_staged_manifest(o, root=self.staging_root) for o in update.objects], update)
+            except (ValueError, OSError) as exc:
+                raise UpdateRefused(f"deltasync: {exc}", reason=RefusalReason.MALFORMED) from exc
+            source = ServedValues(self._served_values)
+            if self.mode == "inplace":
+                try:  # built here, once, before the decoder's threads read through it
+                    self.patch_map()
+                except ApplyError:
+                    pass  # said in status ("map_error"): this engine reloads, from its shadow
+        self._served_reads = {}
         try:
-            return [read_staged(obj, root=self.staging_root) for obj in update.objects]
+            out = []
+            for obj in update.objects:
+                manifest, deltas = read_staged(obj, root=self.staging_root, base=source)
+                if source is not None:
+                    source.advance(deltas)
+                out.append((manifest, deltas))
         except (ValueError, OSError) as exc:
             raise UpdateRefused(f"deltasync: {exc}", reason=RefusalReason.MALFORMED) from exc
+        if source is not None:
+            self._served_reads = source.served
+        return out
+
+    def _served_values(self, name: str, indices: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """What this engine serves of checkpoint tensor ``name`` at sorted flat ``indices``: its live parameters
+        (in place) or its shadow (reload mode, and in place when the map leaves modules to reload)."""
+        why = self._undecodable(name)
+        if why is None and self.mode == "inplace" and name in self.patch_map():
+            return self.patch_map().gather(name, indices)
+        if why is None:
+            return self._get_shadow().get(name).reshape(-1).index_select(0, indices)
+        raise FormatError(
+            f"tensor {name!r}: this engine cannot decode a published delta against what it serves ({why}); its "
+            "agent stages decoded objects for it"
+        )
 
     def _admit(self, checked: list[tuple[DeltaManifest, list[TensorDelta]]], update: StagedUpdate) -> None:
         self._check_supported(checked)
+        self._admit_manifests([manifest for manifest, _ in checked], update)
+
+    def _admit_manifests(self, manifests: list[DeltaManifest], update: StagedUpdate) -> None:
         holding = self._staged or self.holding()
-        for (manifest, _), obj in zip(checked, update.objects, strict=True):
+        for manifest, obj in zip(manifests, update.objects, strict=True):
             apply.admit(
                 manifest,
                 holding,

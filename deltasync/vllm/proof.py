@@ -26,11 +26,22 @@ from ..vocab import DTYPES
 from .base import EngineBase, logger
 from .patch_map import PatchMap
 from .plain import kernel_modules, read_through_kernel
+from .served import merge_changes
 
 __all__ = ["ProvingEngine"]
 
 _BLOCK = 1 << 20
 """Changed elements proven at a time (:meth:`ProvingEngine._prove_change`)."""
+
+
+def _read_for(parts: list[tuple[torch.Tensor, torch.Tensor]] | None, ds: list[TensorDelta]) -> torch.Tensor | None:
+    """The live values the decoder read at exactly the changed elements of a tensor one sparse entry changes, or
+    ``None`` (read again)."""
+    if parts is None or len(parts) != 1 or len(ds) != 1 or ds[0].indices is None:
+        return None
+    at, values = parts[0]
+    same = at.numel() == ds[0].indices.numel() and (at.numel() == 0 or at.data_ptr() == ds[0].indices.data_ptr())
+    return values if same else None
 
 
 def _matches(values: torch.Tensor, entry: TensorEntry) -> bool:
@@ -68,6 +79,7 @@ class ProvingEngine(EngineBase):
                     last[d.ckpt_name] = manifest
                     changes.setdefault(d.ckpt_name, []).append(d)
         served = self._manifest
+        reads, self._served_reads = self._served_reads, {}
         bad: list[str] = []
         whole: list[str] = []
         for name, ds in changes.items():
@@ -82,7 +94,7 @@ class ProvingEngine(EngineBase):
             if before is None or before.sketch is None or entry.sketch is None or any(d.indices is None for d in ds):
                 whole.append(name)
                 continue
-            proven = self._prove_change(pm, name, ds, before.sketch, entry)
+            proven = self._prove_change(pm, name, ds, before.sketch, entry, _read_for(reads.get(name), ds))
             if proven is None:
                 whole.append(name)
             elif not proven:
@@ -96,21 +108,23 @@ class ProvingEngine(EngineBase):
             )
 
     @staticmethod
-    def _prove_change(pm: PatchMap, name: str, ds: list[TensorDelta], served: str, entry: TensorEntry) -> bool | None:
+    def _prove_change(
+        pm: PatchMap,
+        name: str,
+        ds: list[TensorDelta],
+        served: str,
+        entry: TensorEntry,
+        read: torch.Tensor | None = None,
+    ) -> bool | None:
         """Whether the sparse changes ``ds`` (in order) move the served sketch to the published one; ``None`` if
-        this rank does not hold the tensor whole (proven after the pause instead)."""
+        this rank does not hold the tensor whole (proven after the pause instead). ``read``: the live values at
+        the changed elements, read already (by the decoder)."""
         if not pm.holds_whole(name, entry.numel):
             return None
-        if len(ds) == 1:
-            idx, new = ds[0].indices, ds[0].values
-        else:  # a catch-up: the last write of each element wins
-            idx = torch.cat([d.indices for d in ds])  # type: ignore[misc]
-            new = torch.cat([d.values.reshape(-1) for d in ds])
-            order = torch.argsort(idx, stable=True)
-            idx, new = idx[order], new[order]
-            keep = torch.ones(idx.numel(), dtype=torch.bool)
-            keep[:-1] = idx[1:] != idx[:-1]
-            idx, new = idx[keep], new[keep]
+        idx, new = ds[0].indices, ds[0].values
+        for d in ds[1:]:  # a catch-up: the last write of each element wins
+            assert idx is not None and d.indices is not None
+            idx, new = merge_changes((idx, new), (d.indices, d.values))
         assert idx is not None
         dtype = DTYPES[entry.dtype]
         new = new.reshape(-1).to(dtype)
@@ -119,7 +133,7 @@ class ProvingEngine(EngineBase):
         # reuses, where one pass over tens of millions of changes would fault in fresh pages for each of them
         for a in range(0, idx.numel(), _BLOCK):
             at = idx[a : a + _BLOCK]
-            old = pm.gather(name, at).to(dtype)
+            old = (read[a : a + _BLOCK] if read is not None else pm.gather(name, at)).to(dtype)
             # decoded indices are strictly increasing (the decoder checks); a catch-up's were sorted and deduplicated
             moved = add_sketches(moved, sketch_change(new[a : a + _BLOCK], old, at, increasing=True))
         return format_sketch(moved) == entry.sketch

@@ -143,6 +143,10 @@ def test_inplace_through_the_map_is_bit_exact_against_a_fresh_engine(
                 result = agent.sync()
                 assert result.route == "deltas" and "audit" in result.timings
                 assert all(h.get("prepared") for st in _statuses(llm) for h in st["history"][-1:]), "not prepared"
+            # one rank decodes the published objects against its live parameters: its agent holds no copy of the
+            # model; at TP=2 each rank holds parts of tensors, and the agent decodes against its host copy
+            assert [st["decodes"] for st in _statuses(llm)] == [tp == 1] * tp
+            assert (agent.host is None) is (tp == 1)
             before = llm.collective_rpc("deltasync_effective")
             target = OfflineLLMTarget(llm)
             at = publisher.version

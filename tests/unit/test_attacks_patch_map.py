@@ -279,6 +279,7 @@ def test_the_proof_covers_a_tensor_held_whole_across_two_parameters() -> None:
                 _manifest=served_manifest,
                 _prove_change=DeltaSyncWeightTransferEngine._prove_change,
                 _prove_whole=DeltaSyncWeightTransferEngine._prove_whole,
+                _served_reads={},
             )
             with pytest.raises(UpdateRefused, match="nothing was written") as exc:
                 DeltaSyncWeightTransferEngine._prove(
@@ -347,6 +348,7 @@ def test_the_proof_from_changed_elements_block_by_block_catches_a_wrong_value_in
         _manifest=types.SimpleNamespace(tensors={"w": types.SimpleNamespace(sketch=tensor_sketch(served))}),
         _prove_change=DeltaSyncWeightTransferEngine._prove_change,
         _prove_whole=DeltaSyncWeightTransferEngine._prove_whole,
+        _served_reads={},
     )
     prove = lambda: DeltaSyncWeightTransferEngine._prove(  # noqa: E731
         engine,  # type: ignore[arg-type]

@@ -1,0 +1,103 @@
+"""The base values an engine decodes a published object against: what it serves, read where the changes go.
+
+A ``packed`` delta codes each changed value against the base version's value at that element (``ordinal-delta``).
+An engine that holds every tensor it serves decodes it against its own live parameters, reading only the changed
+elements, so its agent needs no copy of the model. The values read for the first object that changes a tensor are
+the very values that object replaces: the proof before the first write reuses them
+(:meth:`~deltasync.vllm.proof.ProvingEngine._prove`), one gather for both.
+
+Within one update session (a catch-up: an anchor, then deltas; or several deltas), each later object decodes
+against what the earlier ones give, held here as an overlay (:meth:`ServedValues.advance`); the engine has written
+nothing yet.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterable
+
+import torch
+
+from ..errors import FormatError
+from ..format import TensorDelta
+
+__all__ = ["ServedValues", "merge_changes"]
+
+
+def merge_changes(
+    first: tuple[torch.Tensor, torch.Tensor], then: tuple[torch.Tensor, torch.Tensor]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Two sparse changes of one tensor (sorted flat indices, values), applied in order, as one: sorted, each
+    element once, the later value winning."""
+    idx = torch.cat([first[0], then[0]])
+    new = torch.cat([first[1].reshape(-1), then[1].reshape(-1)])
+    order = torch.argsort(idx, stable=True)
+    idx, new = idx[order], new[order]
+    keep = torch.ones(idx.numel(), dtype=torch.bool)
+    keep[:-1] = idx[1:] != idx[:-1]
+    return idx[keep], new[keep]
+
+
+class ServedValues:
+    """:class:`~deltasync.format.BaseValues` for one update session of an engine.
+
+    Args:
+        live: reads what the engine serves of a tensor at sorted flat indices (``name``, ``indices``, ``dtype``);
+            raises ``FormatError`` when it cannot (the tensor is held in part, or not at all).
+    """
+
+    def __init__(self, live: Callable[[str, torch.Tensor, torch.dtype], torch.Tensor]) -> None:
+        self._live = live
+        self._dense: dict[str, torch.Tensor] = {}  # written whole earlier in the session: flat values
+        self._owned: set[str] = set()  # dense values this session owns (copied before a later change)
+        self._sparse: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # changed earlier: sorted indices, values
+        self._lock = threading.Lock()
+        self.served: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+        """Per tensor, the (indices, values) read from what the engine serves, for the first object that changes
+        it (a tensor split over shards is read once per part)."""
+
+    def values_at(self, name: str, shape: tuple[int, ...], dtype: torch.dtype, indices: torch.Tensor) -> torch.Tensor:
+        dense = self._dense.get(name)
+        if dense is not None:
+            if dense.dtype != dtype or dense.numel() != _numel(shape):
+                raise FormatError(f"tensor {name!r}: coded against {dtype} {list(shape)}, the session holds another")
+            return dense.index_select(0, indices)
+        values = self._live(name, indices, dtype)
+        changed = self._sparse.get(name)
+        if changed is None:
+            with self._lock:  # the decoder reads tensors on several threads
+                self.served.setdefault(name, []).append((indices, values))
+            return values
+        at, new = changed
+        pos = torch.searchsorted(at, indices).clamp_(max=max(at.numel() - 1, 0))
+        hit = at.index_select(0, pos) == indices if at.numel() else torch.zeros_like(indices, dtype=torch.bool)
+        values[hit] = new.index_select(0, pos[hit])
+        return values
+
+    def advance(self, deltas: Iterable[TensorDelta]) -> None:
+        """What the later objects of the session decode against: ``deltas`` (one object's, decoded) applied."""
+        for d in deltas:
+            name = d.ckpt_name
+            if d.indices is None and d.span is None:  # written whole
+                self._dense[name] = d.values.reshape(-1)
+                self._owned.discard(name)
+                self._sparse.pop(name, None)
+                continue
+            idx = d.indices if d.indices is not None else torch.arange(*d.bounds, dtype=torch.int64)
+            values = d.values.reshape(-1)
+            dense = self._dense.get(name)
+            if dense is not None:
+                if name not in self._owned:  # the earlier object's values are written as they are: never change them
+                    dense = self._dense[name] = dense.clone()
+                    self._owned.add(name)
+                dense.index_copy_(0, idx, values.to(dense.dtype))
+                continue
+            before = self._sparse.get(name)
+            self._sparse[name] = (idx, values) if before is None else merge_changes(before, (idx, values))
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
