@@ -27,9 +27,9 @@ from deltasync import (
 from deltasync.agent import Agent
 from deltasync.client import CoordinatorClient
 from deltasync.config import AgentConfig
-from deltasync.layout import manifest_key
+from deltasync.layout import manifest_key, object_prefix
 from deltasync.reader import load_object, read_manifest
-from deltasync.staging import StagedUpdate, stage_object
+from deltasync.staging import StagedUpdate, stage_object, stage_published
 from deltasync.targets import UNHEALTHY_LABEL, OfflineLLMTarget
 from tests.conftest import PUBLISHER_TOKEN, ServerThread, agent_token, coordinator_settings, overwrite
 from tests.integration.fresh_engine import fresh_run, generate
@@ -133,6 +133,53 @@ def _staged(world: World, version: int, kind: str, directory: str):
         load_object(world.store, m, base=None if kind == "anchor" else _host(world, m)),
     )
     return dataclasses.replace(obj, manifest=None, deltas=None)  # the engine reads the files, as over RPC
+
+
+def _published(world: World, version: int, kind: str, directory: str):
+    """An object staged as published: the manifest and the shards as fetched (the engine decodes them)."""
+    m = read_manifest(world.store, version, kind)  # type: ignore[arg-type]
+    prefix = object_prefix(version, kind)  # type: ignore[arg-type]
+    obj = stage_published(
+        world.tmp / "staging" / directory,
+        m,
+        world.store.get(manifest_key(version, kind)),  # type: ignore[arg-type]
+        [world.store.get(prefix + e.file) for e in m.shards],
+    )
+    return dataclasses.replace(obj, manifest=None)
+
+
+def test_the_engine_decodes_published_objects_and_refuses_any_other(
+    vllm_engine: Any, world: World, agent: Agent
+) -> None:
+    """The engine decodes what its agent stages as fetched against what it serves (here its reload shadow): the
+    agent keeps no copy of the model. A staged shard that is not the published one, a delta on another base,
+    or a staged manifest of another version is refused before any write."""
+    new = world.publisher.step()
+    assert status(vllm_engine)["decodes"] is True
+    assert agent.sync().to_version == new and agent.host is None
+    assert_engine_at(vllm_engine, world, new)
+    target = OfflineLLMTarget(vllm_engine)
+    before = effective(vllm_engine)
+    nxt = world.publisher.step()
+    flipped = _published(world, nxt, "delta", "published-flipped")
+    shard = Path(flipped.shard_paths[0])
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0x40
+    shard.write_bytes(bytes(data))
+    with pytest.raises(UpdateRefused, match="sha256 is") as exc:
+        target.apply(StagedUpdate(objects=(flipped,)))
+    assert exc.value.reason is RefusalReason.MALFORMED
+    with pytest.raises(VersionGapError, match=f"this engine holds v{new}"):
+        target.apply(StagedUpdate(objects=(_published(world, new - 1, "delta", "published-stale"),)))
+    other = _published(world, nxt, "delta", "published-other-manifest")
+    Path(other.manifest_path).write_bytes(world.store.get(manifest_key(new, "delta")))
+    with pytest.raises(UpdateRefused, match="the staged manifest is delta v") as exc:
+        target.apply(StagedUpdate(objects=(other,)))
+    assert exc.value.reason is RefusalReason.MALFORMED
+    assert effective(vllm_engine) == before and status(vllm_engine)["healthy"]  # nothing written
+    target.apply(StagedUpdate(objects=(_published(world, nxt, "delta", "published-good"),)))
+    assert_engine_at(vllm_engine, world, nxt)
+    assert agent.sync().route == "none"
 
 
 def _host(world: World, m):
