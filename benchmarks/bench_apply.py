@@ -109,7 +109,12 @@ class Bench:
         self.client.register_version(VersionCreate.for_manifest(manifest), lease=self.lease)
 
     def mode(self, mode: str) -> None:
-        self.llm.init_weight_transfer_engine({"init_info": {"agent_id": "bench", "mode": mode}})
+        """The apply mode, set as the engine's own agent (an engine obeys only the agent that claimed it)."""
+        claim = {"agent_id": self.agent.config.agent_id, "session": self.agent.session, "mode": mode}
+        self.llm.init_weight_transfer_engine({"init_info": claim})
+        outcome = self.llm.collective_rpc("deltasync_status")[0]["outcome"]
+        if not outcome["ok"]:
+            raise RuntimeError(f"the engine refused mode {mode}: {outcome['message']}")
 
     def updates(self, mode: str, lr: float, steps: int) -> list[dict[str, Any]]:
         from deltasync import compute_delta, write_delta

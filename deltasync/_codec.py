@@ -51,14 +51,16 @@ def split_planes(values: UIntArray, planes: int) -> bytes:
 
 
 def join_planes(buf: bytes, n: int, planes: int, dtype: type[np.unsignedinteger[Any]]) -> UIntArray:
-    """Inverse of :func:`split_planes`: rebuild ``n`` unsigned values of ``dtype``."""
+    """Inverse of :func:`split_planes`: rebuild ``n`` unsigned values of ``dtype``: the low plane widened into the
+    result, each higher one through one reused temporary."""
     src = np.frombuffer(buf, dtype=np.uint8).reshape(planes, n)
-    out: UIntArray = np.zeros(n, dtype=dtype)
-    for k in range(planes):  # one pass per plane: cheaper than a strided transpose for 1-3 planes
-        plane = src[k].astype(dtype)
-        if k:
-            plane <<= 8 * k
-        out |= plane
+    out: UIntArray = src[0].astype(dtype) if planes else np.zeros(n, dtype=dtype)
+    if planes > 1:
+        plane = np.empty(n, dtype=dtype)
+        for k in range(1, planes):
+            np.copyto(plane, src[k], casting="unsafe")
+            np.left_shift(plane, np.array(8 * k, dtype=dtype), out=plane)
+            np.bitwise_or(out, plane, out=out)
     return out
 
 
@@ -73,9 +75,10 @@ def encode_gaps(indices: IntArray, work: type[np.unsignedinteger]) -> UIntArray:
 
 
 def decode_gaps(gaps: UIntArray) -> npt.NDArray[np.uint64]:
-    """Inverse of :func:`encode_gaps`, as uint64, in one buffer (``i[k] = sum(g[0..k] + 1) - 1``). The caller
-    checks bounds (and, for uint64 gaps, which may wrap around, that the result is strictly increasing)."""
-    out = gaps.astype(np.uint64)
+    """Inverse of :func:`encode_gaps`, as uint64, in one buffer (``i[k] = sum(g[0..k] + 1) - 1``): uint64 gaps'
+    own, which the caller gives up. The caller checks bounds (and, for gaps that may wrap around, more than 4 bytes
+    wide, that the result is strictly increasing)."""
+    out = gaps.astype(np.uint64, copy=False)
     out += np.uint64(1)
     np.cumsum(out, out=out)
     out -= np.uint64(1)
@@ -108,6 +111,33 @@ def zigzag_decode(z: UIntArray, signed: type[np.signedinteger]) -> IntArray:
     half: IntArray = (z >> 1).view(signed)
     sign: IntArray = (z & 1).view(signed)
     out: IntArray = np.bitwise_xor(half, np.negative(sign))
+    return out
+
+
+def undo_ordinal_delta(base_bits: IntArray, coded: UIntArray) -> IntArray | None:
+    """The new bit patterns from the base's (``base_bits``, signed, the dtype's width) and the zigzagged ordinal
+    differences (``coded``, unsigned, twice that width): ``from_ordinal(to_ordinal(base) + zigzag_decode(coded))``,
+    computed in ``coded``'s own buffer (which the caller gives up) with one narrow and one wide temporary, where the
+    composed functions make six (fresh pages cost more than the arithmetic here). ``None`` if a result falls outside
+    the dtype (a corrupt shard)."""
+    signed = np.dtype(f"i{coded.dtype.itemsize}")
+    d: IntArray = coded.view(signed)
+    sign = np.bitwise_and(coded, coded.dtype.type(1)).view(signed)
+    np.right_shift(coded, coded.dtype.type(1), out=coded)
+    np.negative(sign, out=sign)
+    np.bitwise_xor(d, sign, out=d)  # zigzag decoded, in place
+    del sign
+    ordinal = to_ordinal(base_bits)
+    np.add(d, ordinal, out=d)
+    del ordinal
+    info = np.iinfo(base_bits.dtype)
+    if d.size and (int(d.min()) < info.min or int(d.max()) > info.max):
+        return None
+    out: IntArray = d.astype(base_bits.dtype)
+    width = out.dtype.itemsize * 8
+    flip = np.right_shift(out, width - 1)  # from_ordinal, in place: one narrow temporary
+    np.bitwise_and(flip, np.array((1 << (width - 1)) - 1, dtype=out.dtype), out=flip)
+    np.bitwise_xor(out, flip, out=out)
     return out
 
 

@@ -145,8 +145,9 @@ _PARALLEL_MIN_ELEMENTS = 1 << 18
 
 
 def _parallel_map(fn: Callable[[_T], _R], items: Sequence[_T], elements: int = _PARALLEL_MIN_ELEMENTS) -> list[_R]:
-    # zstd and numpy's large kernels release the GIL: two cores give close to 2x on big shards.
-    workers = min(len(items), os.cpu_count() or 1)
+    # zstd and numpy's large kernels release the GIL: two cores give close to 2x on big shards. Only the cores this
+    # process may run on count: a vLLM CPU worker is pinned to its own (more threads there only take turns).
+    workers = min(len(items), len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
     if workers <= 1 or elements < _PARALLEL_MIN_ELEMENTS:
         return [fn(item) for item in items]
     with ThreadPoolExecutor(max_workers=workers) as pool:
@@ -460,7 +461,8 @@ def _decode_tensor(
         if sparse:
             work = np.uint32 if info.numel <= 2**32 else np.uint64
             raw_gaps = _codec.zstd_decompress(st.entries[f"{t}:packed_indices"].data, n * info.index_planes)
-            decoded = _codec.decode_gaps(_codec.join_planes(raw_gaps, n, info.index_planes, work))
+            # joined straight into uint64 (the planes fit ``work``: the header checked them): one buffer
+            decoded = _codec.decode_gaps(_codec.join_planes(raw_gaps, n, info.index_planes, np.uint64))
             # uint32 gaps (at most 2**32 of them) sum to less than 2**64: the uint64 result cannot wrap
             # and is strictly increasing by construction; uint64 gaps can wrap, so check them
             _check_indices(file, t, decoded, info.bounds, increasing=work is np.uint32)
@@ -470,9 +472,9 @@ def _decode_tensor(
             unsigned_bits = np.uint16 if ibits is np.int16 else np.uint32
             bits = _codec.join_planes(raw_vals, n, info.value_planes, unsigned_bits).view(ibits)
         else:
-            signed, unsigned = wide_dtypes(info.dtype)
+            _, unsigned = wide_dtypes(info.dtype)
             coded = _codec.join_planes(raw_vals, n, info.value_planes, unsigned)
-            bits = _undo_ordinal_delta(file, t, info, coded, signed, base, indices)
+            bits = _undo_ordinal_delta(file, t, info, coded, base, indices)
     shape = info.shape if info.layout == "dense" and info.span is None else (n,)
     values = torch.from_numpy(bits).view(DTYPES[info.dtype]).reshape(shape)
     if has_nan(values):
@@ -497,7 +499,6 @@ def _undo_ordinal_delta(
     t: str,
     info: TensorInfo,
     coded: np.ndarray,
-    signed: type[np.signedinteger[Any]],
     base: Mapping[str, torch.Tensor] | BaseValues | None,
     indices: np.ndarray | None,
 ) -> np.ndarray:
@@ -522,9 +523,9 @@ def _undo_ordinal_delta(
         # np.take: ~1.2x numpy's fancy indexing on a large tensor
         bounds = info.bounds
         base_bits = np.take(held_bits, indices) if indices is not None else held_bits[bounds[0] : bounds[1]]
-    out = _codec.to_ordinal(base_bits).astype(signed)
-    out += _codec.zigzag_decode(coded, signed)
-    info_range = np.iinfo(base_bits.dtype)
-    if out.size and (out.min() < info_range.min or out.max() > info_range.max):
+    if base_bits.size != coded.size:
+        raise _bad(file, f"tensor {t!r}: {coded.size} coded values for {base_bits.size} base values")
+    out = _codec.undo_ordinal_delta(base_bits, coded)  # in coded's buffer: join_planes made it for this call
+    if out is None:
         raise _bad(file, f"tensor {t!r}: a coded value falls outside the {info.dtype} range; the shard is corrupt")
-    return np.asarray(_codec.from_ordinal(out.astype(base_bits.dtype)))
+    return out

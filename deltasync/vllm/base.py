@@ -133,7 +133,7 @@ class EngineBase(WeightTransferEngine[DeltaSyncInitInfo, DeltaSyncUpdateInfo]):
         self._readback: list[Any] = []  # the last session's writes, read back by the audit after the pause
         self._served_reads: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = {}
         """What decoding the session's published objects read of the served values (the proof reuses them)."""
-        self._decodes_of: tuple[int, int] | None = None
+        self._decodes_of: int | None = None
         self._decodes_value = False
         self._manifest: DeltaManifest | None = None  # the served version's: its published checksums
         self._staged_manifest: DeltaManifest | None = None
@@ -270,8 +270,8 @@ class EngineBase(WeightTransferEngine[DeltaSyncInitInfo, DeltaSyncUpdateInfo]):
         spec = self.served_spec()
         if self._map is None or spec is None:
             return True
-        if self._decodes_of != (id(self._map), id(spec)):  # status is polled every sync: judged once per map
-            self._decodes_of = (id(self._map), id(spec))
+        if self._decodes_of != id(self._map):  # status is polled several times a sync: judged once per map
+            self._decodes_of = id(self._map)
             self._decodes_value = all(self._undecodable(n) is None for n in spec)
         return self._decodes_value
 

@@ -65,3 +65,27 @@ def test_a_frame_cannot_declare_more_than_zstd_can_expand() -> None:
     assert len(_codec.zstd_decompress(zeros, 1 << 24)) == 1 << 24  # the real ratio of zeros passes
     with pytest.raises(ValueError, match=r"a \d+-byte zstd frame cannot hold 268435456 bytes"):
         _codec.zstd_decompress(zeros[:473], 1 << 28)
+
+
+@pytest.mark.parametrize(("narrow", "wide"), [(np.int16, np.uint32), (np.int32, np.uint64)])
+def test_undo_ordinal_delta_in_place_is_the_composed_definition(narrow: type, wide: type) -> None:
+    """The fused, in-place undo gives exactly from_ordinal(to_ordinal(base) + zigzag_decode(coded)) on every
+    pattern class (signs, zeros, NaN payloads, the extremes), and refuses a result outside the dtype."""
+    rng = np.random.default_rng(7)
+    info = np.iinfo(narrow)
+    base = rng.integers(info.min, info.max, size=20_000, endpoint=True, dtype=np.int64).astype(narrow)
+    base[:6] = [0, -1, info.min, info.max, info.min + 1, info.max - 1]
+    signed = np.int32 if wide is np.uint32 else np.int64
+    ordinal = _codec.to_ordinal(base).astype(signed)
+    step = rng.integers(-300, 300, size=base.size).astype(signed)
+    step[:6] = [0, 1, 0, 0, -1, 1]  # every sum stays inside the dtype
+    target = np.clip(ordinal + step, info.min, info.max)
+    coded = _codec.zigzag_encode((target - ordinal).astype(signed), wide)
+    expected = _codec.from_ordinal(target.astype(narrow))
+    got = _codec.undo_ordinal_delta(base, coded.copy())
+    assert got is not None and got.dtype == np.dtype(narrow) and np.array_equal(got, expected)
+    over = _codec.zigzag_encode(np.array([1], dtype=signed), wide)  # one past the largest ordinal
+    assert _codec.undo_ordinal_delta(np.array([info.max], dtype=narrow), over) is None
+    under = _codec.zigzag_encode(np.array([-1], dtype=signed), wide)
+    highest_negative = _codec.from_ordinal(np.array([info.min], dtype=narrow))
+    assert _codec.undo_ordinal_delta(highest_negative, under) is None
