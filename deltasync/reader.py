@@ -262,11 +262,13 @@ def decode_object(
         IntegrityError: a shard's size or sha256 differs from the manifest.
         FormatError: a shard is malformed or disagrees with the manifest.
     """
-    out: list[TensorDelta] = []
-    for i, (entry, data) in enumerate(zip(manifest.shards, shards, strict=True)):
-        name = f"{where}{entry.file}"
+    pairs = list(zip(manifest.shards, shards, strict=True))
+    for entry, data in pairs:  # every shard checked before any is decoded (against a base read from an engine)
         if not (checked and isinstance(data, bytes) and len(data) == entry.bytes):  # only immutable bytes stay checked
-            check_shard(data, entry, name=name)
+            check_shard(data, entry, name=f"{where}{entry.file}")
+    out: list[TensorDelta] = []
+    for i, (entry, data) in enumerate(pairs):
+        name = f"{where}{entry.file}"
         buf: bytearray | memoryview
         if isinstance(data, bytearray) or (isinstance(data, memoryview) and not data.readonly):
             buf = data

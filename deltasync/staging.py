@@ -280,6 +280,7 @@ def read_staged(
     *,
     root: str | os.PathLike[str] | None = None,
     base: Mapping[str, torch.Tensor] | BaseValues | None = None,
+    manifest: DeltaManifest | None = None,
 ) -> tuple[DeltaManifest, list[TensorDelta]]:
     """Read and check a staged object: its manifest, then each shard against it; nothing is applied.
 
@@ -292,6 +293,8 @@ def read_staged(
             else). Required for objects given as files.
         base: what a ``published`` delta's ``packed`` entries are decoded against: the base version's values
             (:func:`~deltasync.reader.decode_object`).
+        manifest: the staged manifest as :func:`read_staged_manifest` read it (and the caller admitted it): the
+            shards are checked against this one, and the file is not read again.
 
     Raises:
         FormatError: no ``root`` was named, a file is outside it, unreadable, malformed, or disagrees with the
@@ -301,7 +304,8 @@ def read_staged(
     """
     if obj.manifest is not None and obj.deltas is not None:
         return obj.manifest, list(obj.deltas)
-    manifest = read_staged_manifest(obj, root=root)
+    if manifest is None:
+        manifest = read_staged_manifest(obj, root=root)
     where = f"{os.path.dirname(obj.manifest_path)}/"
     if obj.published:
         if len(obj.shard_paths) != len(manifest.shards):

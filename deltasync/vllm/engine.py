@@ -220,11 +220,13 @@ class DeltaSyncWeightTransferEngine(ProvingEngine):
         """Each staged object read and checked; published ones decoded against what this engine serves (and, in a
         catch-up, against the objects before them). Nothing is written."""
         source = None
+        admitted: list[DeltaManifest | None] = [None] * len(update.objects)
         if any(obj.published and obj.kind == "delta" for obj in update.objects):
             try:  # admitted by their manifests first: a delta on another base is never decoded against this one
-                self._admit_manifests([read_staged_manifest(o, root=self.staging_root) for o in update.objects], update)
+                admitted = [read_staged_manifest(o, root=self.staging_root) for o in update.objects]
             except (ValueError, OSError) as exc:
                 raise UpdateRefused(f"deltasync: {exc}", reason=RefusalReason.MALFORMED) from exc
+            self._admit_manifests([m for m in admitted if m is not None], update)
             source = ServedValues(self._served_values)
             if self.mode == "inplace":
                 try:  # built here, once, before the decoder's threads read through it
@@ -234,8 +236,8 @@ class DeltaSyncWeightTransferEngine(ProvingEngine):
         self._served_reads = {}
         try:
             out = []
-            for obj in update.objects:
-                manifest, deltas = read_staged(obj, root=self.staging_root, base=source)
+            for obj, known in zip(update.objects, admitted, strict=True):  # the admitted manifests, not read again
+                manifest, deltas = read_staged(obj, root=self.staging_root, base=source, manifest=known)
                 if source is not None:
                     source.advance(deltas)
                 out.append((manifest, deltas))

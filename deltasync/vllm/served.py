@@ -76,24 +76,45 @@ class ServedValues:
 
     def advance(self, deltas: Iterable[TensorDelta]) -> None:
         """What the later objects of the session decode against: ``deltas`` (one object's, decoded) applied."""
+        spans: dict[str, list[TensorDelta]] = {}
         for d in deltas:
-            name = d.ckpt_name
-            if d.indices is None and d.span is None:  # written whole
-                self._dense[name] = d.values.reshape(-1)
-                self._owned.discard(name)
-                self._sparse.pop(name, None)
+            if d.indices is None and d.span is not None:
+                spans.setdefault(d.ckpt_name, []).append(d)
+            else:
+                self._change(d)
+        for name, parts in spans.items():
+            numel = _numel(parts[0].shape)
+            if sum(b - a for a, b in (p.bounds for p in parts)) != numel:  # a part of the tensor (or a forgery)
+                for p in parts:
+                    self._change(p)
                 continue
-            idx = d.indices if d.indices is not None else torch.arange(*d.bounds, dtype=torch.int64)
-            values = d.values.reshape(-1)
-            dense = self._dense.get(name)
-            if dense is not None:
-                if name not in self._owned:  # the earlier object's values are written as they are: never change them
-                    dense = self._dense[name] = dense.clone()
-                    self._owned.add(name)
-                dense.index_copy_(0, idx, values.to(dense.dtype))
-                continue
-            before = self._sparse.get(name)
-            self._sparse[name] = (idx, values) if before is None else merge_changes(before, (idx, values))
+            # one object's spans cover the tensor (an anchor published by ranks): held whole from now on, and
+            # nothing more is read from the engine for it (the decoder checked the spans do not overlap)
+            whole = torch.empty(numel, dtype=parts[0].values.dtype)
+            for p in parts:
+                whole[p.bounds[0] : p.bounds[1]] = p.values.reshape(-1)
+            self._dense[name] = whole
+            self._owned.add(name)
+            self._sparse.pop(name, None)
+
+    def _change(self, d: TensorDelta) -> None:
+        name = d.ckpt_name
+        if d.indices is None and d.span is None:  # written whole
+            self._dense[name] = d.values.reshape(-1)
+            self._owned.discard(name)
+            self._sparse.pop(name, None)
+            return
+        idx = d.indices if d.indices is not None else torch.arange(*d.bounds, dtype=torch.int64)
+        values = d.values.reshape(-1)
+        dense = self._dense.get(name)
+        if dense is not None:
+            if name not in self._owned:  # the earlier object's values are written as they are: never change them
+                dense = self._dense[name] = dense.clone()
+                self._owned.add(name)
+            dense.index_copy_(0, idx, values.to(dense.dtype))
+            return
+        before = self._sparse.get(name)
+        self._sparse[name] = (idx, values) if before is None else merge_changes(before, (idx, values))
 
 
 def _numel(shape: tuple[int, ...]) -> int:
