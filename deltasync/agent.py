@@ -485,7 +485,7 @@ class Agent:
             self.host, self.host_version = None, None  # the engine decodes against what it serves
             for (m, data), blobs in zip(manifests, shards, strict=True):
                 dirs.append(self._staging_dir(m))
-                objects.append(dataclasses.replace(stage_published(dirs[-1], m, data, blobs), manifest=None))
+                objects.append(stage_published(dirs[-1], m, data, blobs))
             timings.update(fetch=t1 - t0, decode=0.0, stage=time.perf_counter() - t1)
             return StagedUpdate(objects=tuple(objects)), dirs
         stage_s = 0.0

@@ -176,18 +176,23 @@ class StagedUpdate:
         return cls(objects=tuple(StagedObject.from_update_info(o) for o in objects))
 
 
-def in_memory(manifest: DeltaManifest, deltas: Sequence[TensorDelta]) -> StagedObject:
-    """A verified object handed to an in-process engine as Python objects: no files are written or read (the
-    engine still admits it, and checks its checksums after writing)."""
+def _staged(manifest: DeltaManifest, manifest_path: str, shard_paths: Sequence[str], **more: Any) -> StagedObject:
+    """The staged object of ``manifest``'s object (its kind and versions), at these paths."""
     return StagedObject(
         kind=manifest.kind,
         version=manifest.version,
         base_version=manifest.base_version,
-        manifest_path=f"<in memory: v{manifest.version} {manifest.kind}>",
-        shard_paths=(),
+        manifest_path=manifest_path,
+        shard_paths=tuple(shard_paths),
         manifest=manifest,
-        deltas=tuple(deltas),
+        **more,
     )
+
+
+def in_memory(manifest: DeltaManifest, deltas: Sequence[TensorDelta]) -> StagedObject:
+    """A verified object handed to an in-process engine as Python objects: no files are written or read (the
+    engine still admits it, and checks its checksums after writing)."""
+    return _staged(manifest, f"<in memory: v{manifest.version} {manifest.kind}>", (), deltas=tuple(deltas))
 
 
 def stage_object(
@@ -213,15 +218,7 @@ def stage_object(
             base_version=manifest.base_version,
         )
         paths.append(write_new(root / shard_file(0), data))
-    return StagedObject(
-        kind=manifest.kind,
-        version=manifest.version,
-        base_version=manifest.base_version,
-        manifest_path=write_new(root / MANIFEST_FILE, manifest_bytes),
-        shard_paths=tuple(paths),
-        manifest=manifest,
-        deltas=tuple(deltas),
-    )
+    return _staged(manifest, write_new(root / MANIFEST_FILE, manifest_bytes), paths, deltas=tuple(deltas))
 
 
 def stage_published(
@@ -236,15 +233,7 @@ def stage_published(
     if len(shards) != len(manifest.shards):
         raise ValueError(f"stage_published: {len(shards)} shards for a manifest of {len(manifest.shards)}")
     paths = [write_new(root / entry.file, data) for entry, data in zip(manifest.shards, shards, strict=True)]
-    return StagedObject(
-        kind=manifest.kind,
-        version=manifest.version,
-        base_version=manifest.base_version,
-        manifest_path=write_new(root / MANIFEST_FILE, manifest_bytes),
-        shard_paths=tuple(paths),
-        published=True,
-        manifest=manifest,
-    )
+    return _staged(manifest, write_new(root / MANIFEST_FILE, manifest_bytes), paths, published=True)
 
 
 def read_staged_manifest(obj: StagedObject, *, root: str | os.PathLike[str] | None) -> DeltaManifest:

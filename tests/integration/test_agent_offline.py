@@ -27,13 +27,14 @@ from deltasync import (
 from deltasync.agent import Agent
 from deltasync.client import CoordinatorClient
 from deltasync.config import AgentConfig
-from deltasync.layout import manifest_key, object_prefix
+from deltasync.layout import manifest_key
 from deltasync.reader import load_object, read_manifest
-from deltasync.staging import StagedUpdate, stage_object, stage_published
+from deltasync.staging import StagedUpdate, stage_object
 from deltasync.targets import UNHEALTHY_LABEL, OfflineLLMTarget
 from tests.conftest import PUBLISHER_TOKEN, ServerThread, agent_token, coordinator_settings, overwrite
 from tests.integration.fresh_engine import fresh_run, generate
 from tests.support.models import build_tiny_model, qwen3_effective_checksums
+from tests.support.staging import stage_as_published
 from tests.support.world import StreamPublisher
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
@@ -137,15 +138,7 @@ def _staged(world: World, version: int, kind: str, directory: str):
 
 def _published(world: World, version: int, kind: str, directory: str):
     """An object staged as published: the manifest and the shards as fetched (the engine decodes them)."""
-    m = read_manifest(world.store, version, kind)  # type: ignore[arg-type]
-    prefix = object_prefix(version, kind)  # type: ignore[arg-type]
-    obj = stage_published(
-        world.tmp / "staging" / directory,
-        m,
-        world.store.get(manifest_key(version, kind)),  # type: ignore[arg-type]
-        [world.store.get(prefix + e.file) for e in m.shards],
-    )
-    return dataclasses.replace(obj, manifest=None)
+    return stage_as_published(world.store, world.tmp / "staging" / directory, version, kind)  # type: ignore[arg-type]
 
 
 def test_the_engine_decodes_published_objects_and_refuses_any_other(

@@ -24,13 +24,13 @@ from deltasync._sharding import TensorView, dense_entries, globalize
 from deltasync.apply import Holding, write
 from deltasync.errors import RefusalReason, UpdateRefused
 from deltasync.format import TensorDelta
-from deltasync.layout import manifest_key, object_prefix
 from deltasync.manifest import DeltaManifest, TensorEntry
 from deltasync.sketch import tensor_sketch
-from deltasync.staging import StagedObject, StagedUpdate, read_staged, read_staged_manifest, stage_published
+from deltasync.staging import StagedObject, StagedUpdate, read_staged, read_staged_manifest
 from deltasync.vllm.served import ServedValues
 from deltasync.vocab import DTYPE_NAMES
 from deltasync.writer import ObjectWriter, write_anchor, write_delta
+from tests.support.staging import stage_as_published
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
@@ -116,13 +116,7 @@ def _publish_spans(
 
 
 def _stage(store: LocalStore, root: Path, version: int, kind: str = "delta", sub: str = "") -> StagedObject:
-    m = read_manifest(store, version, kind)
-    prefix = object_prefix(version, kind)
-    shards = [store.get(prefix + e.file) for e in m.shards]
-    directory = root / f"{sub}v{version}-{kind}"
-    return StagedObject.from_update_info(
-        stage_published(directory, m, store.get(manifest_key(version, kind)), shards).to_update_info()
-    )
+    return stage_as_published(store, root / f"{sub}v{version}-{kind}", version, kind)  # type: ignore[arg-type]
 
 
 class _Live:

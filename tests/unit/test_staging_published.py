@@ -9,13 +9,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from deltasync import FormatError, IntegrityError, LocalStore, compute_delta, read_manifest, write_anchor, write_delta
+from deltasync import FormatError, IntegrityError, LocalStore, compute_delta, write_anchor, write_delta
 from deltasync.apply import write
-from deltasync.layout import manifest_key, object_prefix
-from deltasync.staging import StagedObject, StagedUpdate, read_staged, stage_published
+from deltasync.staging import StagedObject, StagedUpdate, read_staged
 from deltasync.vllm.served import ServedValues, merge_changes
 from deltasync.vocab import Kind
 from tests.conftest import assert_bit_equal
+from tests.support.staging import stage_as_published
 from tests.support.stream import UpdateStream
 
 
@@ -34,13 +34,7 @@ def _publish(store: LocalStore, stream: UpdateStream, steps: int) -> dict[int, d
 
 
 def _stage(store: LocalStore, root: Path, version: int, kind: Kind = "delta") -> StagedObject:
-    m = read_manifest(store, version, kind)
-    prefix = object_prefix(version, kind)
-    shards = [store.get(prefix + e.file) for e in m.shards]
-    directory = root / f"v{version}-{kind}"
-    return StagedObject.from_update_info(
-        stage_published(directory, m, store.get(manifest_key(version, kind)), shards).to_update_info()
-    )
+    return stage_as_published(store, root / f"v{version}-{kind}", version, kind)
 
 
 class _Served:
