@@ -32,7 +32,7 @@ from .errors import (
     VersionGapError,
 )
 from .format import TensorDelta, decode_shard, encode_shard, read_shard_header, tensor_checksum
-from .manifest import DeltaManifest, ShardEntry, TensorEntry, model_fingerprint
+from .manifest import AdapterEntry, DeltaManifest, ShardEntry, TensorEntry, model_fingerprint
 from .reader import Trust, list_versions, read_manifest, read_weights
 from .signing import SigningKey, VerifyKey
 from .store import LocalStore, Store, open_store, register_store_scheme
@@ -71,6 +71,7 @@ def __dir__() -> list[str]:
 
 
 __all__ = [
+    "AdapterEntry",
     "Agent",
     "ApplyError",
     "CoordinatorClient",

@@ -6,7 +6,16 @@ from typing import Any
 
 import torch
 
-__all__ = ["lora_merged_state"]
+from .names import NameMap
+
+__all__ = [
+    "ADAPTER_PREFIX",
+    "AdapterNames",
+    "adapter_config_json",
+    "adapter_entry",
+    "adapter_state",
+    "lora_merged_state",
+]
 
 
 def lora_merged_state(module: torch.nn.Module, dtype: torch.dtype = torch.bfloat16) -> dict[str, torch.Tensor]:
@@ -28,3 +37,95 @@ def lora_merged_state(module: torch.nn.Module, dtype: torch.dtype = torch.bfloat
                     merged += m.get_delta_weight(adapter).float()  # type: ignore[attr-defined]
             state[f"{qualname}.base_layer.weight"] = merged.to(dtype)
     return state
+
+
+ADAPTER_PREFIX = "base_model.model."
+"""PEFT's prefix of every adapter tensor name, as ``adapter_model.safetensors`` holds them (vLLM reads it)."""
+
+_WRAPPERS = ("_orig_mod.", "module.", "_fsdp_wrapped_module.", "_checkpoint_wrapped_module.")
+
+
+class AdapterNames(NameMap):
+    """An adapter publisher's names: PEFT's saved names, kept as they are (vLLM's LoRA loader reads them)."""
+
+    def __call__(self, runtime_name: str) -> str | None:
+        return self.rename(runtime_name) if self.rename is not None else runtime_name
+
+
+def adapter_state(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """A PEFT LoRA model's adapter tensors by the names ``save_pretrained`` writes (``base_model.model....lora_A.
+    weight``, the adapter's own name left out): what vLLM loads as the adapter. FSDP2 shards stay shards."""
+    from peft import get_peft_model_state_dict
+
+    out = {}
+    for name, tensor in get_peft_model_state_dict(module).items():
+        for prefix in _WRAPPERS:
+            name = name.replace(prefix, "")
+        if not name.startswith(ADAPTER_PREFIX):
+            raise ValueError(f"adapter tensor {name!r}: expected PEFT's {ADAPTER_PREFIX!r} prefix (a PEFT LoRA model)")
+        out[name] = tensor
+    return out
+
+
+def adapter_entry(module: torch.nn.Module, dtype: torch.dtype = torch.bfloat16, adapter: str | None = None) -> Any:
+    """The :class:`~deltasync.manifest.AdapterEntry` of a PEFT LoRA model's active adapter: its rank, alpha,
+    target modules and rsLoRA flag, and the fingerprint of its base model's checkpoint (names, shapes, ``dtype``)
+    as an engine serving that base sees it.
+
+    Raises:
+        ValueError: not a PEFT LoRA model, or an adapter deltasync cannot publish (per-module ranks or alphas,
+            DoRA, extra trained modules, bias): an engine could not serve it as one fixed-shape adapter.
+    """
+    from ._sharding import local_tensors
+    from .manifest import AdapterEntry, model_fingerprint
+    from .vocab import DTYPE_NAMES
+
+    configs = getattr(module, "peft_config", None)
+    if not configs:
+        raise ValueError(f"{type(module).__name__} is not a PEFT model (no peft_config): wrap it with get_peft_model")
+    name = adapter or getattr(module, "active_adapter", None) or next(iter(configs))
+    config = configs[name]
+    why = []
+    if str(getattr(config, "peft_type", "")).rsplit(".", 1)[-1] != "LORA":
+        why.append(f"peft_type {config.peft_type}")
+    if getattr(config, "rank_pattern", None) or getattr(config, "alpha_pattern", None):
+        why.append("per-module ranks or alphas (rank_pattern, alpha_pattern)")
+    if getattr(config, "use_dora", False):
+        why.append("DoRA")
+    if getattr(config, "modules_to_save", None):
+        why.append(f"modules_to_save {config.modules_to_save}")
+    if getattr(config, "bias", "none") != "none":
+        why.append(f"bias={config.bias!r}")
+    targets = config.target_modules
+    if isinstance(targets, str):
+        why.append(f"target_modules as a pattern ({targets!r}): list the modules")
+    if why:
+        raise ValueError(f"adapter {name!r}: deltasync publishes plain LoRA adapters only, not {'; '.join(why)}")
+    _, views = local_tensors(module, name_map=NameMap(), dtype=dtype, merge_lora=False, rank=0)
+    base = {n: (DTYPE_NAMES[dtype], tuple(v.shape)) for n, v in views.items()}
+    return AdapterEntry(
+        r=int(config.r),
+        lora_alpha=config.lora_alpha,
+        target_modules=tuple(sorted(set(targets))),
+        use_rslora=bool(getattr(config, "use_rslora", False)),
+        base_fingerprint=model_fingerprint(base),
+    )
+
+
+def adapter_config_json(entry: Any, base_model: str | None = None) -> dict[str, Any]:
+    """The ``adapter_config.json`` of a published adapter (what vLLM's loader reads next to its tensors)."""
+    return {
+        "base_model_name_or_path": base_model,
+        "bias": "none",
+        "fan_in_fan_out": False,
+        "inference_mode": True,
+        "lora_alpha": entry.lora_alpha,
+        "lora_dropout": 0.0,
+        "modules_to_save": None,
+        "peft_type": "LORA",
+        "r": entry.r,
+        "target_modules": list(entry.target_modules),
+        "task_type": "CAUSAL_LM",
+        "use_dora": False,
+        "use_rslora": entry.use_rslora,
+    }

@@ -34,6 +34,7 @@ from .vocab import (
 
 __all__ = [
     "MAX_MANIFEST_BYTES",
+    "AdapterEntry",
     "DeltaManifest",
     "ModelSpec",
     "ShardEntry",
@@ -57,6 +58,10 @@ _MODEL_ID_MAX = 256
 _KEYS_1_0 = {"format_version", "kind", "version", "base_version", "encoding", "shards", "tensors"}
 _KEYS_1_1 = _KEYS_1_0 | {"model_fingerprint", "model_id", "run_id"}
 _KEYS_1_3 = _KEYS_1_1 | {"lease_epoch"}
+_KEYS_1_4 = _KEYS_1_3 | {"adapter"}
+_ADAPTER_KEYS = {"peft_type", "r", "lora_alpha", "target_modules", "use_rslora", "base_fingerprint"}
+_TARGET_MODULE = re.compile(r"[A-Za-z0-9_.]{1,128}")
+_MAX_ADAPTER_RANK = 65536
 _TENSOR_KEYS_1_0 = {"shape", "dtype", "nnz", "shards", "checksums"}
 _TENSOR_KEYS_1_2 = _TENSOR_KEYS_1_0 | {"sketch"}
 
@@ -137,6 +142,41 @@ class TensorEntry:
         return math.prod(self.shape)
 
 
+@dataclass(frozen=True, kw_only=True, slots=True)
+class AdapterEntry:
+    """What a LoRA adapter's object is (since 1.4): its tensors are the adapter's own (PEFT names, as in
+    ``adapter_model.safetensors``), for the base model :attr:`base_fingerprint` names. Two objects are versions of
+    one adapter when these are equal; the engine refuses another base or another adapter before the first write."""
+
+    r: int
+    """The rank."""
+    lora_alpha: float
+    """The scaling numerator (``alpha / r``, or ``alpha / sqrt(r)`` with rsLoRA)."""
+    target_modules: tuple[str, ...]
+    """The adapted modules' names (sorted), as in PEFT's ``target_modules``."""
+    use_rslora: bool = False
+    """rsLoRA scaling."""
+    base_fingerprint: str
+    """:func:`model_fingerprint` of the base model the adapter applies to (its checkpoint names, dtypes, shapes)."""
+    peft_type: str = "LORA"
+    """PEFT's adapter type; only ``LORA`` is published."""
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "peft_type": self.peft_type,
+            "r": self.r,
+            "lora_alpha": self.lora_alpha,
+            "target_modules": list(self.target_modules),
+            "use_rslora": self.use_rslora,
+            "base_fingerprint": self.base_fingerprint,
+        }
+
+    def describe_difference(self, other: AdapterEntry) -> str:
+        """How two adapters differ, field by field (for refusal messages); ``""`` when they are one adapter."""
+        mine, theirs = self.to_dict(), other.to_dict()
+        return "; ".join(f"{k} {theirs[k]!r} here, {mine[k]!r} in the object" for k in mine if mine[k] != theirs[k])
+
+
 @dataclass(frozen=True, kw_only=True)  # no slots: spec and model_fingerprint are cached per manifest
 class DeltaManifest:
     """Index of one published object: a delta ``base_version -> version`` or an anchor."""
@@ -161,6 +201,8 @@ class DeltaManifest:
     lease_epoch: int | None = None
     """The epoch of the publisher lease its writer held (since 1.3; ``None`` without a coordinator). A reader
     refuses an object whose epoch a later publisher of the run fenced (see :mod:`deltasync.runrecord`)."""
+    adapter: AdapterEntry | None = None
+    """The LoRA adapter the tensors are (since 1.4); ``None``: a model's own weights."""
     format_version: str = FORMAT_VERSION
     """``major.minor`` of the format."""
 
@@ -222,6 +264,10 @@ class DeltaManifest:
             head.update(model_fingerprint=self.model_fingerprint, model_id=self.model_id, run_id=self.run_id)
         if self.format_version not in ("1.0", "1.1", "1.2"):
             head.update(lease_epoch=self.lease_epoch)
+        if self.format_version not in ("1.0", "1.1", "1.2", "1.3"):
+            head.update(adapter=None if self.adapter is None else self.adapter.to_dict())
+        elif self.adapter is not None:
+            raise ValueError(f"an adapter's manifest needs format 1.4 or later, not {self.format_version}")
         lines = [f" {dump(k)}: {dump(v)}," for k, v in sorted(head.items())]
         body = "\n".join(
             [
@@ -293,7 +339,8 @@ def _parse_manifest(obj: object, name: str) -> DeltaManifest:
         )
     # a newer minor version may only add keys (at any level): accept and ignore them
     newer = minor > ours_minor
-    top = c.keys("manifest", obj, _KEYS_1_0 if minor == 0 else _KEYS_1_1 if minor < 3 else _KEYS_1_3, extra_ok=newer)
+    keys = _KEYS_1_0 if minor == 0 else _KEYS_1_1 if minor < 3 else _KEYS_1_3 if minor == 3 else _KEYS_1_4
+    top = c.keys("manifest", obj, keys, extra_ok=newer)
     kind, encoding = top["kind"], top["encoding"]
     if kind not in KINDS:
         raise c.fail("kind", f"must be one of {list(KINDS)}, found {kind!r}")
@@ -326,8 +373,8 @@ def _parse_manifest(obj: object, name: str) -> DeltaManifest:
     for t in top["tensors"]:
         if not CHECKPOINT_NAME.fullmatch(t):
             raise c.fail("tensors", f"name {t[:80]!r} must have 1 to 1024 characters, no ':' and no control characters")
-    keys = _TENSOR_KEYS_1_0 if minor < 2 else _TENSOR_KEYS_1_2
-    tensors = {t: _parse_tensor(c, t, raw, kind, len(shards), keys, newer) for t, raw in top["tensors"].items()}
+    tensor_keys = _TENSOR_KEYS_1_0 if minor < 2 else _TENSOR_KEYS_1_2
+    tensors = {t: _parse_tensor(c, t, raw, kind, len(shards), tensor_keys, newer) for t, raw in top["tensors"].items()}
     model_id = run_id = None
     if minor >= 1:
         model_id, run_id = top["model_id"], top["run_id"]
@@ -338,6 +385,7 @@ def _parse_manifest(obj: object, name: str) -> DeltaManifest:
     lease_epoch = None
     if minor >= 3 and top["lease_epoch"] is not None:
         lease_epoch = c.int_in("lease_epoch", top["lease_epoch"], 1, MAX_INT)
+    adapter = _parse_adapter(c, top["adapter"], newer) if minor >= 4 and top["adapter"] is not None else None
     manifest = DeltaManifest(
         kind=kind,
         version=version,
@@ -348,6 +396,7 @@ def _parse_manifest(obj: object, name: str) -> DeltaManifest:
         model_id=model_id,
         run_id=run_id,
         lease_epoch=lease_epoch,
+        adapter=adapter,
         format_version=fmt,
     )
     if minor >= 1:
@@ -360,6 +409,36 @@ def _parse_manifest(obj: object, name: str) -> DeltaManifest:
                 f"is {declared} but the tensors listed give {manifest.model_fingerprint}; the manifest is corrupt",
             )
     return manifest
+
+
+def _parse_adapter(c: _Check, raw: object, newer: bool) -> AdapterEntry:
+    a = c.keys("adapter", raw, _ADAPTER_KEYS, extra_ok=newer)
+    if a["peft_type"] != "LORA":
+        raise c.fail("adapter.peft_type", f"must be 'LORA', found {a['peft_type']!r}")
+    r = c.int_in("adapter.r", a["r"], 1, _MAX_ADAPTER_RANK)
+    alpha = a["lora_alpha"]
+    if type(alpha) not in (int, float) or not math.isfinite(alpha) or alpha <= 0:
+        raise c.fail("adapter.lora_alpha", f"must be a finite number > 0, found {alpha!r}")
+    targets = a["target_modules"]
+    if (
+        not isinstance(targets, list)
+        or not 0 < len(targets) <= 1024
+        or not all(isinstance(t, str) and _TARGET_MODULE.fullmatch(t) for t in targets)
+        or targets != sorted(set(targets))
+    ):
+        raise c.fail("adapter.target_modules", f"must be a sorted list of unique module names, found {targets!r}")
+    if type(a["use_rslora"]) is not bool:
+        raise c.fail("adapter.use_rslora", f"must be true or false, found {a['use_rslora']!r}")
+    base = a["base_fingerprint"]
+    if not isinstance(base, str) or not _FINGERPRINT.fullmatch(base):
+        raise c.fail("adapter.base_fingerprint", f"must be 'sha256:' and 64 hex digits, found {base!r}")
+    return AdapterEntry(
+        r=r,
+        lora_alpha=alpha,
+        target_modules=tuple(targets),
+        use_rslora=a["use_rslora"],
+        base_fingerprint=base,
+    )
 
 
 def _parse_tensor(c: _Check, t: str, raw: object, kind: str, n_shards: int, keys: set[str], newer: bool) -> TensorEntry:

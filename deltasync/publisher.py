@@ -33,7 +33,8 @@ from .diff import compute_delta
 from .errors import LeaseError
 from .format import TensorDelta
 from .layout import version_of_key
-from .manifest import DeltaManifest
+from .lora import ADAPTER_PREFIX, AdapterNames, adapter_state
+from .manifest import AdapterEntry, DeltaManifest
 from .names import NameMap
 from .runrecord import adopt_run, claim_run, record_epoch
 from .signing import SigningKey
@@ -81,6 +82,10 @@ class Publisher:
         config: encoding, anchors, queue, signing key, lease.
         name_map: runtime to checkpoint names (default: strip FSDP, DDP, compile and PEFT wrappers).
         merge_lora: publish a PEFT model's LoRA adapters merged into the base weights.
+        adapter: publish a PEFT model's LoRA adapter itself, not merged (:func:`deltasync.lora.adapter_entry`
+            describes it): each version is the adapter's tensors (a PEFT model, or its adapter state dict by
+            PEFT's saved names), and every manifest names the adapter and its base model, so that an engine
+            serving another base or another adapter refuses it before the first write.
 
     Raises:
         LeaseError: another publisher holds the run (the message names it and when its lease expires).
@@ -101,11 +106,18 @@ class Publisher:
         *,
         name_map: NameMap | None = None,
         merge_lora: bool = False,
+        adapter: AdapterEntry | None = None,
     ) -> None:
+        if adapter is not None and merge_lora:
+            raise ValueError(
+                "merge_lora publishes the adapter merged into the base weights, adapter= the adapter itself: choose one"
+            )
         self.store = open_store(store) if isinstance(store, str) else store
         self.coordinator = coordinator
         self.config = config or PublisherConfig()
-        self.name_map, self.merge_lora = name_map or NameMap(), merge_lora
+        self.name_map, self.merge_lora, self.adapter = name_map or NameMap(), merge_lora, adapter
+        if adapter is not None:
+            self.name_map = name_map or AdapterNames()
         self.dtype: torch.dtype = getattr(torch, self.config.dtype)
         distributed = dist.is_available() and dist.is_initialized()
         self.rank = dist.get_rank() if distributed else 0
@@ -124,6 +136,7 @@ class Publisher:
             model_id=self.config.model_id,
             run_id=run_id,
             lease_epoch=epoch,
+            adapter=adapter,
         )
         self._commit = RankCommit(
             writer,
@@ -326,6 +339,14 @@ class Publisher:
 
     def _resolve(self, state: torch.nn.Module | Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """This rank's local tensors by checkpoint name; fixes the views at the first call."""
+        if self.adapter is not None:
+            state = adapter_state(state) if isinstance(state, torch.nn.Module) else state
+            if not state or not all(n.startswith(ADAPTER_PREFIX) for n in state):
+                wrong = next((n for n in state if not n.startswith(ADAPTER_PREFIX)), "nothing")
+                raise ValueError(
+                    f"an adapter publisher publishes a PEFT model's adapter tensors (names {ADAPTER_PREFIX}...), "
+                    f"got {wrong!r}: pass the PEFT model or its get_peft_model_state_dict()"
+                )
         local, views = local_tensors(
             state, name_map=self.name_map, dtype=self.dtype, merge_lora=self.merge_lora, rank=self.rank
         )

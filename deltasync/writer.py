@@ -19,7 +19,7 @@ import torch
 
 from .format import DEFAULT_ZSTD_LEVEL, TensorDelta, encode_shard, tensor_checksum
 from .layout import manifest_key, object_prefix, shard_file, signature_key
-from .manifest import ChecksumPart, DeltaManifest, ShardEntry, TensorEntry
+from .manifest import AdapterEntry, ChecksumPart, DeltaManifest, ShardEntry, TensorEntry
 from .signing import SigningKey
 from .sketch import tensor_sketch
 from .store.base import Store
@@ -85,6 +85,7 @@ class ObjectWriter:
         model_id: the model id each manifest names.
         run_id: the run (coordinator ledger identity) each manifest names.
         lease_epoch: the publisher lease epoch each manifest names (readers refuse a fenced epoch's writes).
+        adapter: the LoRA adapter each manifest says its tensors are (``None``: a model's own weights).
     """
 
     store: Store
@@ -96,6 +97,7 @@ class ObjectWriter:
     model_id: str | None = None
     run_id: str | None = None
     lease_epoch: int | None = None
+    adapter: AdapterEntry | None = None
 
     def encoding_of(self, kind: Kind) -> Encoding:
         """The encoding of an object of ``kind``."""
@@ -159,6 +161,7 @@ class ObjectWriter:
             model_id=self.model_id,
             run_id=self.run_id,
             lease_epoch=self.lease_epoch,
+            adapter=self.adapter,
         )
 
     def commit(self, manifest: DeltaManifest, *, fence: Callable[[], None] | None = None) -> bytes:

@@ -6,6 +6,7 @@ every decompressed stream; the zstd bitstream itself may differ between zstd rel
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import struct
@@ -16,6 +17,7 @@ import torch
 import zstandard
 
 from deltasync import (
+    AdapterEntry,
     DeltaManifest,
     ShardEntry,
     TensorDelta,
@@ -126,6 +128,21 @@ def _cases() -> dict[str, bytes]:
         lease_epoch=3,
     )
     out["manifest-delta.json"] = manifest.to_json()
+    adapter = AdapterEntry(
+        r=2,
+        lora_alpha=16,
+        target_modules=("q_proj", "v_proj"),
+        base_fingerprint="sha256:" + "ab" * 32,
+    )
+    lora = {"base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight": new["model.embed_tokens.weight"]}
+    out["manifest-adapter.json"] = dataclasses.replace(
+        manifest,
+        tensors={
+            k: dataclasses.replace(manifest.tensors["model.embed_tokens.weight"], nnz=v.numel())
+            for k, v in lora.items()
+        },
+        adapter=adapter,
+    ).to_json()
     return out
 
 
@@ -156,16 +173,18 @@ def test_golden(name: str) -> None:
 
 
 @pytest.mark.parametrize(
-    "directory", [GOLDEN, GOLDEN / "1.2", GOLDEN / "1.1", GOLDEN / "1.0"], ids=["1.3", "1.2", "1.1", "1.0"]
+    "directory",
+    [GOLDEN, GOLDEN / "1.3", GOLDEN / "1.2", GOLDEN / "1.1", GOLDEN / "1.0"],
+    ids=["1.4", "1.3", "1.2", "1.1", "1.0"],
 )
 def test_golden_files_decode_to_the_documented_values(directory: Path) -> None:
-    """Files of format 1.0 (before the model fingerprint and run identity), 1.1 (before the sketch) and 1.2
-    (before the lease epoch) stay readable."""
+    """Files of format 1.0 (before the model fingerprint and run identity), 1.1 (before the sketch), 1.2
+    (before the lease epoch) and 1.3 (before adapters) stay readable."""
     base, new = _inputs()
     for name in ("delta-raw", "delta-packed", "anchor-raw", "anchor-packed"):
         header, out = decode_shard((directory / f"{name}.safetensors").read_bytes(), name=name, base=base)
         assert header.target_version == 7
-        assert header.format_version == (directory.name if directory != GOLDEN else "1.3")
+        assert header.format_version == (directory.name if directory != GOLDEN else "1.4")
         for t, d in out.items():
             full = base[t].clone().reshape(-1)
             if d.indices is None:
@@ -180,7 +199,17 @@ def test_golden_files_decode_to_the_documented_values(directory: Path) -> None:
     sketches = {t: e.sketch for t, e in m.tensors.items()}
     with_sketch = directory.name not in ("1.0", "1.1")
     assert sketches == {t: tensor_sketch(v) if with_sketch else None for t, v in new.items()}
-    assert (m.run_id, m.lease_epoch) == (("run-golden", 3) if directory == GOLDEN else (m.run_id, None))
+    newest = directory in (GOLDEN, GOLDEN / "1.3")
+    assert (m.run_id, m.lease_epoch) == (("run-golden", 3) if newest else (m.run_id, None))
+    assert m.adapter is None
+
+
+def test_an_adapter_manifest_reads_back_as_written() -> None:
+    m = DeltaManifest.from_json((GOLDEN / "manifest-adapter.json").read_bytes(), name="golden adapter")
+    assert m.adapter == AdapterEntry(
+        r=2, lora_alpha=16, target_modules=("q_proj", "v_proj"), base_fingerprint="sha256:" + "ab" * 32
+    )
+    assert m.to_json() == (GOLDEN / "manifest-adapter.json").read_bytes()
 
 
 def test_documented_example_header() -> None:

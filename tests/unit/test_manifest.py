@@ -193,7 +193,7 @@ def test_model_and_run_ids_round_trip() -> None:
 
 def test_format_1_0_manifests_still_read_and_newer_minors_may_add_keys() -> None:
     old = json.loads(_manifest().to_json())
-    for key in ("model_fingerprint", "model_id", "run_id", "lease_epoch"):
+    for key in ("model_fingerprint", "model_id", "run_id", "lease_epoch", "adapter"):
         del old[key]
     for t in old["tensors"].values():
         del t["sketch"]
@@ -219,7 +219,7 @@ def test_sketches_round_trip_and_old_manifests_have_none() -> None:
     back = DeltaManifest.from_json(data, name="m")
     assert {n: e.sketch for n, e in back.tensors.items()} == {"a": S1, "b": S0}
     old = json.loads(data) | {"format_version": "1.1"}
-    del old["lease_epoch"]
+    del old["lease_epoch"], old["adapter"]
     for t in old["tensors"].values():
         del t["sketch"]
     jsonschema.validate(old, SCHEMA)
@@ -229,7 +229,9 @@ def test_sketches_round_trip_and_old_manifests_have_none() -> None:
     assert m11.model_fingerprint == m.model_fingerprint  # the sketch is not part of the model's identity
     with pytest.raises(jsonschema.ValidationError):  # 1.2 requires it
         jsonschema.validate(json.loads(data) | {"tensors": old["tensors"]}, SCHEMA)
-    stray = {k: v for k, v in json.loads(data).items() if k != "lease_epoch"} | {"format_version": "1.1"}  # no sketch
+    stray = {k: v for k, v in json.loads(data).items() if k not in ("lease_epoch", "adapter")} | {
+        "format_version": "1.1"
+    }  # no sketch
     with pytest.raises(jsonschema.ValidationError):
         jsonschema.validate(stray, SCHEMA)
     with pytest.raises(

@@ -92,7 +92,7 @@ def test_every_manifest_carries_the_sketch_of_every_tensor(
         ("delta", 5),
     ]
     for m in published:
-        assert m.format_version == "1.3" and list(m.tensors) == sorted(truth[m.version])
+        assert m.format_version == "1.4" and list(m.tensors) == sorted(truth[m.version])
         for name, entry in m.tensors.items():
             assert entry.sketch == tensor_sketch(truth[m.version][name]), (m.kind, m.version, name)
         assert read_manifest(local_store, m.version, m.kind).tensors == m.tensors  # as committed
