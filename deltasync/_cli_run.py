@@ -239,8 +239,12 @@ def add_agent_parser(sub: Any) -> None:
     agent.add_argument("--tp-size", type=int, help="the server's tensor-parallel size (default 1)")
     agent.add_argument(
         "--apply-mode",
-        choices=["auto", "inplace", "patches", "reload"],
-        help="how the engine applies updates (default auto: inplace where parameters are plain, else reload)",
+        choices=["auto", "inplace", "patches", "reload", "lora"],
+        help="how the engine applies updates (default auto: inplace where parameters are plain, else reload; lora: "
+        "the run publishes a LoRA adapter, served from --adapter-dir)",
+    )
+    agent.add_argument(
+        "--adapter-dir", help="apply mode lora: the absolute directory the adapter is served from (its lora_path)"
     )
     agent.add_argument(
         "--allow-rollback",

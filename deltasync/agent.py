@@ -191,6 +191,7 @@ class Agent:
             allow_rollback=self.config.allow_rollback,
             raise_errors=False if self.config.tp_size > 1 else None,
             mode=self.config.apply_mode or "auto",  # always said: a restart resets what another claim set
+            adapter_dir=self.config.adapter_dir,
         )
         self.target.init(claim)
         self.target.recover()
@@ -460,6 +461,8 @@ class Agent:
             run_id=st.run_id,
             high_water=st.high_water,
             model_id=st.model_id,
+            adapter_base=st.adapter_base,
+            adapter=st.adapter,
         )
         for m, _ in manifests:  # refuse another model's or run's objects before fetching a single shard
             if st.fingerprint is not None and m.model_fingerprint != st.fingerprint:

@@ -22,7 +22,7 @@ import torch
 
 from .errors import FormatError, IntegrityError, RefusalReason, UpdateRefused, VersionGapError
 from .format import TensorDelta, tensor_checksum
-from .manifest import DeltaManifest, ModelSpec, describe_spec_difference, model_fingerprint
+from .manifest import AdapterEntry, DeltaManifest, ModelSpec, describe_spec_difference, model_fingerprint
 from .vocab import DTYPE_NAMES, DTYPES
 
 __all__ = [
@@ -59,6 +59,12 @@ class Holding:
     """The highest version it has served in this run."""
     fingerprint: str | None = None
     """:func:`~deltasync.manifest.model_fingerprint` of ``spec`` (computed once, when not given)."""
+    adapter_base: str | None = None
+    """A receiver that serves a LoRA adapter's objects (not a model's own weights): the fingerprint of the base
+    model it serves the adapter on. ``None``: it takes a model's own weights only."""
+    adapter: AdapterEntry | None = None
+    """The adapter it serves (``None``: none yet, or not an adapter receiver); later objects must be versions
+    of it."""
 
     def __post_init__(self) -> None:
         if self.spec is not None and self.fingerprint is None:
@@ -74,6 +80,7 @@ class Holding:
             spec=manifest.spec,
             fingerprint=manifest.model_fingerprint,
             model_id=manifest.model_id or self.model_id,
+            adapter=manifest.adapter or self.adapter,
             run_id=manifest.run_id or self.run_id,
             high_water=top if manifest.run_id in (None, self.run_id) else manifest.version,
         )
@@ -103,6 +110,7 @@ def admit(
         VersionGapError: a delta whose base is not the version held (``reason`` BASE).
     """
     what = f"{where}: {manifest.kind} v{manifest.version}"
+    _admit_adapter(manifest, holding, what)
     if holding.spec is not None and holding.fingerprint != manifest.model_fingerprint:
         raise UpdateRefused(
             f"{what} is for another model (fingerprint {manifest.model_fingerprint[:19]}..., this engine serves "
@@ -144,6 +152,38 @@ def admit(
             "(is the coordinator's ledger restored from an old backup?); to roll back on purpose, restart the "
             "agent with --allow-rollback",
             reason=RefusalReason.ROLLBACK,
+        )
+
+
+def _admit_adapter(manifest: DeltaManifest, holding: Holding, what: str) -> None:
+    """A LoRA adapter's objects go only to a receiver serving that adapter on that base model, and a model's own
+    weights never to one serving an adapter."""
+    a = manifest.adapter
+    if holding.adapter_base is None:
+        if a is not None:
+            raise UpdateRefused(
+                f"{what} is a LoRA adapter's (rank {a.r}, {len(a.target_modules)} target modules), this engine takes "
+                "a model's own weights: run its agent with --apply-mode lora to serve the adapter",
+                reason=RefusalReason.MODEL,
+            )
+        return
+    if a is None:
+        raise UpdateRefused(
+            f"{what} is a model's own weights, this engine serves a LoRA adapter (apply mode lora): point its agent "
+            "at the adapter's run",
+            reason=RefusalReason.MODEL,
+        )
+    if a.base_fingerprint != holding.adapter_base:
+        raise UpdateRefused(
+            f"{what} is an adapter for another base model (base fingerprint {a.base_fingerprint[:19]}..., this "
+            f"engine serves {holding.adapter_base[:19]}...): train the adapter on the served model",
+            reason=RefusalReason.MODEL,
+        )
+    if holding.adapter is not None and a != holding.adapter:
+        raise UpdateRefused(
+            f"{what} is not a version of the served adapter ({a.describe_difference(holding.adapter)}): another "
+            "adapter is served under another name",
+            reason=RefusalReason.MODEL,
         )
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Literal
 
@@ -45,9 +46,13 @@ class AgentConfig:
     audit_interval_s: float | None = 60.0
     """Prove the engine's whole served state against its version's published checksums at least this often
     (``None``: only what each update writes); drift unlabels the engine and restores it through an anchor."""
-    apply_mode: Literal["auto", "inplace", "patches", "reload"] | None = None
+    apply_mode: Literal["auto", "inplace", "patches", "reload", "lora"] | None = None
     """How a vLLM engine applies updates (``None``: the engine's own ``auto``: ``inplace`` where parameters
-    are plain, else ``reload``); see :mod:`deltasync.vllm.engine`."""
+    are plain, else ``reload``; ``lora``: the run publishes a LoRA adapter, which the engine serves under
+    from ``adapter_dir``); see :mod:`deltasync.vllm.engine`."""
+    adapter_dir: str | None = None
+    """Apply mode ``lora``: the absolute directory the adapter is served from (its requests' ``lora_path``); the
+    engine keeps the served version there."""
 
     def __post_init__(self) -> None:
         if self.poll_wait_s < 0:
@@ -64,8 +69,13 @@ class AgentConfig:
             raise ValueError(f"assume_version must be in [0, {MAX_VERSION}] or None, got {self.assume_version}")
         if self.pause_mode not in ("keep", "wait", "abort"):
             raise ValueError(f"pause_mode must be keep, wait or abort, got {self.pause_mode!r}")
-        if self.apply_mode not in (None, "auto", "inplace", "patches", "reload"):
-            raise ValueError(f"apply_mode must be auto, inplace, patches or reload, got {self.apply_mode!r}")
+        if self.apply_mode not in (None, "auto", "inplace", "patches", "reload", "lora"):
+            raise ValueError(f"apply_mode must be auto, inplace, patches, reload or lora, got {self.apply_mode!r}")
+        if (self.apply_mode == "lora") != (self.adapter_dir is not None) or not os.path.isabs(self.adapter_dir or "/"):
+            raise ValueError(
+                "apply_mode lora goes with adapter_dir (an absolute path), and adapter_dir only with it; got "
+                f"apply_mode={self.apply_mode!r}, adapter_dir={self.adapter_dir!r}"
+            )
         if self.tp_size < 1:
             raise ValueError(f"tp_size must be >= 1, got {self.tp_size}")
         if self.integrity_fallback_after < 1:

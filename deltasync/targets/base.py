@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
 from ..errors import ApplyError, RefusalReason, UpdateRefused, VersionGapError
+from ..manifest import AdapterEntry
 from ..staging import StagedUpdate
 
 __all__ = [
@@ -66,6 +67,8 @@ class EngineClaim:
     """A vLLM engine's apply mode (``None``: its ``auto``)."""
     base_version: int | None = None
     """The version the served weights are (``assume_version``); ignored once the engine knows one."""
+    adapter_dir: str | None = None
+    """Mode ``lora``: the directory the adapter is served from."""
 
     def to_init_info(self) -> dict[str, Any]:
         """The JSON ``init_info`` (fields left ``None`` are omitted)."""
@@ -79,6 +82,7 @@ class EngineClaim:
             "raise_errors": self.raise_errors,
             "mode": self.mode,
             "base_version": self.base_version,
+            "adapter_dir": self.adapter_dir,
         }
         return {k: v for k, v in fields.items() if v is not None}
 
@@ -112,6 +116,11 @@ class EngineState:
     decodes: bool = False
     """Every rank decodes published objects against what it serves: its agent stages them as fetched and keeps no
     copy of the model (:func:`~deltasync.staging.stage_published`)."""
+    adapter_base: str | None = None
+    """It serves a LoRA adapter's objects (mode ``lora``) on the base model of this fingerprint (``"unknown"``:
+    it cannot tell, and refuses every adapter); ``None``: it takes a model's own weights."""
+    adapter: AdapterEntry | None = None
+    """The adapter it serves (mode ``lora``; ``None``: none yet)."""
     ranks: tuple[Mapping[str, Any], ...] = field(default=(), repr=False)
     """Each rank's raw status."""
 
@@ -187,8 +196,34 @@ def combine_ranks(ranks: Sequence[Mapping[str, Any]], label: str | None) -> Engi
         drift=next((r["drift"] for r in ranks if r.get("drift")), None),
         detail="; ".join(details),
         decodes=all(r.get("decodes") is True for r in ranks),
+        adapter_base=_adapter_base(first),
+        adapter=_served_adapter(first),
         ranks=tuple(ranks),
     )
+
+
+def _adapter_base(status: Mapping[str, Any]) -> str | None:
+    adapter = status.get("adapter")
+    if not isinstance(adapter, Mapping):
+        return None
+    return str(adapter.get("base_fingerprint") or "unknown")
+
+
+def _served_adapter(status: Mapping[str, Any]) -> AdapterEntry | None:
+    adapter = status.get("adapter")
+    served = adapter.get("served") if isinstance(adapter, Mapping) else None
+    if not isinstance(served, Mapping):
+        return None
+    try:
+        return AdapterEntry(
+            r=int(served["r"]),
+            lora_alpha=served["lora_alpha"],
+            target_modules=tuple(served["target_modules"]),
+            use_rslora=bool(served["use_rslora"]),
+            base_fingerprint=str(served["base_fingerprint"]),
+        )
+    except (KeyError, TypeError, ValueError):
+        return None
 
 
 def check_claim(ranks: Sequence[Mapping[str, Any]], claim: EngineClaim) -> None:

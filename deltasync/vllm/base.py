@@ -23,7 +23,7 @@ from vllm.distributed.weight_transfer.base import (
 from .. import apply
 from ..errors import ApplyError, RefusalReason
 from ..format import TensorDelta
-from ..manifest import DeltaManifest, model_fingerprint
+from ..manifest import AdapterEntry, DeltaManifest, model_fingerprint
 from ..vocab import DTYPES
 from .patch_map import MapCorruption, PatchMap, build_map
 from .plain import plain_parameters
@@ -40,7 +40,7 @@ __all__ = ["MODES", "DeltaSyncInitInfo", "DeltaSyncUpdateInfo", "EngineBase"]
 # "deltasync.*" logger would be silent there.
 logger = logging.getLogger("vllm.deltasync.engine")
 
-MODES = ("auto", "inplace", "patches", "reload")
+MODES = ("auto", "inplace", "patches", "reload", "lora")
 
 
 @dataclass
@@ -48,7 +48,8 @@ class DeltaSyncInitInfo(WeightTransferInitInfo):
     """``init_weight_transfer_engine({"init_info": {...}})``: all optional; only the fields given change."""
 
     mode: str | None = None
-    """``auto`` (the default), ``inplace``, ``patches`` or ``reload``."""
+    """``auto`` (the default), ``inplace``, ``patches``, ``reload``, or ``lora`` (the engine serves a LoRA
+    adapter's versions on its base model, served from ``adapter_dir``)."""
     base_version: int | None = None
     """The version the served weights are (the agent's ``assume_version``); ignored if one is known."""
     base_path: str | None = None
@@ -72,10 +73,18 @@ class DeltaSyncInitInfo(WeightTransferInitInfo):
     """The claiming agent process's session: another process with the same agent id is refused while it lives."""
     ttl_s: float | None = None
     """How long a silent session stays alive."""
+    adapter_dir: str | None = None
+    """``lora`` mode: the absolute directory the adapter is served from (its requests' ``lora_path``): the engine
+    keeps the served version there (vLLM loads it again from there after an eviction)."""
 
     def __post_init__(self) -> None:
         if self.mode is not None and self.mode not in MODES:
             raise ValueError(f"init_info.mode must be one of {MODES}, got {self.mode!r}")
+        if self.mode == "lora" and (not isinstance(self.adapter_dir, str) or not os.path.isabs(self.adapter_dir)):
+            raise ValueError(
+                f"init_info: mode lora needs adapter_dir, the absolute directory the adapter is served from (its "
+                f"requests' lora_path), got {self.adapter_dir!r}"
+            )
 
 
 @dataclass
@@ -142,6 +151,11 @@ class EngineBase(WeightTransferEngine[DeltaSyncInitInfo, DeltaSyncUpdateInfo]):
         """The last drift found (tensor, version, when): cleared when an anchor restores the engine."""
         self.proofs: dict[str, Any] = {}
         """The last whole-state proof: when, how long, how many tensors."""
+        self.adapter_dir: str | None = None
+        self.worker: Any = None
+        """The vLLM worker this engine runs in (set by the worker extension's RPCs): ``lora`` mode reaches vLLM's
+        LoRA manager through it."""
+        self._base_fingerprint: str | None = None
 
     def init_transfer_engine(self, init_info: DeltaSyncInitInfo) -> None:
         """An agent's claim (:class:`~deltasync.targets.EngineClaim`). A refused claim changes nothing and is only
@@ -168,6 +182,9 @@ class EngineBase(WeightTransferEngine[DeltaSyncInitInfo, DeltaSyncUpdateInfo]):
             self.allow_rollback = init_info.allow_rollback
         if init_info.mode is not None:
             self._mode = init_info.mode
+        if init_info.mode == "lora" and init_info.adapter_dir != self.adapter_dir:
+            self.adapter_dir = self.base_path = init_info.adapter_dir
+            self._shadow, self._spec = None, None
         if init_info.base_path is not None:
             self.base_path, self._shadow, self._spec = init_info.base_path, None, None
         if init_info.reprocess_tied is not None:
@@ -195,6 +212,8 @@ class EngineBase(WeightTransferEngine[DeltaSyncInitInfo, DeltaSyncUpdateInfo]):
         """The apply mode in use (``auto`` resolved)."""
         if self._mode == "inplace" and self._map_failed:
             return "reload"  # said in status()["map_error"]
+        if self._mode == "lora":
+            return "lora"
         if self._mode != "auto":
             return self._mode
         if self.vllm_config.quant_config is not None or self._map_failed:
@@ -262,7 +281,7 @@ class EngineBase(WeightTransferEngine[DeltaSyncInitInfo, DeltaSyncUpdateInfo]):
         fetched and keeps no copy of the model): it must read every tensor it serves whole, on every rank. Reload
         mode reads its shadow; in place, a single rank reads its live parameters (the map is built by the first
         update, whose anchor needs no base: until then this is a promise :meth:`_undecodable` keeps per tensor)."""
-        if self.mode == "reload":
+        if self.mode in ("reload", "lora"):
             return True
         parallel = self.vllm_config.parallel_config
         if self.mode != "inplace" or parallel.tensor_parallel_size * parallel.pipeline_parallel_size != 1:
@@ -280,7 +299,7 @@ class EngineBase(WeightTransferEngine[DeltaSyncInitInfo, DeltaSyncUpdateInfo]):
         spec = self.served_spec()
         if spec is None or name not in spec:
             return "not a tensor of the served model"
-        if self.mode == "reload":
+        if self.mode in ("reload", "lora"):
             return None if name in self._get_shadow() else "not in the shadow"
         if self.mode != "inplace":
             return f"apply mode {self.mode}"
@@ -307,6 +326,8 @@ class EngineBase(WeightTransferEngine[DeltaSyncInitInfo, DeltaSyncUpdateInfo]):
             shadow = self._get_shadow()
             if not shadow.empty:
                 self._spec = shadow.spec()
+            elif self.mode == "lora":
+                return None  # no adapter served yet: the first anchor defines it
             else:
                 dtype = self.model_config.dtype
                 self._spec = spec_from_config(
@@ -319,10 +340,42 @@ class EngineBase(WeightTransferEngine[DeltaSyncInitInfo, DeltaSyncUpdateInfo]):
             self._fingerprint_of, self._fingerprint_value = spec, model_fingerprint(spec)
         return self._fingerprint_value
 
+    def base_fingerprint(self) -> str | None:
+        """The fingerprint of the base model this engine serves (``lora`` mode serves adapters on it): from its
+        checkpoint's headers or, without one, its architecture; ``None`` if unknown."""
+        if self._base_fingerprint is None:
+            shadow = Shadow(self.model_config.model)
+            if not shadow.empty:
+                spec: dict[str, tuple[str, tuple[int, ...]]] | None = shadow.spec()
+            else:
+                dtype = self.model_config.dtype
+                spec = spec_from_config(
+                    self.model_config.hf_config, dtype if isinstance(dtype, torch.dtype) else torch.bfloat16
+                )
+            self._base_fingerprint = None if spec is None else model_fingerprint(spec)
+        return self._base_fingerprint
+
+    def served_adapter(self) -> AdapterEntry | None:
+        """``lora`` mode: the adapter served (the last applied object's, or the one in ``adapter_dir`` at the
+        claim); ``None``: none yet (the first anchor defines it) or not ``lora`` mode."""
+        if self.mode != "lora":
+            return None
+        if self._manifest is not None and self._manifest.adapter is not None:
+            return self._manifest.adapter
+        base = self.base_fingerprint()
+        if self.adapter_dir is None or base is None:
+            return None
+        from .lora_slots import read_adapter_config
+
+        return read_adapter_config(self.adapter_dir, base)
+
     def holding(self) -> apply.Holding:
         """What this engine holds, for admission."""
         spec = self.served_spec()
+        lora = self.mode == "lora"
         return apply.Holding(
+            adapter_base=(self.base_fingerprint() or "unknown") if lora else None,
+            adapter=self.served_adapter() if lora else None,
             version=self.version,
             healthy=self.healthy,
             spec=spec,
@@ -355,6 +408,13 @@ class EngineBase(WeightTransferEngine[DeltaSyncInitInfo, DeltaSyncUpdateInfo]):
             "map": None if self._map is None else self._map.summary(),
             "map_error": self._map_failed,
             "decodes": self.decodes(),
+            "adapter": None
+            if self.mode != "lora"
+            else {
+                "dir": self.adapter_dir,
+                "base_fingerprint": self.base_fingerprint(),
+                "served": None if (a := self.served_adapter()) is None else a.to_dict(),
+            },
             "detail": self.detail,
             "drift": self.drift,
             "proofs": dict(self.proofs),

@@ -19,6 +19,13 @@ Modes:
   comparison (``benchmarks/bench_apply.py``).
 * ``auto`` (default): ``inplace`` where every dense linear weight is plain and no quantization config is set,
   else ``reload``.
+* ``lora``: the engine serves a LoRA adapter's versions on its base model (vLLM with ``enable_lora``; the claim
+  names the directory it is served from, its requests' ``lora_path``). A host copy of the adapter (small)
+  receives the objects as in ``reload`` mode; at the end of the session the directory is made to hold the new
+  version (each file renamed over the served one), and vLLM's own session end drops every loaded adapter
+  (``reset_lora_state``), so the next step loads this version through vLLM's LoRA manager, validated as any
+  load is. Objects for another base model or another adapter (rank, alpha, target modules) are refused before
+  the first write; a model's own weights are never taken in this mode, nor an adapter's in the others.
 
 Failure semantics (the one rule of :mod:`deltasync.apply`): the whole update is validated before the first
 write: each staged file against its manifest, each manifest against what this engine serves (model
@@ -164,7 +171,7 @@ class DeltaSyncWeightTransferEngine(ProvingEngine):
             return
         t1 = time.perf_counter()
         try:
-            if self.mode == "reload":
+            if self.mode in ("reload", "lora"):
                 for manifest, deltas in checked:
                     self._apply_to_shadow(manifest, deltas)
             elif self.mode == "patches":
@@ -265,6 +272,8 @@ class DeltaSyncWeightTransferEngine(ProvingEngine):
         self._admit_manifests([manifest for manifest, _ in checked], update)
 
     def _admit_manifests(self, manifests: list[DeltaManifest], update: StagedUpdate) -> None:
+        if self.mode == "lora":
+            self._check_lora(manifests)
         holding = self._staged or self.holding()
         for manifest, obj in zip(manifests, update.objects, strict=True):
             apply.admit(
@@ -278,14 +287,50 @@ class DeltaSyncWeightTransferEngine(ProvingEngine):
                 logger.warning("deltasync: rolling back to v%d on the operator's request", update.target_version)
             holding = holding.after(manifest)
 
+    def _check_lora(self, manifests: list[DeltaManifest]) -> None:
+        """``lora`` mode: refuse, before any write, adapters this vLLM could not load (no LoRA, a rank above its
+        ``max_lora_rank``), and any update without the worker link the session end needs."""
+        lora = self.vllm_config.lora_config
+        if lora is None:
+            raise UpdateRefused(
+                "deltasync: apply mode lora needs vLLM started with LoRA enabled (--enable-lora)",
+                reason=RefusalReason.UNSUPPORTED,
+            )
+        if self.worker is None:
+            raise UpdateRefused(
+                "deltasync: apply mode lora needs the deltasync worker extension (--worker-extension-cls "
+                "deltasync.vllm.worker_ext.DeltaSyncWorkerExtension) and a status read first",
+                reason=RefusalReason.UNSUPPORTED,
+            )
+        for m in manifests:
+            if m.adapter is not None and m.adapter.r > lora.max_lora_rank:
+                raise UpdateRefused(
+                    f"deltasync: v{m.version} is an adapter of rank {m.adapter.r}, this vLLM serves ranks up to "
+                    f"{lora.max_lora_rank} (--max-lora-rank)",
+                    reason=RefusalReason.UNSUPPORTED,
+                )
+
+    def _serve_adapter(self) -> None:
+        """``lora`` mode, at the session's end: make the served directory hold the new version (proven in the
+        host copy against the published checksums when it was written there). vLLM's session end then drops every
+        loaded adapter, and the next step loads this version from the directory."""
+        from .lora_slots import write_adapter
+
+        manifest, shadow = self._staged_manifest, self._get_shadow()
+        if manifest is None or manifest.adapter is None or self.adapter_dir is None:
+            raise ApplyError("deltasync: no adapter staged for the served directory")
+        write_adapter(self.adapter_dir, {n: shadow.get(n) for n in shadow.names()}, manifest.adapter)
+
     def finish_weight_update(self) -> None:
         t0 = time.perf_counter()
         try:
-            if self._pending and self.mode in ("reload", "inplace"):  # inplace: the modules the map cannot hold
+            if self._pending and self.mode == "lora":
+                self._serve_adapter()
+            elif self._pending and self.mode in ("reload", "inplace"):  # inplace: the modules the map cannot hold
                 self._reloader.reload(self._pending)
                 self.stats.update(self._reloader.stats)
         except Exception as exc:  # the model may be half reloaded: never serve it as a known version
-            self._fail_unhealthy(f"the reload failed ({exc})")
+            self._fail_unhealthy(f"{'serving the adapter' if self.mode == 'lora' else 'the reload'} failed ({exc})")
             logger.warning("deltasync: %s", self.detail)
             # never raise here: vLLM would keep its session flag set, and with TP > 1 desync its executor
         finally:

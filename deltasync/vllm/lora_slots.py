@@ -31,11 +31,24 @@ full-weight update), or a later request could reuse KV blocks computed with the 
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-__all__ = ["AdapterRefused", "AdapterWriteFailed", "adapter_buffers", "replace_adapter"]
+if TYPE_CHECKING:
+    from ..manifest import AdapterEntry
+
+__all__ = [
+    "AdapterRefused",
+    "AdapterWriteFailed",
+    "adapter_buffers",
+    "read_adapter_config",
+    "replace_adapter",
+    "write_adapter",
+]
+
+ADAPTER_FILE = "adapter_model.safetensors"
+CONFIG_FILE = "adapter_config.json"
 
 
 class AdapterRefused(ValueError):
@@ -160,3 +173,58 @@ def adapter_buffers(worker: Any, lora_int_id: int) -> dict[str, torch.Tensor]:
             for i, t in enumerate(stacked if isinstance(stacked, tuple) else (stacked,)):
                 out[f"{module_name}.{kind}{i}"] = t[slot].detach().to("cpu", copy=True)
     return out
+
+
+def read_adapter_config(adapter_dir: str, base_fingerprint: str) -> AdapterEntry | None:
+    """The adapter a PEFT directory holds (its ``adapter_config.json``), as a manifest would name it on the base
+    ``base_fingerprint``; ``None`` when there is none yet or it is not a plain LoRA adapter deltasync can serve
+    (then the first anchor defines the adapter)."""
+    import json
+    import os
+
+    from ..manifest import AdapterEntry
+
+    try:
+        with open(os.path.join(adapter_dir, CONFIG_FILE), encoding="utf-8") as f:
+            config = json.load(f)
+        targets = config["target_modules"]
+        if config.get("peft_type", "LORA") != "LORA" or not isinstance(targets, list):
+            return None
+        return AdapterEntry(
+            r=int(config["r"]),
+            lora_alpha=config["lora_alpha"],
+            target_modules=tuple(sorted(set(targets))),
+            use_rslora=bool(config.get("use_rslora", False)),
+            base_fingerprint=base_fingerprint,
+        )
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def write_adapter(adapter_dir: str, tensors: dict[str, torch.Tensor], entry: AdapterEntry) -> None:
+    """Make ``adapter_dir`` hold exactly this adapter version, as PEFT saves it: the tensors file first, then the
+    config, each written to a private temporary file, flushed and renamed over the served one (a reader never sees
+    a torn file; two ranks writing the same version race harmlessly)."""
+    import json
+    import os
+
+    from safetensors.torch import save
+
+    from ..lora import adapter_config_json
+
+    os.makedirs(adapter_dir, exist_ok=True)
+    config = (json.dumps(adapter_config_json(entry), indent=2, sort_keys=True) + "\n").encode()
+    data = save({n: t.contiguous() for n, t in sorted(tensors.items())}, metadata={"format": "pt"})
+    for name, blob in ((ADAPTER_FILE, data), (CONFIG_FILE, config)):
+        path = os.path.join(adapter_dir, name)
+        tmp = os.path.join(adapter_dir, f".{name}.{os.getpid()}.tmp")
+        with open(tmp, "wb") as f:
+            f.write(blob)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    fd = os.open(adapter_dir, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

@@ -229,7 +229,9 @@ class ProvingEngine(EngineBase):
                 if published is None:  # a manifest from before the sketch: xxh3 proves what is held whole
                     if whole is None or not _matches(whole, entry):
                         (bad if whole is not None else unproven).append(name)
-            if names is None:  # the whole state: also what the kernels of repacked modules compute with
+            if names is None and self.mode == "lora":  # the whole state: also the directory vLLM loads it from
+                bad += self._prove_adapter_dir(manifest)
+            elif names is None:  # the whole state: also what the kernels of repacked modules compute with
                 kernel_bad, kernel_unproven = self._prove_kernels()
                 bad += kernel_bad
                 unproven += kernel_unproven
@@ -273,9 +275,37 @@ class ProvingEngine(EngineBase):
                     bad.append(f"{qualname} (as its kernel computes)")
         return bad, unproven
 
+    def _prove_adapter_dir(self, manifest: DeltaManifest) -> list[str]:
+        """``lora`` mode: the served directory's tensors file, read afresh, against the published checksums (vLLM
+        loads the adapter from there at its next use): the tensors that differ, or are missing or extra."""
+        import os
+
+        from safetensors import safe_open
+
+        from .lora_slots import ADAPTER_FILE
+
+        assert self.adapter_dir is not None
+        path = os.path.join(self.adapter_dir, ADAPTER_FILE)
+        with safe_open(path, framework="pt", device="cpu") as f:
+            names = set(f.keys())
+            bad = sorted(f"{n} (in {path})" for n in names ^ set(manifest.tensors))
+            for n in sorted(names & set(manifest.tensors)):
+                t = f.get_tensor(n)
+                entry = manifest.tensors[n]
+                if (
+                    t.dtype != DTYPES[entry.dtype]
+                    or tuple(t.shape) != entry.shape
+                    or not _matches(t.reshape(-1), entry)
+                ):
+                    bad.append(f"{n} (in {path})")
+        return bad
+
     def _proof_map(self) -> PatchMap | None:
         """The patch map, built on first use in every mode: in ``reload`` mode too, the parameters vLLM keeps
-        plain (norms, embeddings) are proven live; only the ones it repacks are proven through the shadow."""
+        plain (norms, embeddings) are proven live; only the ones it repacks are proven through the shadow. ``lora``
+        mode has none: what it serves is the adapter, not the model's parameters."""
+        if self.mode == "lora":
+            return None
         if self._map is None and self._map_failed is None:
             try:
                 self.patch_map()

@@ -179,3 +179,163 @@ def test_tp2_each_rank_replaces_its_slice_bit_exact(
         assert {k.split("/")[0] for k in buffers} == {"0", "1"} and buffers == reference
     finally:
         llm.llm_engine.engine_core.shutdown()
+
+
+# ---------------------------------------------------------------------------------------- an adapter's run, synced
+
+
+def _trainer(model_dir: Path, seed: int, *, rank: int = 8) -> Any:
+    """A PEFT model as a LoRA trainer holds it: float32 adapters (PEFT's default) with random non-zero A and B."""
+    import peft
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16)
+    config = peft.LoraConfig(r=rank, lora_alpha=16, target_modules=TARGETS, init_lora_weights=False)
+    model = peft.get_peft_model(base, config)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_" in name:
+                p.normal_(0, 0.05)
+    return model
+
+
+def _train_step(model: Any, seed: int, lr: float = 1e-3) -> None:
+    """An optimizer-like step: every adapter element moves a little (nearly all bf16 elements change)."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_" in name:
+                p.add_(torch.randn(p.shape, generator=g) * lr)
+
+
+@pytest.fixture
+def adapter_run(tmp_path: Path) -> Iterator[tuple[Any, Any, Any]]:
+    """A coordinator with a publisher's and an agent's client."""
+    from deltasync_coordinator.app import create_app
+
+    from deltasync.client import CoordinatorClient
+    from tests.conftest import PUBLISHER_TOKEN, ServerThread, agent_token, coordinator_settings
+
+    with ServerThread(create_app(coordinator_settings(tmp_path))) as server:
+        with (
+            CoordinatorClient(server.url, token=PUBLISHER_TOKEN) as pub,
+            CoordinatorClient(server.url, token=agent_token("lora-0")) as agt,
+        ):
+            yield pub, agt, tmp_path
+
+
+def test_an_adapter_run_is_served_bit_exact_at_every_version(
+    lora_llm: Any, tiny_model_dir: Path, adapter_run: tuple[Any, Any, Any]
+) -> None:
+    """A trainer publishes its adapter (not merged) each step; the agent keeps the adapter served under one id
+    and one directory at the latest version. What vLLM computes with it equals a fresh load of the trainer's own
+    adapter at that version (float32, saved by PEFT; vLLM casts it), token ids and logprobs, and its LoRA buffer
+    slot reads back bit-exact. The agent holds no copy of the adapter; the whole-state proof reads the served
+    directory."""
+    from vllm.lora.request import LoRARequest
+
+    from deltasync import Publisher
+    from deltasync.agent import Agent
+    from deltasync.config import AgentConfig
+    from deltasync.lora import adapter_entry
+    from deltasync.store import LocalStore
+
+    pub_client, agent_client, tmp = adapter_run
+    model = _trainer(tiny_model_dir, seed=11)
+    entry = adapter_entry(model)
+    store = LocalStore(tmp / "store")
+    served = tmp / "served-adapter"
+    config = AgentConfig(
+        agent_id="lora-0",
+        staging_dir=str(tmp / "staging"),
+        apply_mode="lora",
+        adapter_dir=str(served),
+        retries=1,
+        backoff_s=0.01,
+    )
+    agent = Agent.for_llm(lora_llm, store=store, coordinator=agent_client, config=config)
+    policy = LoRARequest("policy", 21, str(served))
+    with Publisher(store, pub_client, adapter=entry) as pub:
+        for step in range(4):
+            if step:
+                _train_step(model, seed=step)
+            version = pub.publish(model, step)
+            pub.flush()
+            result = agent.sync()
+            assert result.to_version == version, result
+            assert agent.host is None  # the engine decodes against its own copy of the adapter
+            reference = tmp / f"trainer-v{version}"
+            model.save_pretrained(reference)  # the trainer's adapter as PEFT saves it (float32)
+            served_out = _outputs(lora_llm, policy)
+            fresh_out = _outputs(lora_llm, LoRARequest(f"fresh-v{version}", 30 + step, str(reference)))
+            assert served_out == fresh_out, f"v{version}: the served adapter computes otherwise than a fresh load"
+            slots, fresh_slots = _buffers(lora_llm, 21), _buffers(lora_llm, 30 + step)
+            assert slots and slots == fresh_slots, (
+                f"v{version}: {sorted(k for k in slots if slots[k] != fresh_slots.get(k))[:4]}"
+            )
+        deltas = [m.version for m in pub.published if m.kind == "delta"]
+        assert deltas == [1, 2, 3], [(m.kind, m.version) for m in pub.published]
+    status = lora_llm.collective_rpc("deltasync_status")[0]
+    assert status["mode"] == "lora" and status["version"] == version and status["healthy"], status
+    assert status["adapter"]["served"] == entry.to_dict()
+    proof = lora_llm.collective_rpc("deltasync_prove")[0]
+    assert proof["ok"] and proof["proven"] and not proof["bad"], proof
+    assert lora_llm.get_weight_version() == str(version)
+    # drift in the served directory (what vLLM loads the adapter from next) is found by the whole-state proof
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(served / "adapter_model.safetensors")
+    name = sorted(tensors)[0]
+    tensors[name].view(-1)[0] += torch.tensor(1.0, dtype=tensors[name].dtype)
+    save_file(tensors, served / "adapter_model.safetensors", metadata={"format": "pt"})
+    proof = lora_llm.collective_rpc("deltasync_prove")[0]
+    assert not proof["ok"] and any(name in b for b in proof["bad"]), proof
+    status = lora_llm.collective_rpc("deltasync_status")[0]
+    assert not status["healthy"] and status["drift"], status
+    assert agent.sync().to_version == version  # restored from the anchor and the deltas after it
+    assert lora_llm.collective_rpc("deltasync_prove")[0]["ok"]
+    assert _outputs(lora_llm, policy) == fresh_out
+
+    # objects that are not versions of the served adapter are refused by the engine before any write
+    import dataclasses
+
+    from deltasync import UpdateRefused
+    from deltasync.errors import RefusalReason
+    from deltasync.staging import StagedUpdate
+    from deltasync.targets import OfflineLLMTarget
+    from tests.support.staging import stage_as_published
+
+    def anchor_of(state: Any, name: str, **publisher: Any) -> Any:
+        other = LocalStore(tmp / name)
+        with Publisher(other, **publisher) as p:
+            p.publish(state)
+        return stage_as_published(other, tmp / "staging" / name, 0, "anchor")
+
+    foreign = [
+        (
+            anchor_of(model, "base", adapter=dataclasses.replace(entry, base_fingerprint="sha256:" + "0" * 64)),
+            "an adapter for another base model",
+        ),
+        (
+            anchor_of(
+                _trainer(tiny_model_dir, seed=12, rank=4),
+                "rank",
+                adapter=adapter_entry(_trainer(tiny_model_dir, seed=12, rank=4)),
+            ),
+            "not a version of the served adapter (r 8 here, 4",
+        ),
+        (anchor_of(model.get_base_model(), "full"), "is a model's own weights"),
+    ]
+    before = (served / "adapter_model.safetensors").read_bytes()
+    for obj, message in foreign:
+        with pytest.raises(UpdateRefused, match=message.replace("(", r"\(")) as exc:
+            OfflineLLMTarget(lora_llm).apply(StagedUpdate(objects=(obj,)))
+        assert exc.value.reason is RefusalReason.MODEL
+    assert (served / "adapter_model.safetensors").read_bytes() == before
+    assert _outputs(lora_llm, policy) == fresh_out
+    assert lora_llm.collective_rpc("deltasync_status")[0]["version"] == version
