@@ -31,14 +31,24 @@ except ImportError:  # pragma: no cover - the trl extra brings transformers
 class DeltaSyncWeightTransfer:
     """A TRL ``WeightTransferProtocol`` that publishes each sync as a deltasync version.
 
+    With a publisher of a LoRA adapter (``Publisher(adapter=...)``), each sync publishes the adapter of ``model``
+    (the PEFT model), not merged: the weights the trainer streams (the adapter merged into the base, in TRL's
+    merged path) are not read, and vLLM serves the adapter itself (the agent's apply mode ``lora``).
+
     Args:
         publisher: where versions go (store, coordinator, anchors). Closed by ``destroy``.
         wait: wait until each version is written and registered before returning (the trainer then
             blocks for the upload too); by default only the copy blocks.
+        model: the PEFT model whose adapter an adapter publisher publishes.
+
+    Raises:
+        ValueError: an adapter publisher without ``model``.
     """
 
-    def __init__(self, publisher: Publisher, *, wait: bool = False) -> None:
-        self.publisher, self.wait = publisher, wait
+    def __init__(self, publisher: Publisher, *, wait: bool = False, model: torch.nn.Module | None = None) -> None:
+        if publisher.adapter is not None and model is None:
+            raise ValueError("an adapter publisher publishes the adapter of a PEFT model: pass model=peft_model")
+        self.publisher, self.wait, self.model = publisher, wait, model
         self.syncs = 0
         self.versions: list[int] = []
 
@@ -49,9 +59,13 @@ class DeltaSyncWeightTransfer:
         """Nothing to do: each agent pauses its own engine, for the apply only."""
 
     def send_weights(self, iterator: Iterator[tuple[str, torch.Tensor]]) -> None:
-        """Copy every ``(name, tensor)`` (checkpoint names, full tensors) and publish them as one version."""
-        state = {name: tensor for name, tensor in iterator}
-        self.versions.append(self.publisher.publish(state, step=self.syncs))
+        """Copy every ``(name, tensor)`` (checkpoint names, full tensors) and publish them as one version (an
+        adapter publisher: the adapter of ``model``, the stream left unread)."""
+        if self.publisher.adapter is not None and self.model is not None:
+            self.versions.append(self.publisher.publish(self.model, step=self.syncs))
+        else:
+            state = {name: tensor for name, tensor in iterator}
+            self.versions.append(self.publisher.publish(state, step=self.syncs))
         self.syncs += 1
         if self.wait:
             self.publisher.flush()

@@ -323,6 +323,10 @@ class EngineBase(WeightTransferEngine[DeltaSyncInitInfo, DeltaSyncUpdateInfo]):
         """What this engine serves (checkpoint name -> dtype, shape): from the served checkpoint's headers, an
         applied anchor, or, for a checkpoint-less (dummy) engine, its architecture; ``None`` if unknown."""
         if self._spec is None:
+            if self.mode == "lora" and self.version is None:
+                # the adapter in the directory is a placeholder until the first anchor (vLLM casts adapters to its
+                # own dtype, so PEFT's float32 files serve as well): its configuration is checked, not its spec
+                return None
             shadow = self._get_shadow()
             if not shadow.empty:
                 self._spec = shadow.spec()

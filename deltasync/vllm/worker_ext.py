@@ -79,7 +79,8 @@ class DeltaSyncWorkerExtension:
         vLLM's CPU build repacks linear weights (``weight`` becomes an empty tensor and the GEMM uses a
         packed copy), which ``/weight_checker`` cannot see; here each such layer is read back exactly by
         multiplying an identity matrix through its kernel (one non-zero term per output element). Fused
-        layers appear fused (``qkv_proj`` = q, k, v rows) and TP-sliced, as this rank holds them.
+        layers appear fused (``qkv_proj`` = q, k, v rows) and TP-sliced, as this rank holds them; with LoRA enabled,
+        each wrapped layer under its own name (the base weights, not the adapters).
 
         Args:
             checksums: return ``xxh3_128`` digests (JSON-friendly) instead of tensors.
@@ -98,9 +99,33 @@ class DeltaSyncWorkerExtension:
                         out[f"{qualname}.{pname}"] = p.detach().cpu().clone()
             for qualname, module in kernel_modules(model):
                 out[qualname] = read_through_kernel(module)
+        # vLLM's LoRA wrappers hold the base layer as ``base_layer``: named as the model's own module
+        out = {name.replace(".base_layer.", "."): t for name, t in out.items()}
+        out = {name[: -len(".base_layer")] if name.endswith(".base_layer") else name: t for name, t in out.items()}
         if checksums:
             return {name: tensor_checksum(t) for name, t in out.items()}
         return out
+
+    def deltasync_adapter(self) -> dict[str, Any]:
+        """Apply mode ``lora``: the adapter this rank serves, ``{"dir": path, "version": int, "checksums": {tensor:
+        xxh3_128}}`` of the files vLLM loads it from; ``{}`` in the other modes."""
+        import os
+
+        from safetensors import safe_open
+
+        from ..format import tensor_checksum
+        from .lora_slots import ADAPTER_FILE
+
+        engine = getattr(self, "weight_transfer_engine", None)
+        directory = getattr(engine, "adapter_dir", None)
+        if engine is None or engine.mode != "lora" or directory is None:
+            return {}
+        path = os.path.join(directory, ADAPTER_FILE)
+        if not os.path.exists(path):
+            return {"dir": directory, "version": engine.version, "checksums": {}}
+        with safe_open(path, framework="pt", device="cpu") as f:
+            sums = {n: tensor_checksum(f.get_tensor(n)) for n in f.keys()}
+        return {"dir": directory, "version": engine.version, "checksums": sums}
 
     def deltasync_lora_replace(self, lora_int_id: int, adapter_dir: str) -> dict[str, Any]:
         """Replace the weights of the loaded LoRA adapter ``lora_int_id`` in its slot by the PEFT adapter staged in

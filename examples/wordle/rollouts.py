@@ -136,9 +136,11 @@ def generate_group(
     n: int,
     max_tokens: int,
     seed: int,
+    model: str | None = None,
 ) -> Group:
-    """``n`` completions of one prompt from vLLM, scored by the environment."""
-    body = {
+    """``n`` completions of one prompt from vLLM (``model``: a LoRA adapter it serves), scored by the
+    environment."""
+    body: dict[str, Any] = {
         "token_ids": prompt_ids,
         "sampling_params": {
             "n": n,
@@ -149,6 +151,8 @@ def generate_group(
             "stop_token_ids": [tok.eos_token_id],
         },
     }
+    if model is not None:
+        body["model"] = model
     response = vllm.post("/inference/v1/generate", json=body)
     response.raise_for_status()
     completions = []
@@ -185,10 +189,12 @@ def game_positions(env: httpx.Client, tok: Any, n: int, seed: int) -> list[tuple
     return rows
 
 
-def served_probe(vllm: httpx.Client, prompt_ids: list[int]) -> int | None:
+def served_probe(vllm: httpx.Client, prompt_ids: list[int], model: str | None = None) -> int | None:
     """The version vLLM serves now, from the tag of a one-token answer on its inference route (no credential
     needed: the rollout workers' own view). ``None`` if it cannot say (not labelled with a version, unreachable)."""
-    body = {"token_ids": prompt_ids, "sampling_params": {"n": 1, "max_tokens": 1, "temperature": 0.0}}
+    body: dict[str, Any] = {"token_ids": prompt_ids, "sampling_params": {"n": 1, "max_tokens": 1, "temperature": 0.0}}
+    if model is not None:
+        body["model"] = model
     try:
         response = vllm.post("/inference/v1/generate", json=body)
         response.raise_for_status()
@@ -422,17 +428,28 @@ class RolloutWorkers:
 
 
 def wordle_producer(
-    vllm: httpx.Client, env: httpx.Client, tok: Any, *, positions: int, seed: int, n: int, max_tokens: int
+    vllm: httpx.Client,
+    env: httpx.Client,
+    tok: Any,
+    *,
+    positions: int,
+    seed: int,
+    n: int,
+    max_tokens: int,
+    model: str | None = None,
 ) -> tuple[Callable[[list[int], str, int], Group], Positions, Callable[[], int | None]]:
     """What rollout workers need, wherever they run: ``positions`` game positions from the environment, a group
-    maker (``n`` completions of ``max_tokens`` from vLLM, scored by the environment), and a probe of the version
-    vLLM serves."""
+    maker (``n`` completions of ``max_tokens`` from vLLM, scored by the environment; ``model``: the LoRA adapter
+    that is the policy), and a probe of the version vLLM serves."""
     rows = game_positions(env, tok, positions, seed)
 
     def make_group(prompt: list[int], session_id: str, i: int) -> Group:
-        return generate_group(vllm, env, tok, prompt, session_id, n=n, max_tokens=max_tokens, seed=seed + i)
+        return generate_group(
+            vllm, env, tok, prompt, session_id, n=n, max_tokens=max_tokens, seed=seed + i, model=model
+        )
 
-    return make_group, Positions([(ids, sid) for ids, _, sid in rows], seed), lambda: served_probe(vllm, rows[0][0])
+    positions_ = Positions([(ids, sid) for ids, _, sid in rows], seed)
+    return make_group, positions_, lambda: served_probe(vllm, rows[0][0], model)
 
 
 class LocalRollouts:

@@ -1,7 +1,11 @@
 """The Wordle demo, on one machine: coordinator, vLLM server + deltasync sidecar, environment server and trainer
 as separate processes on 127.0.0.1 (free ports), live progress, a report and a plot. What `make demo` runs.
 
-    python -m examples.wordle.run_demo [--out demo-out] [--steps 200]
+    python -m examples.wordle.run_demo [--out demo-out] [--steps 200] [--lora-rank 8]
+
+With ``--lora-rank R`` the trainer trains a LoRA adapter of rank R on the frozen base and publishes the adapter
+itself; vLLM serves it as ``policy`` (``--enable-lora --lora-modules policy=DIR``) and the agent keeps DIR at the
+latest version (``--apply-mode lora --adapter-dir DIR``).
 
 Every process it starts is stopped at the end, on Ctrl-C and on failure.
 """
@@ -289,6 +293,24 @@ def plot(
     fig.savefig(path, dpi=90)
 
 
+def initial_adapter(model: Path, rank: int, directory: Path) -> Path:
+    """The adapter vLLM starts serving (PEFT's initialization, B = 0: the base's outputs), with the configuration
+    the trainer's adapter has: the agent's first anchor then replaces it."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from .train import with_adapter
+
+    base = AutoModelForCausalLM.from_pretrained(model, dtype=torch.bfloat16)
+    with_adapter(base, rank).save_pretrained(directory)
+    return directory
+
+
+def max_lora_rank(rank: int) -> int:
+    """The smallest ``--max-lora-rank`` vLLM takes that holds ``rank``."""
+    return next(r for r in (1, 8, 16, 32, 64, 128, 256, 320, 512) if r >= rank)
+
+
 def run_once(out: Path, model: Path, args: argparse.Namespace, *, sync: bool) -> dict[str, Any]:
     """One run: every process started, the trainer followed, every process stopped. Returns the report."""
     out.mkdir(parents=True, exist_ok=True)
@@ -314,14 +336,22 @@ def run_once(out: Path, model: Path, args: argparse.Namespace, *, sync: bool) ->
             f"[demo] coordinator {coord_url}, environment {env_url}; starting vLLM (about 30 s on 2 cores)", flush=True
         )
         # --enable-scale-out: the token-in/token-out route, whose answers carry each token's weight version
-        vllm = VllmServerProcess(model, log=out / "logs" / "vllm.log", args=["--enable-scale-out"])
+        vllm_args, vllm_env, lora_agent, lora_trainer = ["--enable-scale-out"], {}, [], []
+        if args.lora_rank:
+            adapter = initial_adapter(model, args.lora_rank, out / "adapter")
+            vllm_args += ["--enable-lora", "--max-loras", "2", "--max-lora-rank", str(max_lora_rank(args.lora_rank))]
+            vllm_args += ["--lora-modules", f"policy={adapter}"]
+            vllm_env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"  # the final check loads the trainer's adapter
+            lora_agent = ["--apply-mode", "lora", "--adapter-dir", str(adapter)]
+            lora_trainer = ["--lora-rank", str(args.lora_rank), "--adapter-name", "policy"]
+        vllm = VllmServerProcess(model, log=out / "logs" / "vllm.log", args=vllm_args, env=vllm_env)
         vllm.start_async()
         procs.adopt("vllm", vllm.proc)  # type: ignore[arg-type]
         vllm.wait_healthy()
         mode = "lock-step (--sync)" if sync else f"asynchronous, max staleness {args.max_staleness}"
         print(f"[demo] vLLM {vllm.url} up; starting the sidecar agent and the trainer, {mode}", flush=True)
         agent_args = ["--vllm-url", vllm.url, "--coordinator", coord_url, "--store", str(store), "--agent-id", "vllm-0"]
-        agent_args += ["--poll-wait-s", "5", "--staging-dir", str(out / "staging"), "--backoff-s", "0.2"]
+        agent_args += ["--poll-wait-s", "5", "--staging-dir", str(out / "staging"), "--backoff-s", "0.2", *lora_agent]
         # the engine credential: the agent changes the engine with it, the trainer's final check reads with it;
         # the rollout workers and the environment never get it and reach only inference routes
         engine = {"DELTASYNC_ENGINE_TOKEN_FILE": str(vllm.engine_token_file)}
@@ -329,7 +359,7 @@ def run_once(out: Path, model: Path, args: argparse.Namespace, *, sync: bool) ->
         train_args = ["--model", str(model), "--vllm-url", vllm.url, "--env-url", env_url, "--coordinator", coord_url]
         train_args += ["--store", str(store), "--out", str(out / "run"), "--steps", str(args.steps)]
         train_args += ["--warmup-steps", "0", "--learning-rate", str(args.learning_rate)]  # warm-started already
-        train_args += ["--max-staleness", str(args.max_staleness), "--seed", str(args.seed)] + (
+        train_args += ["--max-staleness", str(args.max_staleness), "--seed", str(args.seed), *lora_trainer] + (
             ["--sync"] if sync else []
         )
         trainer = procs.start("trainer", [py, "-m", "examples.wordle.train", *train_args], {**publisher_env, **engine})
@@ -362,6 +392,12 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--max-staleness", type=int, default=2)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--lora-rank",
+        type=int,
+        default=0,
+        help="train and sync a LoRA adapter of this rank (served as 'policy'), not the full weights (0)",
+    )
 
 
 def main() -> int:

@@ -515,6 +515,8 @@ def main() -> int:
     parser.add_argument("--base", type=Path, default=Path("/var/tmp/deltasync-hosts"), help="the hosts' directories")
     add_run_arguments(parser)
     args = parser.parse_args()
+    if args.lora_rank:  # its rollout workers run on the environment host, which names no adapter yet
+        parser.error("--lora-rank runs on one machine for now: python -m examples.wordle.run_demo --lora-rank R")
     why = unavailable()
     if why is not None:
         print(f"[hosts] cannot run: {why}", file=sys.stderr)

@@ -9,6 +9,10 @@ token is more than ``--max-staleness`` versions behind the trainer is dropped, a
 a truncated importance ratio (:mod:`examples.wordle.grpo`). ``--sync`` is the lock-step baseline: before each
 step the trainer waits until vLLM serves its last version, then generates, then trains.
 
+**LoRA** (``--lora-rank R``): the trainer trains a LoRA adapter on the frozen base and publishes the adapter itself,
+not merged (``Publisher(adapter=...)``); vLLM serves it under ``--adapter-name`` (started with ``--enable-lora`` and
+``--lora-modules NAME=DIR``, its agent with ``--apply-mode lora --adapter-dir DIR``), and the rollouts name it.
+
 Writes one JSON line per step to ``--out/metrics.jsonl`` and, at the end, ``--out/final.json`` (timings, staleness,
 the bit-exact check of what vLLM serves against the trainer's weights).
 
@@ -91,6 +95,25 @@ def warmup(model: Any, tok: Any, steps: int, *, batch: int = 16, lr: float = 3e-
     return losses
 
 
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+"""Every linear layer of the tiny Qwen3: what ``--lora-rank`` adapts."""
+
+
+def lora_config(rank: int) -> Any:
+    """The demo's adapter: rank ``rank`` on every linear layer, alpha ``2 x rank``, no dropout (the trainer's forward
+    passes then match vLLM's)."""
+    import peft
+
+    return peft.LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=list(LORA_TARGETS), lora_dropout=0.0)
+
+
+def with_adapter(model: Any, rank: int) -> Any:
+    """``model`` wrapped with the demo's adapter (PEFT's initialization: B = 0, the base's outputs)."""
+    import peft
+
+    return peft.get_peft_model(model, lora_config(rank))
+
+
 def sync_weights(transfer: DeltaSyncWeightTransfer, model: Any) -> int:
     """One weight sync, with TRL AsyncGRPOTrainer's calls in its order (``_sync_weight_merged``)."""
     transfer.pause()
@@ -100,9 +123,58 @@ def sync_weights(transfer: DeltaSyncWeightTransfer, model: Any) -> int:
 
 
 def trainer_checksums(model: Any) -> dict[str, Any]:
-    """The checksum of every tensor as vLLM computes with it, from the trainer's weights in bf16."""
-    trained = {n: p.detach().to("cpu", torch.bfloat16) for n, p in model.state_dict().items() if n != "lm_head.weight"}
+    """The checksum of every tensor as vLLM computes with it, from the trainer's weights in bf16 (a PEFT model's
+    base weights: vLLM serves the adapter apart)."""
+    from deltasync.names import NameMap
+
+    names = NameMap()
+    trained = {
+        name: p.detach().to("cpu", torch.bfloat16)
+        for n, p in model.state_dict().items()
+        if (name := names(n)) is not None and name != "lm_head.weight"
+    }
     return qwen3_effective_checksums(trained, model.config.num_hidden_layers)
+
+
+def served_adapter_differs(
+    vllm_url: str, model: Any, adapter_name: str, prompts: list[list[int]], out: Path, max_tokens: int
+) -> tuple[list[str], int]:
+    """A LoRA run's final check, through vLLM's administrative routes (the engine credential): the adapter
+    tensors vLLM loads (the agent's served directory) against the trainer's adapter in bf16, bit for bit; then
+    vLLM loads the trainer's own adapter (float32, as PEFT saves it) under another name, and the served adapter
+    must give the same tokens and logprobs, greedy, one prompt at a time. Returns what differs and how many
+    tensors and prompts were checked."""
+    from deltasync.format import tensor_checksum
+    from deltasync.lora import adapter_state
+    from deltasync.vllm.guard import ENGINE_TOKEN_HEADER, load_engine_token
+
+    token = load_engine_token()
+    if token is None:
+        raise SystemExit("the final check needs DELTASYNC_ENGINE_TOKEN (or pass --skip-final-check)")
+    expected = {n: tensor_checksum(t.detach().to("cpu", torch.bfloat16)) for n, t in adapter_state(model).items()}
+    reference = (out / "final-adapter").absolute()
+    model.save_pretrained(reference)
+    differ: list[str] = []
+    with httpx.Client(base_url=vllm_url, timeout=300, headers={ENGINE_TOKEN_HEADER: token}) as admin:
+        served = admin.post("/collective_rpc", json={"method": "deltasync_adapter"}).json()["results"][0]
+        got = served.get("checksums", {})
+        differ += sorted(n for n in set(expected) | set(got) if got.get(n) != expected.get(n))
+        response = admin.post("/v1/load_lora_adapter", json={"lora_name": "trainer-final", "lora_path": str(reference)})
+        response.raise_for_status()
+        for i, ids in enumerate(prompts):
+            answers = []
+            for name in (adapter_name, "trainer-final"):
+                body = {
+                    "model": name,
+                    "token_ids": ids,
+                    "sampling_params": {"max_tokens": max_tokens, "temperature": 0.0, "logprobs": 3},
+                }
+                choice = admin.post("/inference/v1/generate", json=body).json()["choices"][0]
+                answers.append((choice["token_ids"], choice["logprobs"]))
+            if answers[0] != answers[1]:
+                differ.append(f"prompt {i}: served {answers[0][0]}, trainer's adapter {answers[1][0]}")
+        admin.post("/v1/unload_lora_adapter", json={"lora_name": "trainer-final"})
+    return differ, len(expected) + len(prompts)
 
 
 def served_differs(vllm_url: str, model: Any) -> tuple[list[str], int]:
@@ -168,6 +240,13 @@ def main() -> None:
     parser.add_argument("--is-cap", type=float, default=2.0, help="cap of the truncated importance ratio")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
+        "--lora-rank",
+        type=int,
+        default=0,
+        help="train a LoRA adapter of this rank on the frozen base and publish it, not merged (0: full weights)",
+    )
+    parser.add_argument("--adapter-name", default="policy", help="the name vLLM serves the adapter under")
+    parser.add_argument(
         "--torch-threads",
         type=int,
         help="CPU threads for training (default on CPU: all cores but one, which vLLM's CPU worker binds to itself)",
@@ -180,6 +259,8 @@ def main() -> None:
     args = parser.parse_args()
     if args.max_staleness < 0 or args.steps < 1 or args.rollout_workers < 1:
         parser.error("need --max-staleness >= 0, --steps >= 1 and --rollout-workers >= 1")
+    if args.rollouts_url and args.lora_rank:
+        parser.error("--lora-rank names the adapter in the rollouts made here: it takes no --rollouts-url")
     if args.rollouts_url and args.sync:
         parser.error("--sync generates each step's groups here: it takes no --rollouts-url")
     if not args.rollouts_url and not args.env_url:
@@ -203,11 +284,18 @@ def main() -> None:
         t0 = time.perf_counter()
         losses = warmup(model, tok, args.warmup_steps, seed=args.seed)
         logger.info("warm-up done in %.0f s: loss %.3f -> %.3f", time.perf_counter() - t0, losses[0], losses[-1])
+    adapter = None
+    if args.lora_rank:
+        from deltasync.lora import adapter_entry
+
+        model = with_adapter(model, args.lora_rank)
+        adapter = adapter_entry(model)
+    served_model = args.adapter_name if adapter is not None else None
 
     token = os.environ.get("DELTASYNC_PUBLISHER_TOKEN")
     coordinator = CoordinatorClient(args.coordinator, token=token, ca_bundle=args.ca_bundle)
-    publisher = Publisher(args.store, coordinator, PublisherConfig(anchor_every=10, queue_size=2))
-    transfer = DeltaSyncWeightTransfer(publisher)
+    publisher = Publisher(args.store, coordinator, PublisherConfig(anchor_every=10, queue_size=2), adapter=adapter)
+    transfer = DeltaSyncWeightTransfer(publisher, model=model if adapter is not None else None)
     if args.served_from == "coordinator":
         served = ServedVersions.from_coordinator(coordinator, args.agent_id)
     else:
@@ -226,6 +314,7 @@ def main() -> None:
             seed=args.seed,
             n=args.num_generations,
             max_tokens=args.max_tokens,
+            model=served_model,
         )
         # production sized to consumption: what is queued or in flight is consumed over the next steps, and more
         # than the bound allows would be generated only to be dropped (AsyncGRPO sizes its in-flight tasks so)
@@ -240,7 +329,7 @@ def main() -> None:
             probe=probe,
         )
     staleness = 0 if args.sync else args.max_staleness
-    opt = torch.optim.AdamW(model.parameters(), lr=args.learning_rate)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=args.learning_rate)
     metrics_file = open(args.out / "metrics.jsonl", "a")  # noqa: SIM115 (closed at the end)
     published_at: dict[int, float] = {}
 
@@ -293,7 +382,17 @@ def main() -> None:
     rollouts.stop()
     transfer.destroy()
     final_apply_wait_s = served.wait_for(version)
-    differ, checked = ([], 0) if args.skip_final_check else served_differs(args.vllm_url, model)
+    if args.skip_final_check:
+        differ, checked = [], 0
+    elif adapter is not None:
+        prompts = [ids for ids, _ in positions.rows[:4]]
+        differ, checked = served_differs(args.vllm_url, model)  # the base, untouched
+        lora_differ, lora_checked = served_adapter_differs(
+            args.vllm_url, model, args.adapter_name, prompts, args.out, args.max_tokens
+        )
+        differ, checked = differ + lora_differ, checked + lora_checked
+    else:
+        differ, checked = served_differs(args.vllm_url, model)
     weight_version = str(served.current)
     final = {
         "mode": "sync" if args.sync else "async",
@@ -315,6 +414,7 @@ def main() -> None:
             str(v): at - t for v, t in published_at.items() if (at := served.served_at(v)) is not None
         },
         "full_bytes": sum(p.numel() * 2 for p in model.parameters()),
+        "lora_rank": args.lora_rank,
         # what vLLM should compute with at the final version, for a check on the inference host
         # (examples.wordle.check_served) where the trainer holds no engine credential
         "effective_checksums": trainer_checksums(model),

@@ -81,6 +81,91 @@ def test_weight_transfer_protocol_publishes_each_sync(tmp_path: Path) -> None:
     assert transfer.versions == [0, 1, 2]
 
 
+def _peft(model_dir: Path, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+    import peft
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
+    config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "up_proj"], lora_dropout=0.0)
+    return peft.get_peft_model(base, config)
+
+
+def test_grpo_trainer_with_a_peft_model_publishes_the_adapter_not_merged(tmp_path: Path, tiny_model_dir: Path) -> None:
+    """GRPOTrainer trains a LoRA adapter; DeltaSyncCallback with an adapter publisher publishes the adapter's own
+    tensors each step (no merge), and what a reader rebuilds is the trained adapter, bit for bit in bf16."""
+    trl = pytest.importorskip("trl")
+    from datasets import Dataset
+    from transformers import AutoTokenizer
+
+    from deltasync.lora import adapter_entry, adapter_state
+
+    model = _peft(tiny_model_dir)
+    base_before = {k: v.clone() for k, v in model.get_base_model().state_dict().items() if "lora_" not in k}
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    dataset = Dataset.from_list([{"prompt": f"Guess the word {i}:"} for i in range(8)])
+    args = trl.GRPOConfig(
+        output_dir=str(tmp_path / "out"),
+        per_device_train_batch_size=2,
+        num_generations=2,
+        max_completion_length=6,
+        max_steps=3,
+        learning_rate=1e-3,
+        report_to=[],
+        use_cpu=True,
+        save_strategy="no",
+        beta=0.0,
+        seed=0,
+    )
+    store = LocalStore(tmp_path / "store")
+    entry = adapter_entry(model)
+    callback = DeltaSyncCallback(Publisher(store, adapter=entry))
+    trainer = trl.GRPOTrainer(
+        model=model,
+        reward_funcs=_reward,
+        args=args,
+        train_dataset=dataset,
+        processing_class=tokenizer,
+        callbacks=[callback],
+    )
+    trainer.train()
+    assert callback.versions == [0, 1, 2, 3]
+    published = [m for m in callback.publisher.published if m.kind == "delta"]
+    assert [m.version for m in published] == [1, 2, 3] and {m.adapter for m in published} == {entry}
+    trained = {k: v.to(torch.bfloat16) for k, v in adapter_state(trainer.model).items()}
+    assert_bit_equal(read_weights(store, 3), trained)
+    assert not torch.equal(read_weights(store, 3)[sorted(trained)[1]], read_weights(store, 0)[sorted(trained)[1]])
+    base_after = trainer.model.get_base_model().state_dict()
+    assert all(torch.equal(base_before[k], base_after[k]) for k in base_before)  # the base is never merged into
+
+
+def test_weight_transfer_protocol_publishes_the_adapter_of_a_peft_model(tmp_path: Path, tiny_model_dir: Path) -> None:
+    """AsyncGRPO's merged path streams the adapter merged into the base; with an adapter publisher the transfer
+    publishes the PEFT model's adapter instead and never reads the stream."""
+    pytest.importorskip("peft")
+    from deltasync.lora import adapter_entry, adapter_state
+
+    model = _peft(tiny_model_dir)
+    entry = adapter_entry(model)
+    with pytest.raises(ValueError, match="pass model=peft_model"):
+        DeltaSyncWeightTransfer(Publisher(LocalStore(tmp_path / "refused"), adapter=entry))
+
+    def stream():
+        raise AssertionError("the merged stream was read")
+        yield
+
+    store = LocalStore(tmp_path / "store")
+    transfer = DeltaSyncWeightTransfer(Publisher(store, adapter=entry), wait=True, model=model)
+    for step in range(2):
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if "lora_B" in name:
+                    p.add_(0.01 * (step + 1))
+        transfer.send_weights(stream())
+        assert_bit_equal(read_weights(store, step), {k: v.to(torch.bfloat16) for k, v in adapter_state(model).items()})
+    transfer.destroy()
+
+
 class _RecordingTransfer(DeltaSyncWeightTransfer):
     """The real DeltaSyncWeightTransfer (it publishes), recording the protocol calls it receives, in order."""
 

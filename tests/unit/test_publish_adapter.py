@@ -4,13 +4,16 @@ publisher gives; what a reader rebuilds equals the trainer's adapter bit for bit
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
 import torch
 
-from deltasync import Publisher, read_weights
-from deltasync.config import PublisherConfig
+from deltasync import AdapterEntry, DeltaManifest, Publisher, ShardEntry, TensorEntry, UpdateRefused, read_weights
+from deltasync.apply import Holding, admit
+from deltasync.config import AgentConfig, PublisherConfig
+from deltasync.errors import RefusalReason
 from deltasync.lora import adapter_entry, adapter_state
 from deltasync.store import LocalStore
 from tests.conftest import assert_bit_equal
@@ -102,3 +105,68 @@ def test_an_adapter_publisher_refuses_full_weights_and_merging(tiny_model_dir: P
     finally:
         pub.close()
     assert pub.published == []
+
+
+# ------------------------------------------------------------------ admission: an adapter's objects, and no other
+
+
+def _manifest(adapter: AdapterEntry | None) -> DeltaManifest:
+    tensors = {
+        "t": TensorEntry(shape=(2,), dtype="BF16", nnz=2, shards=(0,), checksums=((0, 2, "xxh3_128:" + "0" * 32),))
+    }
+    shard = ShardEntry(file="shard-00000.safetensors", bytes=1, sha256="0" * 64)
+    return DeltaManifest(
+        kind="anchor", version=3, base_version=None, encoding="raw", shards=(shard,), tensors=tensors, adapter=adapter
+    )
+
+
+BASE = "sha256:" + "1" * 64
+ENTRY = AdapterEntry(r=8, lora_alpha=16, target_modules=("q_proj", "v_proj"), base_fingerprint=BASE)
+
+
+@pytest.mark.parametrize(
+    ("holding", "adapter", "message"),
+    [
+        (Holding(), ENTRY, "run its agent with --apply-mode lora"),
+        (Holding(adapter_base=BASE), None, "is a model's own weights"),
+        (Holding(adapter_base="sha256:" + "2" * 64), ENTRY, "an adapter for another base model"),
+        (Holding(adapter_base="unknown"), ENTRY, "an adapter for another base model"),
+        (
+            Holding(adapter_base=BASE, adapter=dataclasses.replace(ENTRY, lora_alpha=32)),
+            ENTRY,
+            "lora_alpha 32 here, 16 in the object",
+        ),
+        (
+            Holding(adapter_base=BASE, adapter=dataclasses.replace(ENTRY, use_rslora=True)),
+            ENTRY,
+            "use_rslora True here, False in the object",
+        ),
+    ],
+    ids=["adapter-to-full-weights", "weights-to-adapter", "other-base", "unknown-base", "other-alpha", "rslora"],
+)
+def test_an_object_that_is_not_a_version_of_the_served_adapter_is_refused(
+    holding: Holding, adapter: AdapterEntry | None, message: str
+) -> None:
+    with pytest.raises(UpdateRefused, match=message) as exc:
+        admit(_manifest(adapter), holding, where="store/v3")
+    assert exc.value.reason is RefusalReason.MODEL
+
+
+def test_a_version_of_the_served_adapter_is_admitted_and_becomes_the_served_one() -> None:
+    holding = Holding(adapter_base=BASE)  # no adapter yet: the first anchor defines it
+    admit(_manifest(ENTRY), holding, where="store/v3")
+    after = holding.after(_manifest(ENTRY))
+    assert after.adapter == ENTRY and after.adapter_base == BASE
+    admit(_manifest(ENTRY), after, where="store/v3")
+    admit(_manifest(None), Holding(), where="store/v3")  # full weights to a full-weights receiver, as before
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [{"apply_mode": "lora"}, {"adapter_dir": "/srv/adapter"}, {"apply_mode": "lora", "adapter_dir": "relative/dir"}],
+    ids=["no-dir", "dir-without-mode", "relative"],
+)
+def test_the_agent_config_names_the_served_adapter_directory_with_lora_mode_only(fields: dict[str, str]) -> None:
+    with pytest.raises(ValueError, match="apply_mode lora goes with adapter_dir"):
+        AgentConfig(**fields)  # type: ignore[arg-type]
+    assert AgentConfig(apply_mode="lora", adapter_dir="/srv/adapter").adapter_dir == "/srv/adapter"
