@@ -178,7 +178,9 @@ def main() -> None:
         )
     if len(args.paths) == 2:
         for key in ("bytes", "publish_s", "agent_before_pause_s", "pause_s"):
-            summary[f"merged_over_adapter_{key}"] = round(summary[f"merged_{key}"] / max(summary[f"adapter_{key}"], 1e-9), 1)
+            summary[f"merged_over_adapter_{key}"] = round(
+                summary[f"merged_{key}"] / max(summary[f"adapter_{key}"], 1e-9), 1
+            )
         print({k: v for k, v in summary.items() if k.startswith("merged_over")})
     print(json.dumps(summary))
 
