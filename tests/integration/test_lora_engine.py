@@ -154,10 +154,12 @@ def test_an_adapter_not_loaded_or_a_broken_directory_is_refused(
 
 
 def test_tp2_each_rank_replaces_its_slice_bit_exact(
-    tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, adapter_run: tuple[Any, Any, Any]
 ) -> None:
     """At TP=2 each rank holds its slice of every adapter (B rows of column-parallel layers, A columns of
-    row-parallel ones): the layer's own set_lora slices the replacement as it slices a fresh load."""
+    row-parallel ones): the layer's own set_lora slices the replacement as it slices a fresh load. Then an
+    adapter's run is kept served by an agent in lora mode (every rank decodes against its own copy of the
+    adapter and writes the same served version), bit-exact against fresh loads on both ranks."""
     pytest.importorskip("vllm")
     from vllm.lora.request import LoRARequest
 
@@ -177,6 +179,9 @@ def test_tp2_each_rank_replaces_its_slice_bit_exact(
         assert after == fresh and after != before
         buffers, reference = _buffers(llm, 1), _buffers(llm, 2)
         assert {k.split("/")[0] for k in buffers} == {"0", "1"} and buffers == reference
+        _serve_adapter_run(llm, tiny_model_dir, adapter_run, steps=2, first_id=41, tp_size=2)
+        statuses = llm.collective_rpc("deltasync_status")
+        assert [(st["mode"], st["version"], st["healthy"]) for st in statuses] == [("lora", 1, True)] * 2
     finally:
         llm.llm_engine.engine_core.shutdown()
 
@@ -228,14 +233,14 @@ def adapter_run(tmp_path: Path) -> Iterator[tuple[Any, Any, Any]]:
             yield pub, agt, tmp_path
 
 
-def test_an_adapter_run_is_served_bit_exact_at_every_version(
-    lora_llm: Any, tiny_model_dir: Path, adapter_run: tuple[Any, Any, Any]
-) -> None:
-    """A trainer publishes its adapter (not merged) each step; the agent keeps the adapter served under one id
-    and one directory at the latest version. What vLLM computes with it equals a fresh load of the trainer's own
-    adapter at that version (float32, saved by PEFT; vLLM casts it), token ids and logprobs, and its LoRA buffer
-    slot reads back bit-exact. The agent holds no copy of the adapter; the whole-state proof reads the served
-    directory."""
+def _serve_adapter_run(
+    llm: Any, model_dir: Path, adapter_run: tuple[Any, Any, Any], *, steps: int, first_id: int, tp_size: int = 1
+) -> tuple[Any, Any, Any, Any, Path, list[Any]]:
+    """A trainer publishes its adapter (not merged) each step, and an agent in lora mode keeps ``llm`` serving it
+    from one directory: at every version, what vLLM computes with it equals a fresh load of the trainer's own
+    adapter at that version (float32, saved by PEFT; vLLM casts it), token ids and logprobs, and every rank's LoRA
+    buffer slot reads back bit-exact. Returns the agent, the trainer, its entry, the store, the directory and the
+    last outputs."""
     from vllm.lora.request import LoRARequest
 
     from deltasync import Publisher
@@ -245,7 +250,7 @@ def test_an_adapter_run_is_served_bit_exact_at_every_version(
     from deltasync.store import LocalStore
 
     pub_client, agent_client, tmp = adapter_run
-    model = _trainer(tiny_model_dir, seed=11)
+    model = _trainer(model_dir, seed=11)
     entry = adapter_entry(model)
     store = LocalStore(tmp / "store")
     served = tmp / "served-adapter"
@@ -254,13 +259,14 @@ def test_an_adapter_run_is_served_bit_exact_at_every_version(
         staging_dir=str(tmp / "staging"),
         apply_mode="lora",
         adapter_dir=str(served),
+        tp_size=tp_size,
         retries=1,
         backoff_s=0.01,
     )
-    agent = Agent.for_llm(lora_llm, store=store, coordinator=agent_client, config=config)
-    policy = LoRARequest("policy", 21, str(served))
+    agent = Agent.for_llm(llm, store=store, coordinator=agent_client, config=config)
+    policy = LoRARequest("policy", first_id, str(served))
     with Publisher(store, pub_client, adapter=entry) as pub:
-        for step in range(4):
+        for step in range(steps):
             if step:
                 _train_step(model, seed=step)
             version = pub.publish(model, step)
@@ -270,15 +276,35 @@ def test_an_adapter_run_is_served_bit_exact_at_every_version(
             assert agent.host is None  # the engine decodes against its own copy of the adapter
             reference = tmp / f"trainer-v{version}"
             model.save_pretrained(reference)  # the trainer's adapter as PEFT saves it (float32)
-            served_out = _outputs(lora_llm, policy)
-            fresh_out = _outputs(lora_llm, LoRARequest(f"fresh-v{version}", 30 + step, str(reference)))
+            fresh_id = first_id + 1 + step
+            served_out = _outputs(llm, policy)
+            fresh_out = _outputs(llm, LoRARequest(f"fresh-v{version}", fresh_id, str(reference)))
             assert served_out == fresh_out, f"v{version}: the served adapter computes otherwise than a fresh load"
-            slots, fresh_slots = _buffers(lora_llm, 21), _buffers(lora_llm, 30 + step)
-            assert slots and slots == fresh_slots, (
-                f"v{version}: {sorted(k for k in slots if slots[k] != fresh_slots.get(k))[:4]}"
-            )
+            slots, fresh_slots = _buffers(llm, first_id), _buffers(llm, fresh_id)
+            assert {k.split("/")[0] for k in slots} == {str(r) for r in range(tp_size)}
+            assert slots == fresh_slots, f"v{version}: {sorted(k for k in slots if slots[k] != fresh_slots.get(k))[:4]}"
         deltas = [m.version for m in pub.published if m.kind == "delta"]
-        assert deltas == [1, 2, 3], [(m.kind, m.version) for m in pub.published]
+        assert deltas == list(range(1, steps)), [(m.kind, m.version) for m in pub.published]
+    return agent, model, entry, store, served, served_out
+
+
+def test_an_adapter_run_is_served_bit_exact_at_every_version(
+    lora_llm: Any, tiny_model_dir: Path, adapter_run: tuple[Any, Any, Any]
+) -> None:
+    """An adapter's run kept served, bit-exact at every version (:func:`_serve_adapter_run`); the whole-state proof
+    reads the served directory and finds drift there; an anchor restores it; objects that are not versions of the
+    served adapter are refused before any write."""
+    from vllm.lora.request import LoRARequest
+
+    from deltasync import Publisher
+    from deltasync.lora import adapter_entry
+    from deltasync.store import LocalStore
+
+    agent, model, entry, store, served, fresh_out = _serve_adapter_run(
+        lora_llm, tiny_model_dir, adapter_run, steps=4, first_id=21
+    )
+    tmp, version = adapter_run[2], 3
+    policy = LoRARequest("policy", 21, str(served))
     status = lora_llm.collective_rpc("deltasync_status")[0]
     assert status["mode"] == "lora" and status["version"] == version and status["healthy"], status
     assert status["adapter"]["served"] == entry.to_dict()
