@@ -15,6 +15,7 @@ An object goes through four steps, in order:
 from __future__ import annotations
 
 import dataclasses
+import re
 from collections.abc import Iterable, Mapping, MutableMapping, Sequence
 from dataclasses import dataclass
 
@@ -173,6 +174,13 @@ def _admit_adapter(manifest: DeltaManifest, holding: Holding, what: str) -> None
             "at the adapter's run",
             reason=RefusalReason.MODEL,
         )
+    why = _not_the_adapter(manifest, a)
+    if why is not None:
+        raise UpdateRefused(
+            f"{what}: its tensors are not the LoRA adapter its manifest names ({why}); vLLM would not load them as "
+            "that adapter",
+            reason=RefusalReason.MALFORMED,
+        )
     if a.base_fingerprint != holding.adapter_base:
         raise UpdateRefused(
             f"{what} is an adapter for another base model (base fingerprint {a.base_fingerprint[:19]}..., this "
@@ -185,6 +193,33 @@ def _admit_adapter(manifest: DeltaManifest, holding: Holding, what: str) -> None
             "adapter is served under another name",
             reason=RefusalReason.MODEL,
         )
+
+
+_LORA_NAME = re.compile(r"base_model\.model\.(?P<module>.+)\.lora_(?P<kind>[AB])\.weight")
+
+
+def _not_the_adapter(manifest: DeltaManifest, a: AdapterEntry) -> str | None:
+    """Why an adapter object's tensors are not the adapter ``a`` (``None``: they are): only each adapted module's
+    ``lora_A`` ``(r, in)`` and ``lora_B`` ``(out, r)``, both, for modules ``target_modules`` names (PEFT's rule: the
+    module's name or its last dotted parts)."""
+    pairs: dict[str, dict[str, tuple[int, ...]]] = {}
+    for name, entry in manifest.tensors.items():
+        m = _LORA_NAME.fullmatch(name)
+        if m is None:
+            return f"{name!r} is not a LoRA A or B weight (base_model.model.<module>.lora_A.weight)"
+        module = m["module"]
+        if not any(module == t or module.endswith("." + t) for t in a.target_modules):
+            return f"{name!r}: module {module!r} is not one of the target modules {list(a.target_modules)}"
+        shape = entry.shape
+        if len(shape) != 2 or (shape[0] if m["kind"] == "A" else shape[1]) != a.r:
+            return f"{name!r} has shape {list(shape)}, not that of a rank-{a.r} lora_{m['kind']}"
+        pairs.setdefault(module, {})[m["kind"]] = shape
+    if not pairs:
+        return "no tensors"
+    for module, kinds in sorted(pairs.items()):
+        if set(kinds) != {"A", "B"}:
+            return f"module {module!r} has lora_{''.join(kinds)} without its pair"
+    return None
 
 
 def refuse_claim(

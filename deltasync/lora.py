@@ -96,9 +96,20 @@ def adapter_entry(module: torch.nn.Module, dtype: torch.dtype = torch.bfloat16, 
         why.append(f"modules_to_save {config.modules_to_save}")
     if getattr(config, "bias", "none") != "none":
         why.append(f"bias={config.bias!r}")
+    if getattr(config, "lora_bias", False):
+        why.append("lora_bias (a bias on lora_B)")
+    if getattr(config, "trainable_token_indices", None):
+        why.append(f"trainable_token_indices {config.trainable_token_indices}")
+    if getattr(config, "target_parameters", None):
+        why.append(f"target_parameters {config.target_parameters} (parameter LoRA)")
     targets = config.target_modules
     if isinstance(targets, str):
         why.append(f"target_modules as a pattern ({targets!r}): list the modules")
+    else:
+        names = [n.removesuffix(".base_layer") for n, m in module.named_modules() if isinstance(m, torch.nn.Embedding)]
+        embeddings = sorted({t for n in names for t in targets if n == t or n.endswith("." + t)})
+        if embeddings:
+            why.append(f"embedding targets {embeddings} (lora_embedding tensors)")
     if why:
         raise ValueError(f"adapter {name!r}: deltasync publishes plain LoRA adapters only, not {'; '.join(why)}")
     _, views = local_tensors(module, name_map=NameMap(), dtype=dtype, merge_lora=False, rank=0)

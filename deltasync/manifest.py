@@ -417,8 +417,12 @@ def _parse_adapter(c: _Check, raw: object, newer: bool) -> AdapterEntry:
         raise c.fail("adapter.peft_type", f"must be 'LORA', found {a['peft_type']!r}")
     r = c.int_in("adapter.r", a["r"], 1, _MAX_ADAPTER_RANK)
     alpha = a["lora_alpha"]
-    if type(alpha) not in (int, float) or not math.isfinite(alpha) or alpha <= 0:
-        raise c.fail("adapter.lora_alpha", f"must be a finite number > 0, found {alpha!r}")
+    try:
+        finite = type(alpha) in (int, float) and math.isfinite(float(alpha)) and alpha > 0
+    except OverflowError:  # an int beyond any float
+        finite = False
+    if not finite:
+        raise c.fail("adapter.lora_alpha", f"must be a finite number > 0, found {str(alpha)[:40]!r}")
     targets = a["target_modules"]
     if (
         not isinstance(targets, list)

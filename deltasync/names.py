@@ -48,9 +48,22 @@ class NameMap:
 
 
 def _storage_key(t: torch.Tensor) -> tuple[Any, ...] | None:
-    if not isinstance(t, torch.Tensor) or t.device.type == "meta" or type(t) is not torch.Tensor:
+    """What tied tensors share: their storage (a DTensor's: its shard's on this rank, FSDP2 keeps one parameter for
+    both names); ``None`` when it cannot tell (meta, empty shards, other subclasses)."""
+    if not isinstance(t, torch.Tensor) or t.device.type == "meta":
         return None
-    return (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype)
+    local = t.to_local() if _is_dtensor(t) else t  # type: ignore[attr-defined]
+    if type(local) is not torch.Tensor or local.numel() == 0:
+        return None
+    return (local.untyped_storage().data_ptr(), local.storage_offset(), tuple(t.shape), tuple(local.stride()), t.dtype)
+
+
+def _is_dtensor(t: torch.Tensor) -> bool:
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # pragma: no cover - torch built without distributed
+        return False
+    return isinstance(t, DTensor)
 
 
 def checkpoint_state(state: Mapping[str, torch.Tensor], name_map: NameMap | None = None) -> dict[str, torch.Tensor]:

@@ -269,6 +269,13 @@ class DeltaSyncWeightTransferEngine(ProvingEngine):
 
     def _admit(self, checked: list[tuple[DeltaManifest, list[TensorDelta]]], update: StagedUpdate) -> None:
         self._check_supported(checked)
+        if self.mode == "lora":  # vLLM's loader takes infinities (readers refuse only NaN): never served
+            bad = next((d.ckpt_name for _, ds in checked for d in ds if not bool(torch.isfinite(d.values).all())), None)
+            if bad is not None:
+                raise UpdateRefused(
+                    f"deltasync: the adapter's {bad} holds infinite values; nothing was written",
+                    reason=RefusalReason.MALFORMED,
+                )
         self._admit_manifests([manifest for manifest, _ in checked], update)
 
     def _admit_manifests(self, manifests: list[DeltaManifest], update: StagedUpdate) -> None:

@@ -203,10 +203,12 @@ def read_adapter_config(adapter_dir: str, base_fingerprint: str) -> AdapterEntry
 
 def write_adapter(adapter_dir: str, tensors: dict[str, torch.Tensor], entry: AdapterEntry) -> None:
     """Make ``adapter_dir`` hold exactly this adapter version, as PEFT saves it: the tensors file first, then the
-    config, each written to a private temporary file, flushed and renamed over the served one (a reader never sees
-    a torn file; two ranks writing the same version race harmlessly)."""
+    config, each written to a fresh private temporary file, flushed and renamed over the served one (a reader never
+    sees a torn file; two ranks writing the same version race harmlessly)."""
+    import contextlib
     import json
     import os
+    import tempfile
 
     from safetensors.torch import save
 
@@ -216,13 +218,19 @@ def write_adapter(adapter_dir: str, tensors: dict[str, torch.Tensor], entry: Ada
     config = (json.dumps(adapter_config_json(entry), indent=2, sort_keys=True) + "\n").encode()
     data = save({n: t.contiguous() for n, t in sorted(tensors.items())}, metadata={"format": "pt"})
     for name, blob in ((ADAPTER_FILE, data), (CONFIG_FILE, config)):
-        path = os.path.join(adapter_dir, name)
-        tmp = os.path.join(adapter_dir, f".{name}.{os.getpid()}.tmp")
-        with open(tmp, "wb") as f:
-            f.write(blob)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
+        # a fresh file of ours (O_EXCL, unpredictable name): nothing planted in the directory redirects the write
+        fd, tmp = tempfile.mkstemp(prefix=f".{name}.", suffix=".tmp", dir=adapter_dir)
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(blob)
+                f.flush()
+                os.fsync(f.fileno())
+            os.chmod(tmp, 0o644)  # vLLM may read it as another user, as PEFT's own files
+            os.replace(tmp, os.path.join(adapter_dir, name))
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            raise
     fd = os.open(adapter_dir, os.O_RDONLY)
     try:
         os.fsync(fd)

@@ -276,15 +276,34 @@ class ProvingEngine(EngineBase):
         return bad, unproven
 
     def _prove_adapter_dir(self, manifest: DeltaManifest) -> list[str]:
-        """``lora`` mode: the served directory's tensors file, read afresh, against the published checksums (vLLM
-        loads the adapter from there at its next use): the tensors that differ, or are missing or extra."""
+        """``lora`` mode: the served directory, read afresh (vLLM loads the adapter from there at its next use): its
+        tensors file against the published checksums, and its configuration against the published adapter (what
+        vLLM reads of it: rank, alpha, targets, rsLoRA, DoRA, bias, extra modules). Returns what differs."""
+        import json
         import os
 
         from safetensors import safe_open
 
-        from .lora_slots import ADAPTER_FILE
+        from ..lora import adapter_config_json
+        from .lora_slots import ADAPTER_FILE, CONFIG_FILE
 
-        assert self.adapter_dir is not None
+        assert self.adapter_dir is not None and manifest.adapter is not None
+        config_path = os.path.join(self.adapter_dir, CONFIG_FILE)
+        expected = adapter_config_json(manifest.adapter)
+        try:
+            with open(config_path, encoding="utf-8") as f:
+                config = json.load(f)
+        except (OSError, ValueError) as exc:
+            return [f"{config_path} ({exc})"]
+        if not isinstance(config, dict):
+            return [f"{config_path} (not a JSON object)"]
+        if isinstance(config.get("target_modules"), list):
+            config["target_modules"] = sorted(set(map(str, config["target_modules"])))
+        defaults = {"use_rslora": False, "use_dora": False, "bias": "none", "modules_to_save": None}  # PEFT's
+        read = ("r", "lora_alpha", "target_modules", *defaults)  # what vLLM's loader reads of it
+        differ = [k for k in read if config.get(k, defaults.get(k)) != expected[k]]
+        if differ:
+            return [f"{config_path} ({', '.join(differ)})"]
         path = os.path.join(self.adapter_dir, ADAPTER_FILE)
         with safe_open(path, framework="pt", device="cpu") as f:
             names = set(f.keys())

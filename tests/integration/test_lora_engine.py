@@ -153,17 +153,21 @@ def test_an_adapter_not_loaded_or_a_broken_directory_is_refused(
     assert _outputs(lora_llm, served) == before
 
 
-def test_tp2_each_rank_replaces_its_slice_bit_exact(
-    tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, adapter_run: tuple[Any, Any, Any]
+def test_tp2_llama_each_rank_replaces_its_slice_bit_exact(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, adapter_run: tuple[Any, Any, Any]
 ) -> None:
-    """At TP=2 each rank holds its slice of every adapter (B rows of column-parallel layers, A columns of
-    row-parallel ones): the layer's own set_lora slices the replacement as it slices a fresh load. Then an
-    adapter's run is kept served by an agent in lora mode (every rank decodes against its own copy of the
+    """A tiny Llama (untied lm_head, GQA with one KV head replicated over the ranks, an intermediate size that is not
+    a multiple of 64) at TP=2: each rank holds its slice of every adapter (B rows of column-parallel layers, A
+    columns of row-parallel ones), and the layer's own set_lora slices the replacement as it slices a fresh load.
+    Then an adapter's run is kept served by an agent in lora mode (every rank decodes against its own copy of the
     adapter and writes the same served version), bit-exact against fresh loads on both ranks."""
     pytest.importorskip("vllm")
     from vllm.lora.request import LoRARequest
 
     from tests.support.launchers import offline_llm
+    from tests.support.models import build_tiny_model
+
+    tiny_model_dir = build_tiny_model(tmp_path / "llama", seed=0, arch="llama")
 
     monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")  # one core per rank
     monkeypatch.setenv("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")

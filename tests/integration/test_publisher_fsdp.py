@@ -132,3 +132,59 @@ def test_fsdp2_two_ranks_exact_without_a_gather(tmp_path: Path) -> None:
         assert 0 < probe["max_bytes"] <= 2001 * 32 * 2 < full_bf16_bytes, probe  # never a full-size tensor
         # the sketch reads a span's 16-bit words as exact float64 (deltasync.sketch): a rank's span at most
         assert probe["f64_bytes"] <= 2001 * 32 * 8 < 4 * full_bf16_bytes, probe
+
+
+def _adapter_rank(rank: int, world: int, port: int, tmp: str, model_dir: str) -> None:
+    """A LoRA adapter trained under FSDP2: every decoder layer and the model sharded; each rank publishes the rows
+    of the adapter's tensors it holds."""
+    import peft
+    from torch.distributed.fsdp import fully_shard
+    from transformers import AutoModelForCausalLM
+
+    from deltasync.lora import adapter_entry, adapter_state
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    torch.manual_seed(0)
+    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    config = peft.LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj", "down_proj"], lora_dropout=0.0)
+    model = peft.get_peft_model(base, config)
+    entry = adapter_entry(model)  # before sharding: the base model as a single process sees it
+    for layer in model.base_model.model.model.layers:
+        fully_shard(layer)
+    fully_shard(model)
+    assert adapter_entry(model) == entry  # the same adapter and base, sharded
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    pub = Publisher(LocalStore(Path(tmp) / "store"), config=PublisherConfig(anchor_bytes_fraction=None), adapter=entry)
+    torch.manual_seed(1 + rank)
+    for step in range(3):
+        if step:
+            loss = model(input_ids=torch.randint(0, 512, (2, 6))).logits.float().pow(2).mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+        version = pub.publish(model, step)
+        pub.flush()
+        truth = {
+            n: (t.full_tensor() if hasattr(t, "full_tensor") else t).detach().to(torch.bfloat16)
+            for n, t in adapter_state(model).items()
+        }  # test only
+        if rank == 0:
+            torch.save(truth, Path(tmp) / f"adapter-truth-{version}.pt")
+    pub.close()
+    dist.destroy_process_group()
+
+
+def test_fsdp2_two_ranks_publish_an_adapter_exact_without_a_gather(tmp_path: Path, tiny_model_dir: Path) -> None:
+    pytest.importorskip("peft")
+    mp.spawn(_adapter_rank, args=(2, free_port(), str(tmp_path), str(tiny_model_dir)), nprocs=2, join=True)
+    store = LocalStore(tmp_path / "store")
+    assert [x.version for x in list_versions(store)] == [0, 1, 2]
+    for v in range(3):
+        truth = torch.load(tmp_path / f"adapter-truth-{v}.pt")
+        assert truth and all(".lora_" in n for n in truth)
+        assert_bit_equal(read_weights(store, v), truth)
+        m = read_manifest(store, v, "anchor" if v == 0 else "delta")
+        assert m.adapter is not None and m.adapter.r == 8
+        assert [s.file for s in m.shards] == ["shard-00000.safetensors", "shard-00001.safetensors"]  # one per rank
+    assert not torch.equal(*(torch.load(tmp_path / f"adapter-truth-{v}.pt")[sorted(truth)[1]] for v in (0, 2)))

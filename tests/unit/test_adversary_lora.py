@@ -2,8 +2,9 @@
 tensors are not the adapter their manifest names, the publisher's view of PEFT adapters vLLM cannot load, and the
 served directory's writes (renames, never in place; no planted link followed).
 
-Each test asserts a promise; the ones marked ``xfail(strict=True, reason="HOLE: ...")`` fail today and pass once
-the hole is closed (see the reasons for the fix)."""
+Each test asserts a promise. The five holes the review found are closed; their tests failed before the fix:
+tensors that are not the adapter the manifest names, PEFT's ``lora_bias`` and ``trainable_token_indices``, a link
+planted at the temporary name, an integer alpha beyond any float (and, on the engine, the served configuration)."""
 
 from __future__ import annotations
 
@@ -116,13 +117,6 @@ def test_a_newer_minor_still_refuses_a_hostile_known_adapter_field() -> None:
         DeltaManifest.from_json(_with_adapter(_field(r=True), fmt="1.5"), name="newer")
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "HOLE: an integer lora_alpha too large for a float (10**400) escapes from_json as OverflowError "
-        "(math.isfinite on an int), not a FormatError naming adapter.lora_alpha; the schema accepts it"
-    ),
-)
 def test_a_huge_integer_alpha_is_a_format_error_not_an_overflow() -> None:
     with pytest.raises(FormatError, match=r"adapter\.lora_alpha"):
         DeltaManifest.from_json(_with_adapter(_field(lora_alpha=10**400)), name="huge alpha")
@@ -217,11 +211,8 @@ def _refused_before_any_write(data: bytes, holding: Holding) -> BaseException | 
 FRESH = Holding(adapter_base=BASE)  # a lora engine before its first anchor: the anchor defines the adapter's tensors
 SERVED = Holding(adapter_base=BASE, adapter=ENTRY)  # the directory's adapter_config.json names this adapter
 
-HOLE_TENSORS = (
-    "HOLE: admission checks the manifest's adapter entry, never that its tensors are that adapter's: the first anchor "
-    "(or the first after a restart) defines the served spec, so tensors vLLM cannot load as this adapter are "
-    "written to adapter_dir and labelled; fix in apply._admit_adapter"
-)
+# Found open at 540f971 (admission checked the manifest's adapter entry, never that its tensors are that adapter's:
+# the first anchor, or the first after a restart, defined the served spec); closed by apply._not_the_adapter.
 
 
 def _with(**extra: tuple[int, ...]) -> dict[str, tuple[int, ...]]:
@@ -234,43 +225,36 @@ TENSOR_CASES = [
         _with(**{f"{P}.q_proj.base_layer.weight": (HIDDEN, HIDDEN)}),
         False,
         id="base-weight-smuggled",
-        marks=pytest.mark.xfail(strict=True, reason=HOLE_TENSORS),
     ),
     pytest.param(
         _with(**{"base_model.model.model.norm.weight": (HIDDEN,)}),
         False,
         id="norm-weight-smuggled",
-        marks=pytest.mark.xfail(strict=True, reason=HOLE_TENSORS),
     ),
     pytest.param(
         _with(**{f"{P}.q_proj.lora_B.bias": (HIDDEN,)}),
         False,
         id="lora-bias",
-        marks=pytest.mark.xfail(strict=True, reason=HOLE_TENSORS),
     ),
     pytest.param(
         _adapter_tensors(rank=16),
         False,
         id="rank-16-shapes-declared-r-8",
-        marks=pytest.mark.xfail(strict=True, reason=HOLE_TENSORS),
     ),
     pytest.param(
         {**_adapter_tensors(), f"{P}.v_proj.lora_B.weight": (HIDDEN, 4)},
         False,
         id="a-and-b-ranks-disagree",
-        marks=pytest.mark.xfail(strict=True, reason=HOLE_TENSORS),
     ),
     pytest.param(
         _adapter_tensors(modules=("q_proj", "v_proj", "o_proj")),
         False,
         id="module-not-in-target-modules",
-        marks=pytest.mark.xfail(strict=True, reason=HOLE_TENSORS),
     ),
     pytest.param(
         {k: v for k, v in _adapter_tensors().items() if not k.endswith("v_proj.lora_B.weight")},
         False,
         id="lora-a-without-b",
-        marks=pytest.mark.xfail(strict=True, reason=HOLE_TENSORS),
     ),
 ]
 
@@ -358,23 +342,18 @@ def _peft(tiny: Path, seed: int = 0, **config: Any) -> Any:
         return peft.get_peft_model(base, lora)
 
 
-HOLE_PEFT = (
-    "HOLE: adapter_entry checks bias, DoRA, rank/alpha patterns and modules_to_save, not PEFT's lora_bias or "
-    "trainable_token_indices: their extra tensors (lora_B.bias, trainable_tokens_delta) are published as the "
-    "adapter and no receiver refuses them; vLLM's loader raises on them ('unsupported LoRA weight') when a request "
-    "names the adapter; fix in lora.adapter_entry (refuse them) and apply._admit_adapter (LoRA A/B names only)"
-)
+# Found open at 540f971: adapter_entry checked bias, DoRA, rank/alpha patterns and modules_to_save, not PEFT's
+# lora_bias or trainable_token_indices, whose extra tensors (lora_B.bias, trainable_tokens_delta) were published as
+# the adapter and admitted; vLLM's loader raises on them when a request names the adapter. Closed by
+# lora.adapter_entry (refused at the source) and apply._not_the_adapter (refused by every receiver).
 
 
 @pytest.mark.parametrize(
     "config",
     [
-        pytest.param({"lora_bias": True}, id="lora-bias", marks=pytest.mark.xfail(strict=True, reason=HOLE_PEFT)),
-        pytest.param(
-            {"trainable_token_indices": [1, 2, 3]},
-            id="trainable-tokens",
-            marks=pytest.mark.xfail(strict=True, reason=HOLE_PEFT),
-        ),
+        pytest.param({"lora_bias": True}, id="lora-bias"),
+        pytest.param({"trainable_token_indices": [1, 2, 3]}, id="trainable-tokens"),
+        pytest.param({"target_modules": [*TARGETS, "embed_tokens"]}, id="embedding-target"),
         pytest.param({"use_dora": True}, id="dora-control"),
     ],
 )
@@ -392,7 +371,9 @@ def test_an_adapter_vllm_cannot_load_never_reaches_a_lora_receiver(
     except ValueError:
         return  # refused at the source
     refusal = _refused_before_any_write(pub.published[0].to_json(), Holding(adapter_base=entry.base_fingerprint))
-    assert refusal is not None, f"admitted: {sorted(n for n in pub.published[0].tensors if '.lora_' not in n)[:3]}"
+    assert refusal is not None, (
+        f"admitted: {sorted(n for n in pub.published[0].tensors if not n.endswith(('lora_A.weight', 'lora_B.weight')))[:3]}"
+    )
 
 
 def test_a_nan_in_an_adapter_delta_is_refused_by_the_reader(
@@ -494,16 +475,8 @@ def test_a_served_file_that_is_a_link_is_replaced_not_followed(tmp_path: Path) -
     assert not (served / ADAPTER_FILE).is_symlink() and not (served / CONFIG_FILE).is_symlink()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "HOLE: write_adapter opens its temporary file at a predictable name (.adapter_model.safetensors.<pid>.tmp) "
-        "with open(tmp, 'wb'), which follows a link planted there: the engine's worker overwrites the link's "
-        "target (any file it may write) and renames the link in as the served file; fix in "
-        "lora_slots.write_adapter: tempfile.mkstemp(dir=adapter_dir) (O_EXCL, unpredictable name) or "
-        "os.open(tmp, O_WRONLY|O_CREAT|O_EXCL|O_NOFOLLOW)"
-    ),
-)
+# Found open at 540f971 (a predictable temporary name opened with open(tmp, "wb"), which follows a link planted
+# there: the worker overwrote the link's target and renamed the link in); closed by tempfile.mkstemp.
 def test_a_link_planted_at_the_temporary_name_is_never_followed(tmp_path: Path) -> None:
     entry, tensors = _entry_and_tensors()
     served = tmp_path / "served"

@@ -83,14 +83,21 @@ def test_another_rank_or_alpha_is_another_adapter(tiny_model_dir: Path) -> None:
         ({"rank_pattern": {"q_proj": 8}}, "per-module ranks"),
         ({"bias": "lora_only"}, "bias='lora_only'"),
         ({"target_modules": ".*proj"}, "as a pattern"),
+        ({"lora_bias": True}, "lora_bias"),
+        ({"target_modules": ["embed_tokens", "q_proj"]}, r"embedding targets \['embed_tokens'\]"),
     ],
-    ids=["dora", "rank-pattern", "bias", "regex"],
+    ids=["dora", "rank-pattern", "bias", "regex", "lora-bias", "embedding"],
 )
 def test_an_adapter_an_engine_cannot_serve_as_one_is_refused_at_once(
     tiny_model_dir: Path, config: dict[str, object], why: str
 ) -> None:
+    import warnings
+
+    with warnings.catch_warnings():  # PEFT warns that the tied embedding would be adapted
+        warnings.simplefilter("ignore")
+        model = _peft_model(tiny_model_dir, **config)
     with pytest.raises(ValueError, match=why):
-        adapter_entry(_peft_model(tiny_model_dir, **config))
+        adapter_entry(model)
 
 
 def test_an_adapter_publisher_refuses_full_weights_and_merging(tiny_model_dir: Path, tmp_path: Path) -> None:
@@ -111,8 +118,13 @@ def test_an_adapter_publisher_refuses_full_weights_and_merging(tiny_model_dir: P
 
 
 def _manifest(adapter: AdapterEntry | None) -> DeltaManifest:
+    """An anchor of a rank-8 adapter of one ``q_proj`` (16 x 16)."""
+    prefix = "base_model.model.model.layers.0.self_attn.q_proj"
     tensors = {
-        "t": TensorEntry(shape=(2,), dtype="BF16", nnz=2, shards=(0,), checksums=((0, 2, "xxh3_128:" + "0" * 32),))
+        f"{prefix}.lora_{k}.weight": TensorEntry(
+            shape=shape, dtype="BF16", nnz=128, shards=(0,), checksums=((0, 128, "xxh3_128:" + "0" * 32),)
+        )
+        for k, shape in (("A", (8, 16)), ("B", (16, 8)))
     }
     shard = ShardEntry(file="shard-00000.safetensors", bytes=1, sha256="0" * 64)
     return DeltaManifest(
