@@ -8,6 +8,7 @@ import hashlib
 import logging
 import os
 import shutil
+import stat
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -88,6 +89,22 @@ class ObjectFetcher:
         with ThreadPoolExecutor(max_workers=self.workers) as pool:
             list(pool.map(fetch, jobs))
         return out
+
+    def link_shard(self, manifest: DeltaManifest, entry: ShardEntry, dst: Path) -> bool:
+        """Hard-link a fetched shard's verified bytes at ``dst`` (a new name, no copy): the local store's own file,
+        or this fetcher's cached copy. ``False`` when neither can be linked (the caller writes the bytes). Whoever
+        reads ``dst`` checks its sha256 again (an engine does, before it decodes)."""
+        if isinstance(self.store, LocalStore):
+            return self.store.link_to(object_prefix(manifest.version, manifest.kind) + entry.file, dst, entry.bytes)
+        cached = self.cache / entry.sha256
+        try:
+            st = os.stat(cached, follow_symlinks=False)
+            if not stat.S_ISREG(st.st_mode) or st.st_size != entry.bytes or not st.st_mode & stat.S_IROTH:
+                return False  # (an engine of another user reads what it is given: a copy is made readable)
+            os.link(cached, dst, follow_symlinks=False)
+        except OSError:
+            return False
+        return True
 
     def _shard(self, key: str, entry: ShardEntry) -> bytes:
         """A shard, size- and sha256-verified; refetched on a mismatch; cached by sha256 so a retry resumes."""

@@ -24,6 +24,7 @@ What it promises (docs/RELIABILITY.md):
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import secrets
 import shutil
@@ -488,7 +489,8 @@ class Agent:
             self.host, self.host_version = None, None  # the engine decodes against what it serves
             for (m, data), blobs in zip(manifests, shards, strict=True):
                 dirs.append(self._staging_dir(m))
-                objects.append(stage_published(dirs[-1], m, data, blobs))
+                link = functools.partial(self.fetcher.link_shard, m)  # the verified bytes by another name, no copy
+                objects.append(stage_published(dirs[-1], m, data, blobs, link=link))
             timings.update(fetch=t1 - t0, decode=0.0, stage=time.perf_counter() - t1)
             return StagedUpdate(objects=tuple(objects)), dirs
         stage_s = 0.0

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -33,7 +33,7 @@ from .apply import check_decoded
 from .errors import FormatError
 from .format import BaseValues, TensorDelta, decode_shard, encode_shard_parts
 from .layout import MANIFEST_FILE, shard_file
-from .manifest import MAX_MANIFEST_BYTES, DeltaManifest
+from .manifest import MAX_MANIFEST_BYTES, DeltaManifest, ShardEntry
 from .reader import decode_object
 from .vocab import DTYPES, KINDS, MAX_VERSION, Kind
 
@@ -226,13 +226,22 @@ def stage_published(
     manifest: DeltaManifest,
     manifest_bytes: bytes,
     shards: Sequence[bytes],
+    *,
+    link: Callable[[ShardEntry, Path], bool] | None = None,
 ) -> StagedObject:
     """Write an authenticated object into ``directory`` as it was published: its manifest and its shards (the
-    manifest's names, in order), for an engine that decodes them itself. Written as :func:`stage_object` writes."""
+    manifest's names, in order), for an engine that decodes them itself. Written as :func:`stage_object` writes;
+    ``link(entry, path)`` may instead give a shard's path another name for the same verified bytes (a hard link to
+    the fetcher's copy: no copy of a large anchor), returning ``False`` where it cannot."""
     root = ensure_dir(Path(directory))
     if len(shards) != len(manifest.shards):
         raise ValueError(f"stage_published: {len(shards)} shards for a manifest of {len(manifest.shards)}")
-    paths = [write_new(root / entry.file, data) for entry, data in zip(manifest.shards, shards, strict=True)]
+    paths = [
+        str(root / entry.file)
+        if link is not None and link(entry, root / entry.file)
+        else write_new(root / entry.file, data)
+        for entry, data in zip(manifest.shards, shards, strict=True)
+    ]
     return _staged(manifest, write_new(root / MANIFEST_FILE, manifest_bytes), paths, published=True)
 
 

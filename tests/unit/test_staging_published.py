@@ -151,3 +151,60 @@ def test_merge_changes_keeps_the_later_value_once_per_element() -> None:
     idx, values = merge_changes(first, then)
     assert idx.tolist() == [0, 1, 4, 7, 8]
     assert values.tolist() == [0.5, 10.0, 44.0, 70.0, 80.0]
+
+
+@pytest.mark.parametrize("where", ["local", "s3"])
+def test_a_fetched_shard_is_staged_by_a_hard_link_and_still_proven(
+    tmp_path: Path, where: str, request: pytest.FixtureRequest
+) -> None:
+    """The agent stages a fetched object as published under another name for its verified bytes (the local store's
+    own file, or the fetcher's cached copy of a remote store's shard): no copy of the anchor is written. What the
+    engine reads is still hashed against the manifest: a linked file changed in place afterwards is refused."""
+    import hashlib
+    import os
+
+    from deltasync._fetch import ObjectFetcher
+    from deltasync.layout import manifest_key, object_prefix
+    from deltasync.staging import stage_published
+
+    store = LocalStore(tmp_path / "store") if where == "local" else request.getfixturevalue("s3_store")
+    truth = _publish(store, UpdateStream.from_shapes({"w": (64, 32), "b": (32,)}, seed=0), 1)
+    fetcher = ObjectFetcher(
+        store, tmp_path / "staging" / "cache", verify_key=None, retries=0, backoff_s=0.0, workers=2, name="t"
+    )
+    (m0, data0), (m1, data1) = (
+        fetcher.manifest(v, k, "sha256:" + hashlib.sha256(store.get(manifest_key(v, k))).hexdigest())
+        for v, k in ((0, "anchor"), (1, "delta"))
+    )
+    blobs0, blobs1 = fetcher.shards([m0, m1])
+    staged0 = stage_published(
+        tmp_path / "staging" / "a0", m0, data0, blobs0, link=lambda e, p: fetcher.link_shard(m0, e, p)
+    )
+    staged1 = stage_published(
+        tmp_path / "staging" / "d1", m1, data1, blobs1, link=lambda e, p: fetcher.link_shard(m1, e, p)
+    )
+    source = (
+        (lambda m, e: tmp_path / "store" / (object_prefix(m.version, m.kind) + e.file))
+        if where == "local"
+        else (lambda m, e: tmp_path / "staging" / "cache" / e.sha256)
+    )
+    for m, staged in ((m0, staged0), (m1, staged1)):
+        for entry, path in zip(m.shards, staged.shard_paths, strict=True):
+            assert os.path.samefile(path, source(m, entry)), "a copy was written, not a link"
+    root = tmp_path / "staging"
+    message = lambda o: StagedObject.from_update_info(o.to_update_info())  # noqa: E731 - as over RPC
+    _, anchor = read_staged(message(staged0), root=root)
+    state = dict(write(None, m0, anchor))
+    _, deltas = read_staged(message(staged1), root=root, base=state)
+    assert_bit_equal(dict(write(state, m1, deltas)), truth[1])
+    # the linked bytes changed in place after the agent verified them: the engine's own hash refuses them
+    path = Path(staged1.shard_paths[0])
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    with open(path, "r+b") as f:  # in place: the link and its source change together
+        f.write(data)
+    with pytest.raises((IntegrityError, FormatError), match="sha256"):
+        read_staged(message(staged1), root=root, base=state)
+    # where no link can be made (the fetcher says so), the bytes are written
+    copied = stage_published(root / "copy", m1, data1, blobs1, link=lambda e, p: False)
+    assert not os.path.samefile(copied.shard_paths[0], staged1.shard_paths[0])
