@@ -152,9 +152,6 @@ class EngineBase(WeightTransferEngine[DeltaSyncInitInfo, DeltaSyncUpdateInfo]):
         self.proofs: dict[str, Any] = {}
         """The last whole-state proof: when, how long, how many tensors."""
         self.adapter_dir: str | None = None
-        self.worker: Any = None
-        """The vLLM worker this engine runs in (set by the worker extension's RPCs): ``lora`` mode reaches vLLM's
-        LoRA manager through it."""
         self._base_fingerprint: str | None = None
 
     def init_transfer_engine(self, init_info: DeltaSyncInitInfo) -> None:

@@ -296,17 +296,11 @@ class DeltaSyncWeightTransferEngine(ProvingEngine):
 
     def _check_lora(self, manifests: list[DeltaManifest]) -> None:
         """``lora`` mode: refuse, before any write, adapters this vLLM could not load (no LoRA, a rank above its
-        ``max_lora_rank``), and any update without the worker link the session end needs."""
+        ``max_lora_rank``)."""
         lora = self.vllm_config.lora_config
         if lora is None:
             raise UpdateRefused(
                 "deltasync: apply mode lora needs vLLM started with LoRA enabled (--enable-lora)",
-                reason=RefusalReason.UNSUPPORTED,
-            )
-        if self.worker is None:
-            raise UpdateRefused(
-                "deltasync: apply mode lora needs the deltasync worker extension (--worker-extension-cls "
-                "deltasync.vllm.worker_ext.DeltaSyncWorkerExtension) and a status read first",
                 reason=RefusalReason.UNSUPPORTED,
             )
         for m in manifests:

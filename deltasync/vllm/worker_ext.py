@@ -25,7 +25,6 @@ class DeltaSyncWorkerExtension:
         this read keeps alive."""
         engine = getattr(self, "weight_transfer_engine", None)
         if engine is not None and hasattr(engine, "touch"):
-            engine.worker = self  # lora mode reaches vLLM's LoRA manager through its worker
             engine.touch(session)
         active = bool(getattr(self, "_weight_update_active", False))
         if engine is None or not hasattr(engine, "status"):
