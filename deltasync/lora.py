@@ -1,4 +1,6 @@
-"""LoRA adapters merged into their base weights, on copies, for publishing (PEFT models)."""
+"""LoRA adapters of PEFT models, for publishing: merged into their base weights on copies
+(:func:`lora_merged_state`), or as themselves (:func:`adapter_state`, described by :func:`adapter_entry`), which an
+engine in apply mode ``lora`` serves."""
 
 from __future__ import annotations
 
@@ -6,7 +8,7 @@ from typing import Any
 
 import torch
 
-from .names import NameMap
+from .names import WRAPPER_PREFIXES, NameMap
 
 __all__ = [
     "ADAPTER_PREFIX",
@@ -42,7 +44,7 @@ def lora_merged_state(module: torch.nn.Module, dtype: torch.dtype = torch.bfloat
 ADAPTER_PREFIX = "base_model.model."
 """PEFT's prefix of every adapter tensor name, as ``adapter_model.safetensors`` holds them (vLLM reads it)."""
 
-_WRAPPERS = ("_orig_mod.", "module.", "_fsdp_wrapped_module.", "_checkpoint_wrapped_module.")
+_WRAPPERS = tuple(p for p in WRAPPER_PREFIXES if p != ADAPTER_PREFIX)  # PEFT's own prefix stays in the name
 
 
 class AdapterNames(NameMap):
