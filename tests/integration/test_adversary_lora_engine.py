@@ -30,12 +30,13 @@ from deltasync.staging import StagedUpdate
 from deltasync.store import LocalStore
 from deltasync.targets import UNHEALTHY_LABEL, EngineClaim, OfflineLLMTarget
 from deltasync.vllm.lora_slots import ADAPTER_FILE, CONFIG_FILE
+from tests.support.models import LORA_TARGETS, peft_model
 from tests.support.staging import stage_as_published
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 cloudpickle.register_pickle_by_value(sys.modules[__name__])  # workers need not import this module
 
-TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+TARGETS = LORA_TARGETS
 PROMPTS = ["hello world", "the quick brown"]
 
 
@@ -117,21 +118,9 @@ def rig(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Itera
 
 
 def _trainer(model_dir: Path, seed: int, *, rank: int = 8, **config: Any) -> Any:
-    import peft
-    from transformers import AutoModelForCausalLM
-
-    torch.manual_seed(seed)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16)
-        settings = {"lora_alpha": 16, "target_modules": TARGETS, **config}
-        lora = peft.LoraConfig(r=rank, init_lora_weights=False, **settings)
-        model = peft.get_peft_model(base, lora)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "lora_" in name:
-                p.normal_(0, 0.05)
-    return model
+        return peft_model(model_dir, seed=seed, rank=rank, **config)
 
 
 def _step(model: Any, seed: int) -> None:

@@ -14,26 +14,16 @@ from typing import Any
 
 import pytest
 
+from tests.support.models import LORA_TARGETS, peft_model
+
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
-TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+TARGETS = LORA_TARGETS
 
 
 def make_adapter(model_dir: Path, out: Path, seed: int, *, rank: int = 8, targets: list[str] = TARGETS) -> str:
-    """A PEFT LoRA adapter of the tiny model with random non-zero A and B (bf16), saved as vLLM loads it."""
-    import peft
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    torch.manual_seed(seed)
-    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16)
-    config = peft.LoraConfig(r=rank, lora_alpha=16, target_modules=targets, init_lora_weights=False)
-    model = peft.get_peft_model(base, config)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "lora_" in name:
-                p.normal_(0, 0.05)
-    model.save_pretrained(out)
+    """A PEFT LoRA adapter of the tiny model with random non-zero A and B, saved as vLLM loads it."""
+    peft_model(model_dir, seed=seed, rank=rank, target_modules=targets).save_pretrained(out)
     return str(out)
 
 
@@ -195,19 +185,7 @@ def test_tp2_llama_each_rank_replaces_its_slice_bit_exact(
 
 def _trainer(model_dir: Path, seed: int, *, rank: int = 8) -> Any:
     """A PEFT model as a LoRA trainer holds it: float32 adapters (PEFT's default) with random non-zero A and B."""
-    import peft
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    torch.manual_seed(seed)
-    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16)
-    config = peft.LoraConfig(r=rank, lora_alpha=16, target_modules=TARGETS, init_lora_weights=False)
-    model = peft.get_peft_model(base, config)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "lora_" in name:
-                p.normal_(0, 0.05)
-    return model
+    return peft_model(model_dir, seed=seed, rank=rank)
 
 
 def _train_step(model: Any, seed: int, lr: float = 1e-3) -> None:

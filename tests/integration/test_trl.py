@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import queue
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -14,6 +15,7 @@ from deltasync.client import CoordinatorClient
 from deltasync.integrations.trl import DeltaSyncCallback, DeltaSyncWeightTransfer
 from deltasync.publisher import Publisher
 from tests.conftest import PUBLISHER_TOKEN, ServerThread, assert_bit_equal, coordinator_settings
+from tests.support.models import peft_model
 
 pytestmark = pytest.mark.slow
 
@@ -22,21 +24,21 @@ def _reward(completions, **kwargs) -> list[float]:
     return [float(len(str(c))) / 10 for c in completions]
 
 
-def test_grpo_trainer_with_the_callback(tmp_path: Path, tiny_model_dir: Path) -> None:
+def _grpo_trainer(
+    tmp_path: Path, model_dir: Path, model: torch.nn.Module, callback: DeltaSyncCallback, lr: float
+) -> Any:
+    """A real TRL GRPOTrainer of 3 optimizer steps on CPU (8 prompts, 2 generations of 6 tokens) with ``callback``."""
     trl = pytest.importorskip("trl")
     from datasets import Dataset
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
-    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
-    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
-    dataset = Dataset.from_list([{"prompt": f"Guess the word {i}:"} for i in range(8)])
     args = trl.GRPOConfig(
         output_dir=str(tmp_path / "out"),
         per_device_train_batch_size=2,
         num_generations=2,
         max_completion_length=6,
         max_steps=3,
-        learning_rate=1e-4,
+        learning_rate=lr,
         logging_steps=1,
         report_to=[],
         use_cpu=True,
@@ -44,20 +46,27 @@ def test_grpo_trainer_with_the_callback(tmp_path: Path, tiny_model_dir: Path) ->
         beta=0.0,
         seed=0,
     )
+    return trl.GRPOTrainer(
+        model=model,
+        reward_funcs=_reward,
+        args=args,
+        train_dataset=Dataset.from_list([{"prompt": f"Guess the word {i}:"} for i in range(8)]),
+        processing_class=AutoTokenizer.from_pretrained(model_dir),
+        callbacks=[callback],
+    )
+
+
+def test_grpo_trainer_with_the_callback(tmp_path: Path, tiny_model_dir: Path) -> None:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
     store = LocalStore(tmp_path / "store")
     with (
         ServerThread(create_app(coordinator_settings(tmp_path))) as server,
         CoordinatorClient(server.url, token=PUBLISHER_TOKEN) as client,
     ):
         callback = DeltaSyncCallback(Publisher(store, client))
-        trainer = trl.GRPOTrainer(
-            model=model,
-            reward_funcs=_reward,
-            args=args,
-            train_dataset=dataset,
-            processing_class=tokenizer,
-            callbacks=[callback],
-        )
+        trainer = _grpo_trainer(tmp_path, tiny_model_dir, model, callback, lr=1e-4)
         trainer.train()
         registered = [v.version for v in client.wait_for_versions(None, wait_s=0) if v.kind == "delta"]
     assert callback.versions == [0, 1, 2, 3]  # the initial weights, then one version per optimizer step
@@ -81,53 +90,32 @@ def test_weight_transfer_protocol_publishes_each_sync(tmp_path: Path) -> None:
     assert transfer.versions == [0, 1, 2]
 
 
-def _peft(model_dir: Path, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
-    import peft
-    from transformers import AutoModelForCausalLM
-
-    torch.manual_seed(0)
-    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
-    config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "up_proj"], lora_dropout=0.0)
-    return peft.get_peft_model(base, config)
+def _peft(model_dir: Path) -> torch.nn.Module:
+    """A trainer's PEFT model: a float32 base, PEFT's own initialization (B = 0)."""
+    return peft_model(
+        model_dir,
+        seed=0,
+        rank=4,
+        random=False,
+        dtype=torch.float32,
+        lora_alpha=8,
+        target_modules=["q_proj", "v_proj", "up_proj"],
+        lora_dropout=0.0,
+    )
 
 
 def test_grpo_trainer_with_a_peft_model_publishes_the_adapter_not_merged(tmp_path: Path, tiny_model_dir: Path) -> None:
     """GRPOTrainer trains a LoRA adapter; DeltaSyncCallback with an adapter publisher publishes the adapter's own
     tensors each step (no merge), and what a reader rebuilds is the trained adapter, bit for bit in bf16."""
-    trl = pytest.importorskip("trl")
-    from datasets import Dataset
-    from transformers import AutoTokenizer
-
+    pytest.importorskip("peft")
     from deltasync.lora import adapter_entry, adapter_state
 
     model = _peft(tiny_model_dir)
     base_before = {k: v.clone() for k, v in model.get_base_model().state_dict().items() if "lora_" not in k}
-    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
-    dataset = Dataset.from_list([{"prompt": f"Guess the word {i}:"} for i in range(8)])
-    args = trl.GRPOConfig(
-        output_dir=str(tmp_path / "out"),
-        per_device_train_batch_size=2,
-        num_generations=2,
-        max_completion_length=6,
-        max_steps=3,
-        learning_rate=1e-3,
-        report_to=[],
-        use_cpu=True,
-        save_strategy="no",
-        beta=0.0,
-        seed=0,
-    )
     store = LocalStore(tmp_path / "store")
     entry = adapter_entry(model)
     callback = DeltaSyncCallback(Publisher(store, adapter=entry))
-    trainer = trl.GRPOTrainer(
-        model=model,
-        reward_funcs=_reward,
-        args=args,
-        train_dataset=dataset,
-        processing_class=tokenizer,
-        callbacks=[callback],
-    )
+    trainer = _grpo_trainer(tmp_path, tiny_model_dir, model, callback, lr=1e-3)
     trainer.train()
     assert callback.versions == [0, 1, 2, 3]
     published = [m for m in callback.publisher.published if m.kind == "delta"]

@@ -16,6 +16,8 @@ import torch
 from deltasync.format import tensor_checksum
 
 __all__ = [
+    "LORA_TARGETS",
+    "peft_model",
     "ARCHITECTURES",
     "QWEN3_0_6B_CONFIG",
     "TINY_LLAMA_CONFIG",
@@ -247,3 +249,36 @@ def write_config_only_model(path: str | Path, config: Mapping[str, Any] | None =
     cfg.architectures = ["Qwen3ForCausalLM"]
     (path / "config.json").write_text(json.dumps(cfg.to_dict(), indent=1, sort_keys=True) + "\n")
     return path
+
+
+LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+"""Every linear module of the tiny Qwen3 and Llama decoder layers."""
+
+
+def peft_model(
+    model_dir: str | Path,
+    *,
+    seed: int,
+    rank: int = 8,
+    random: bool = True,
+    dtype: torch.dtype = torch.bfloat16,
+    **config: Any,
+) -> Any:
+    """A PEFT LoRA model on the base in ``model_dir`` (loaded in ``dtype``; PEFT keeps its adapters in float32):
+    ``lora_alpha`` 16 and :data:`LORA_TARGETS` unless ``config`` says otherwise. ``random``: A and B drawn from
+    N(0, 0.05) (a trained adapter: B not zero); else PEFT's own initialization (B = 0)."""
+    import peft
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
+    settings = {"lora_alpha": 16, "target_modules": LORA_TARGETS, **config}
+    model = peft.get_peft_model(
+        base, peft.LoraConfig(r=rank, **({"init_lora_weights": False} if random else {}), **settings)
+    )
+    if random:
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if "lora_" in name:
+                    p.normal_(0, 0.05)
+    return model

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -17,19 +18,17 @@ from deltasync.errors import RefusalReason
 from deltasync.lora import adapter_entry, adapter_state
 from deltasync.store import LocalStore
 from tests.conftest import assert_bit_equal
+from tests.support.models import peft_model
 
 peft = pytest.importorskip("peft")
 
 TARGETS = ["q_proj", "v_proj", "down_proj"]
 
 
-def _peft_model(tiny_model_dir: Path, **config: object) -> torch.nn.Module:
-    from transformers import AutoModelForCausalLM
-
-    torch.manual_seed(0)
-    base = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.bfloat16)
-    lora = peft.LoraConfig(**{"r": 4, "lora_alpha": 8, "target_modules": TARGETS, **config})
-    return peft.get_peft_model(base, lora)
+def _peft_model(tiny_model_dir: Path, **config: Any) -> torch.nn.Module:
+    """Rank 4, alpha 8 on :data:`TARGETS` unless ``config`` says otherwise; PEFT's own initialization (B = 0)."""
+    settings = {"r": 4, "lora_alpha": 8, "target_modules": TARGETS, **config}
+    return peft_model(tiny_model_dir, seed=0, rank=settings.pop("r"), random=False, **settings)
 
 
 def _step(model: torch.nn.Module, seed: int) -> None:
