@@ -8,13 +8,12 @@ import hashlib
 import logging
 import os
 import shutil
-import stat
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from ._localfs import ensure_dir, read_regular, write_new
+from ._localfs import ensure_dir, link_readable, read_regular, write_new
 from .errors import FormatError, IntegrityError, StoreError
 from .layout import manifest_key, object_prefix
 from .manifest import MAX_MANIFEST_BYTES, DeltaManifest, ShardEntry
@@ -96,15 +95,7 @@ class ObjectFetcher:
         reads ``dst`` checks its sha256 again (an engine does, before it decodes)."""
         if isinstance(self.store, LocalStore):
             return self.store.link_to(object_prefix(manifest.version, manifest.kind) + entry.file, dst, entry.bytes)
-        cached = self.cache / entry.sha256
-        try:
-            st = os.stat(cached, follow_symlinks=False)
-            if not stat.S_ISREG(st.st_mode) or st.st_size != entry.bytes or not st.st_mode & stat.S_IROTH:
-                return False  # (an engine of another user reads what it is given: a copy is made readable)
-            os.link(cached, dst, follow_symlinks=False)
-        except OSError:
-            return False
-        return True
+        return link_readable(self.cache / entry.sha256, dst, entry.bytes)
 
     def _shard(self, key: str, entry: ShardEntry) -> bytes:
         """A shard, size- and sha256-verified; refetched on a mismatch; cached by sha256 so a retry resumes."""

@@ -13,7 +13,7 @@ import numpy as np
 
 from .errors import FormatError, UnsafeObject
 
-__all__ = ["ensure_dir", "inside", "read_regular", "write_new"]
+__all__ = ["ensure_dir", "inside", "link_readable", "read_regular", "write_new"]
 
 _CHUNK = 8 << 20
 
@@ -52,6 +52,23 @@ def write_new(path: Path, data: bytes | Sequence[bytes | memoryview]) -> str:
         tmp.unlink(missing_ok=True)
         raise
     return str(path)
+
+
+def link_readable(
+    src: str | os.PathLike[str], dst: str | os.PathLike[str], size: int, *, src_dir_fd: int | None = None
+) -> bool:
+    """Hard-link ``src`` at ``dst`` (which must not exist): another name for the same bytes, no copy, when ``src`` is
+    a regular file of ``size`` bytes that every user may read (as a written copy would be: an engine of another
+    user reads it), reached without following a final link. ``False`` when it cannot be (another filesystem, links
+    not allowed, not that file); ``dst`` is then left absent."""
+    try:
+        st = os.stat(src, dir_fd=src_dir_fd, follow_symlinks=False)
+        if not stat.S_ISREG(st.st_mode) or st.st_size != size or not st.st_mode & stat.S_IROTH:
+            return False
+        os.link(src, dst, src_dir_fd=src_dir_fd, follow_symlinks=False)
+    except OSError:
+        return False
+    return True
 
 
 def read_regular(path: str | os.PathLike[str], max_bytes: int, what: str) -> memoryview:

@@ -18,6 +18,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import BinaryIO
 
+from .._localfs import link_readable
 from ..errors import ObjectExists, ObjectNotFound, ObjectTooLarge, StoreError, UnsafeObject
 from .base import check_key, check_unique_keys
 
@@ -247,20 +248,14 @@ class LocalStore:
             return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
     def link_to(self, key: str, dst: str | os.PathLike[str], size: int) -> bool:
-        """Hard-link object ``key`` (a regular file of ``size`` bytes, reached without following a link) at ``dst``,
-        which must not exist: another name for the same bytes, no copy. ``False`` when it cannot be (another
-        filesystem, links not allowed, not that file, not readable by every user as a written copy would be);
-        ``dst`` is then left absent."""
+        """Hard-link object ``key`` at ``dst`` (:func:`~deltasync._localfs.link_readable`; no link followed on the
+        way to it either). ``False`` when it cannot be."""
         dirs, name = self._split(key)
         try:
             with self._dir(dirs, create=False) as dfd:
-                st = os.stat(name, dir_fd=dfd, follow_symlinks=False)
-                if not stat.S_ISREG(st.st_mode) or st.st_size != size or not st.st_mode & stat.S_IROTH:
-                    return False
-                os.link(name, os.fspath(dst), src_dir_fd=dfd, follow_symlinks=False)
+                return link_readable(name, dst, size, src_dir_fd=dfd)
         except (OSError, StoreError):
             return False
-        return True
 
     def open(self, key: str) -> BinaryIO:
         """Open an object (a regular file, never through a link) for streaming reads."""
