@@ -13,6 +13,7 @@ Per update: the pause (the agent's serving gap: the whole update session), the e
 the work done before the pause (fetch, decode, stage, prepare). Ends with one JSON line.
 
     python benchmarks/bench_apply.py [--steps 4] [--lr 1e-6 1e-5] [--tokens 64] [--anchor-encoding raw]
+        [--modes inplace]    (DELTASYNC_BENCH_PROFILE=1: where the engine worker's time goes, first sync and updates)
 """
 
 from __future__ import annotations
@@ -30,6 +31,34 @@ from typing import Any
 
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 sys.path.insert(0, str(Path(__file__).parents[1]))  # tests.support: the launchers and the update stream
+PROFILE = os.environ.get("DELTASYNC_BENCH_PROFILE") == "1"
+if PROFILE:
+    os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"  # collective_rpc of this script's functions
+
+
+def _profile(worker: Any, on: bool) -> None:
+    """On the worker: start a profile, or stop it and print where the time went."""
+    import cProfile
+    import pstats
+
+    if on:
+        worker.deltasync_bench_profile = cProfile.Profile()
+        worker.deltasync_bench_profile.enable()
+    else:
+        worker.deltasync_bench_profile.disable()
+        pstats.Stats(worker.deltasync_bench_profile).sort_stats("tottime").print_stats(22)
+
+
+def profiled(llm: Any, fn: Any) -> Any:
+    """``fn()``, with the engine worker profiled when ``DELTASYNC_BENCH_PROFILE=1``."""
+    if not PROFILE:
+        return fn()
+    llm.collective_rpc(_profile, args=(True,))
+    try:
+        return fn()
+    finally:
+        llm.collective_rpc(_profile, args=(False,))
+
 
 PROMPTS = ["The quick brown fox", "Guess the five letter word:", "crane slate audio raise", "In a hole in the ground"]
 
@@ -76,7 +105,7 @@ class Bench:
             coordinator=agent_client,
             config=AgentConfig(agent_id=f"bench-{label}", staging_dir=str(tmp / f"staging-{label}")),
         )
-        self.first = self.agent.sync()
+        self.first = profiled(llm, self.agent.sync)
         first = {k: round(v, 2) for k, v in self.first.timings.items()}
         print(f"{label}: first sync of the fresh engine ({anchor_encoding} anchor v0): {first}", flush=True)
         model_mib = sum(t.numel() * t.element_size() for t in self.curr.values()) / 2**20
@@ -130,7 +159,7 @@ class Bench:
             self._register(self.base)
             self.reset_peak()
             before = self.memory()["rss_mib"]
-            r = self.agent.sync()
+            r = profiled(self.llm, self.agent.sync) if len(rows) == 1 else self.agent.sync()  # the second update
             extra = self.memory()["peak_mib"] - before
             last = self.llm.collective_rpc("deltasync_status")[0]["history"][-1]
             t = r.timings
@@ -206,7 +235,8 @@ def run_engine(tmp: Path, model: Path, label: str, args: argparse.Namespace, fig
             if label == "packed":
                 rows += bench.updates("reload", args.lr[0], args.steps)
             else:
-                rows += bench.updates("patches", args.lr[0], args.steps)
+                if "patches" in args.modes:
+                    rows += bench.updates("patches", args.lr[0], args.steps)
                 for lr in args.lr:
                     rows += bench.updates("inplace", lr, args.steps)
                 figures["map"] = llm.collective_rpc("deltasync_status")[0].get("map")
@@ -223,6 +253,7 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--engines", nargs="+", choices=("packed", "plain"), default=["packed", "plain"])
     parser.add_argument("--anchor-encoding", choices=("packed", "raw"), default="packed", help="the first sync's")
+    parser.add_argument("--modes", nargs="+", choices=("patches", "inplace"), default=["patches", "inplace"])
     args = parser.parse_args()
 
     from tests.support.models import write_config_only_model

@@ -76,9 +76,15 @@ class ObjectFetcher:
             Trust(verify_key=self.verify_key).check(self.store, version, kind, data)
         return DeltaManifest.from_json(data, name=name), data
 
-    def shards(self, manifests: list[DeltaManifest]) -> list[list[bytes]]:
-        """Every shard of every object, in parallel, each checked against its manifest entry."""
-        jobs = [(i, j, m, e) for i, m in enumerate(manifests) for j, e in enumerate(m.shards)]
+    def shards(self, manifests: list[DeltaManifest], skip: list[list[bool]] | None = None) -> list[list[bytes]]:
+        """Every shard of every object (``skip[i][j]``: not shard ``j`` of object ``i``, ``b""`` in its place), in
+        parallel, each checked against its manifest entry."""
+        jobs = [
+            (i, j, m, e)
+            for i, m in enumerate(manifests)
+            for j, e in enumerate(m.shards)
+            if skip is None or not skip[i][j]
+        ]
         out: list[list[bytes]] = [[b""] * len(m.shards) for m in manifests]
 
         def fetch(job: tuple[int, int, DeltaManifest, ShardEntry]) -> None:
@@ -96,6 +102,14 @@ class ObjectFetcher:
         if isinstance(self.store, LocalStore):
             return self.store.link_to(object_prefix(manifest.version, manifest.kind) + entry.file, dst, entry.bytes)
         return link_readable(self.cache / entry.sha256, dst, entry.bytes)
+
+    def link_unread(self, manifest: DeltaManifest, entry: ShardEntry, dst: Path) -> bool:
+        """Hard-link a local store's shard at ``dst`` without reading it (``False``: not a local store, or no link
+        can be made). For an engine that hashes every shard against its manifest before it decodes: the file is
+        read and hashed once, there, and no copy of a large anchor passes through this process."""
+        if not isinstance(self.store, LocalStore):
+            return False
+        return self.store.link_to(object_prefix(manifest.version, manifest.kind) + entry.file, dst, entry.bytes)
 
     def _shard(self, key: str, entry: ShardEntry) -> bytes:
         """A shard, size- and sha256-verified; refetched on a mismatch; cached by sha256 so a retry resumes."""

@@ -2,10 +2,11 @@
 
 It owns the version state machine of one engine. Everything slow (fetch, authenticate, stage; then the engine's
 decode and proof) happens **before** the engine is paused; the pause covers only the apply. An engine that decodes
-published objects against what it serves gets them as fetched, and the agent keeps no copy of the model; for
-another (tensor parallel in place), the agent decodes each object against its host copy, proves it against the
-manifest's checksums, and stages it decoded. The engine, not the agent, is the truth about what is served: its
-version, health, run and the highest version it has served come from it on every sync.
+published objects against what it serves (one rank or tensor parallel ranks in place, reload mode) gets them as
+fetched, and the agent keeps no copy of the model; for another (pipeline parallel in place), the agent decodes each
+object against its host copy, proves it against the manifest's checksums, and stages it decoded. The engine, not
+the agent, is the truth about what is served: its version, health, run and the highest version it has served come
+from it on every sync.
 
 What it promises (docs/RELIABILITY.md):
 
@@ -24,13 +25,13 @@ What it promises (docs/RELIABILITY.md):
 from __future__ import annotations
 
 import dataclasses
-import functools
 import logging
 import secrets
 import shutil
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -52,7 +53,7 @@ from .errors import (
     VersionGapError,
 )
 from .layout import object_prefix
-from .manifest import DeltaManifest
+from .manifest import DeltaManifest, ShardEntry
 from .reader import Trust, decode_object, read_weights
 from .signing import VerifyKey
 from .staging import StagedObject, StagedUpdate, in_memory, stage_object, stage_published
@@ -481,18 +482,24 @@ class Agent:
                 allow_rollback=self.config.allow_rollback,
             )
             holding = holding.after(m)
-        shards = self.fetcher.shards([m for m, _ in manifests])
-        t1 = time.perf_counter()
         objects: list[StagedObject] = []
         dirs: list[Path] = []
         if self._stages_published(st):
             self.host, self.host_version = None, None  # the engine decodes against what it serves
-            for (m, data), blobs in zip(manifests, shards, strict=True):
-                dirs.append(self._staging_dir(m))
-                link = functools.partial(self.fetcher.link_shard, m)  # the verified bytes by another name, no copy
-                objects.append(stage_published(dirs[-1], m, data, blobs, link=link))
+            # a local store's shards are linked unread: the engine hashes each against the manifest before decoding
+            dirs = [self._staging_dir(m) for m, _ in manifests]
+            linked = [
+                [self.fetcher.link_unread(m, e, d / e.file) for e in m.shards]
+                for (m, _), d in zip(manifests, dirs, strict=True)
+            ]
+            shards = self.fetcher.shards([m for m, _ in manifests], skip=linked)
+            t1 = time.perf_counter()
+            for (m, data), blobs, d, done in zip(manifests, shards, dirs, linked, strict=True):
+                objects.append(stage_published(d, m, data, blobs, link=self._linker(m, done)))
             timings.update(fetch=t1 - t0, decode=0.0, stage=time.perf_counter() - t1)
             return StagedUpdate(objects=tuple(objects)), dirs
+        shards = self.fetcher.shards([m for m, _ in manifests])
+        t1 = time.perf_counter()
         stage_s = 0.0
         host, host_version = self.host, self.host_version
         in_process = getattr(self.target, "in_process", False)  # an engine in this process takes the objects
@@ -522,6 +529,16 @@ class Agent:
         timings.update(fetch=t1 - t0, decode=time.perf_counter() - t1 - stage_s, stage=stage_s)
         return StagedUpdate(objects=tuple(objects)), dirs
 
+    def _linker(self, m: DeltaManifest, done: list[bool]) -> Callable[[ShardEntry, Path], bool]:
+        """How :func:`stage_published` names object ``m``'s shards: linked already (``done``, by position), else a
+        link to the fetched, verified bytes (the fetcher's cached copy), else ``False`` (it writes them)."""
+        position = {e.file: k for k, e in enumerate(m.shards)}
+
+        def link(entry: ShardEntry, path: Path) -> bool:
+            return done[position[entry.file]] or self.fetcher.link_shard(m, entry, path)
+
+        return link
+
     def _staging_dir(self, m: DeltaManifest) -> Path:
         """A fresh directory of this agent's own (unpredictable name): nothing planted can redirect its writes."""
         name = f"v{m.version:08d}" + ("-anchor-" if m.kind == "anchor" else "-")
@@ -536,7 +553,11 @@ class Agent:
         prepare = getattr(self.target, "prepare", None)
         if prepare is not None:
             tp = time.perf_counter()
-            prepare(update)
+            try:
+                prepare(update)  # a refusal here comes before the pause: the engine keeps serving
+            except VersionGapError:
+                self.host, self.host_version = None, None  # re-planned from the engine's real version
+                raise
             timings["prepare"] = time.perf_counter() - tp
         t0 = time.perf_counter()
         self.target.pause()

@@ -46,6 +46,7 @@ __all__ = [
     "DEFAULT_ZSTD_LEVEL",
     "BaseValues",
     "FORMAT_VERSION",
+    "PartialBaseValues",
     "ShardHeader",
     "TensorDelta",
     "TensorInfo",
@@ -72,6 +73,17 @@ class BaseValues(Protocol):
         """The base version's values of tensor ``name`` (``shape``, ``dtype``) at sorted flat ``indices``: a 1-D
         ``dtype`` tensor of ``indices.numel()`` values on CPU. Raises ``FormatError`` (naming the tensor) when they
         cannot be read."""
+        ...
+
+
+@runtime_checkable
+class PartialBaseValues(BaseValues, Protocol):
+    """:class:`BaseValues` of a reader that holds only part of some tensors (a tensor-parallel rank that decodes
+    against what it serves): it decodes the elements it holds, and leaves the others to the ranks holding them."""
+
+    def held(self, name: str, indices: torch.Tensor) -> torch.Tensor | None:
+        """Which of the sorted flat ``indices`` of tensor ``name`` this reader holds (a bool tensor), or ``None``
+        for all of them."""
         ...
 
 
@@ -114,6 +126,10 @@ class TensorDelta:
     span: tuple[int, int] | None = None
     """Flat element range ``[start, stop)`` the entry covers (one FSDP rank's rows); ``None``:
     the whole tensor."""
+    held: torch.Tensor | None = None
+    """Decoded by a reader that holds part of the tensor (:class:`PartialBaseValues`): which elements of the entry
+    (of ``indices``, or of the span) it decoded, a bool tensor. The others' ``values`` are +0.0 placeholders, never
+    to be written. ``None``: every element."""
     base_values: torch.Tensor | None = None
     """What the base version held where ``values`` go; ``packed`` codes values against them.
     ``None`` makes ``packed`` store raw bits."""
@@ -449,6 +465,7 @@ def _decode_tensor(
     sparse = info.layout == "sparse"
     n = info.nnz
     indices: np.ndarray | None = None
+    held: torch.Tensor | None = None
     if encoding == "raw":
         if sparse:
             ie = st.entries[f"{t}:indices"]
@@ -474,7 +491,7 @@ def _decode_tensor(
         else:
             _, unsigned = wide_dtypes(info.dtype)
             coded = _codec.join_planes(raw_vals, n, info.value_planes, unsigned)
-            bits = _undo_ordinal_delta(file, t, info, coded, base, indices)
+            bits, held = _undo_ordinal_delta(file, t, info, coded, base, indices)
     shape = info.shape if info.layout == "dense" and info.span is None else (n,)
     values = torch.from_numpy(bits).view(DTYPES[info.dtype]).reshape(shape)
     if has_nan(values):
@@ -491,6 +508,7 @@ def _decode_tensor(
         checksum=info.checksum,
         indices=None if indices is None else torch.from_numpy(indices),
         values=values,
+        held=held,
     )
 
 
@@ -501,13 +519,32 @@ def _undo_ordinal_delta(
     coded: np.ndarray,
     base: Mapping[str, torch.Tensor] | BaseValues | None,
     indices: np.ndarray | None,
-) -> np.ndarray:
+) -> tuple[np.ndarray, torch.Tensor | None]:
+    """The new bits, and which of them were decoded (``None``: all; a :class:`PartialBaseValues` reader decodes
+    only the elements it holds, and the others are +0.0)."""
+    held: torch.Tensor | None = None
     if isinstance(base, BaseValues):
         at = torch.from_numpy(indices) if indices is not None else torch.arange(*info.bounds, dtype=torch.int64)
+        if isinstance(base, PartialBaseValues):
+            held = base.held(t, at)
+            if held is not None:
+                if held.dtype != torch.bool or held.numel() != at.numel():
+                    raise _bad(file, f"tensor {t!r}: the base's held mask does not match {at.numel()} elements")
+                at = at[held]
         read = base.values_at(t, info.shape, DTYPES[info.dtype], at)
         if read.dtype != DTYPES[info.dtype] or read.numel() != at.numel():
             raise _bad(file, f"tensor {t!r}: the base gave {read.numel()} {read.dtype} values for {at.numel()}")
         base_bits = _bits_of(read, info.dtype)
+        if held is not None:
+            keep = held.numpy()
+            part = _codec.undo_ordinal_delta(base_bits, coded[keep])  # boolean indexing: a copy, the caller's
+            if part is None:
+                raise _bad(
+                    file, f"tensor {t!r}: a coded value falls outside the {info.dtype} range; the shard is corrupt"
+                )
+            whole = np.zeros(coded.size, dtype=part.dtype)  # +0.0 where another rank decodes
+            whole[keep] = part
+            return whole, held
     else:
         held = None if base is None else base.get(t)
         if held is None:
@@ -528,4 +565,4 @@ def _undo_ordinal_delta(
     out = _codec.undo_ordinal_delta(base_bits, coded)  # in coded's buffer: join_planes made it for this call
     if out is None:
         raise _bad(file, f"tensor {t!r}: a coded value falls outside the {info.dtype} range; the shard is corrupt")
-    return out
+    return out, held

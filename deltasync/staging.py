@@ -9,7 +9,7 @@ The agent fetches and authenticates an object and stages it, in a directory the 
   (``decodes`` in their status).
 * **decoded** (:func:`stage_object`): the agent decodes the object against its host copy of the model, proves
   the result against the manifest's checksums, and stages the manifest and the object re-encoded ``raw`` (no base
-  needed to decode it). For engines that hold tensors in part (tensor parallel in place).
+  needed to decode it). For engines whose ranks hold no part of some tensors (pipeline parallel in place).
 
 A :class:`StagedObject` names those files; it crosses vLLM's RPC boundary as ``update_info``
 (:meth:`to_update_info` / :meth:`from_update_info`), parsed and validated once. In-process engines take the decoded

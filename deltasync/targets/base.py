@@ -16,6 +16,7 @@ __all__ = [
     "EngineState",
     "EngineTarget",
     "check_claim",
+    "combine_changes",
     "combine_proofs",
     "combine_ranks",
     "parse_weight_version",
@@ -269,6 +270,41 @@ def combine_proofs(ranks: Sequence[Mapping[str, Any]]) -> tuple[list[str], list[
         elif format_sketch(add_sketches(*(parse_sketch(s) for s in sketches))) != published.get(name):
             drifted.append(name)
     return sorted(set(drifted)), sorted(set(unproven) - set(drifted))
+
+
+def combine_changes(ranks: Sequence[Mapping[str, Any]]) -> tuple[list[str], list[str]]:
+    """Each rank's ``deltasync_prepare`` answer, added up: ``(bad, unproven)`` tensor names.
+
+    With tensor parallelism a rank decodes only the elements it holds, and proves only the tensors it holds whole.
+    For a tensor held in parts, each rank gives, per live parameter, how the update moves the sketch of its part
+    (``changes``). Where the parts of one parameter (same name on every rank) cover the tensor exactly once, the
+    served sketch plus their sum must be the published sketch, or the update is bad; parts that cover more (a
+    replicated slice) or less cannot be added up and are reported unproven (the audit after the pause proves
+    the result, as every rank's whole state).
+    """
+    from ..sketch import add_sketches, format_sketch, parse_sketch
+
+    sums: dict[tuple[str, str], tuple[list[str], int]] = {}
+    facts: dict[str, tuple[str, str, int]] = {}
+    bad: set[str] = set()
+    for r in ranks:
+        for name, change in (r.get("changes") or {}).items():
+            fact = (str(change["served"]), str(change["published"]), int(change["numel"]))
+            if facts.setdefault(name, fact) != fact:  # ranks that serve different versions: never add them up
+                bad.add(name)
+            for param, sketch, count in change["parts"]:
+                if int(count) <= 0:  # a part holds elements: anything else is a malformed answer
+                    bad.add(name)
+                sketches, total = sums.get((name, param), ([], 0))
+                sums[(name, param)] = ([*sketches, sketch], total + int(count))
+    unproven: set[str] = set()
+    for (name, _), (sketches, total) in sorted(sums.items()):
+        served, published, numel = facts[name]
+        if total != numel:
+            unproven.add(name)
+        elif format_sketch(add_sketches(parse_sketch(served), *(parse_sketch(s) for s in sketches))) != published:
+            bad.add(name)
+    return sorted(bad), sorted(unproven - bad)
 
 
 def raise_outcome(ranks: Sequence[Mapping[str, Any]], what: str, cause: BaseException | None = None) -> None:

@@ -16,7 +16,7 @@ from typing import Any, Literal
 
 import httpx
 
-from ..errors import ApplyError, UpdateRefused
+from ..errors import ApplyError, RefusalReason, UpdateRefused, VersionGapError
 from ..staging import StagedUpdate
 from ..vllm.guard import ENGINE_TOKEN_HEADER, load_engine_token
 from .base import (
@@ -24,6 +24,7 @@ from .base import (
     EngineClaim,
     EngineState,
     check_claim,
+    combine_changes,
     combine_proofs,
     combine_ranks,
     raise_outcome,
@@ -55,11 +56,47 @@ class _VllmTarget:
 
     def prepare(self, update: StagedUpdate) -> None:
         """Before the pause: every rank reads, validates and plans the update (``inplace`` mode writes nothing
-        but the planned scatters inside the session). A refusal found here is found again by :meth:`apply`."""
+        but the planned scatters inside the session). A refusal found here is found again by :meth:`apply`.
+
+        With tensor parallelism each rank decodes and proves the elements it holds; the changes of the tensors
+        held in parts come back here and are added up over the ranks before the pause.
+
+        Raises:
+            UpdateRefused: a rank refused the update (``VersionGapError``: it holds another base), or (reason
+                ``integrity``) the ranks' changes do not give a published checksum; nothing was written.
+        """
         try:
-            self._rpc("deltasync_prepare", update_info=json.dumps(update.to_update_info()))
+            ranks = self._rpc("deltasync_prepare", update_info=json.dumps(update.to_update_info()))
         except Exception as exc:  # noqa: BLE001 - an optimization: apply() does the work if prepare could not
             logger.warning("could not prepare the update before the pause: %s", exc)
+            return
+        refused = [r for r in ranks if isinstance(r, dict) and r.get("refused")]
+        if refused:  # before the pause, on every rank alike (with TP > 1 each rank decodes its own part: a rank that
+            # refuses while another would write must stop them all here, never leave them split)
+            reason = RefusalReason(refused[0]["refused"])
+            message = f"prepare: {refused[0].get('message', '')}"
+            if reason is RefusalReason.BASE:
+                raise VersionGapError(message)
+            raise UpdateRefused(message, reason=reason)
+        failed = [r for r in ranks if not (isinstance(r, dict) and r.get("ok"))]
+        bad, unproven = combine_changes([r for r in ranks if r not in failed])
+        if failed and len(failed) < len(ranks) and not bad:  # ranks decode their own parts: none writes alone
+            raise UpdateRefused(
+                f"prepare: a rank could not prepare the update ({str(failed[0])[:300]}); nothing was written",
+                reason=RefusalReason.MALFORMED,
+            )
+        if failed and not bad:
+            return  # every rank alike, without a refusal (no map yet, ...): apply() does the work and says why
+        if bad:
+            raise UpdateRefused(
+                f"the ranks' changes to {len(bad)} tensors do not give the published checksums (e.g. {bad[0]}); "
+                "nothing was written",
+                reason=RefusalReason.INTEGRITY,
+            )
+        if unproven:  # parts that overlap (a replicated slice): the audit after the pause proves the result
+            logger.info(
+                "%d tensors held in overlapping parts are proven after the pause: %s", len(unproven), unproven[:3]
+            )
 
     def audit(self) -> None:
         """After the pause: every rank reads the update's writes back from its live parameters and compares

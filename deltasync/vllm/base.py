@@ -42,6 +42,9 @@ logger = logging.getLogger("vllm.deltasync.engine")
 
 MODES = ("auto", "inplace", "patches", "reload", "lora")
 
+MAP_AT_START_ENV = "DELTASYNC_MAP_AT_START"
+"""``0``: learn the patch map at the first update instead of while vLLM starts (:meth:`EngineBase._map_at_start`)."""
+
 
 @dataclass
 class DeltaSyncInitInfo(WeightTransferInitInfo):
@@ -149,10 +152,37 @@ class EngineBase(WeightTransferEngine[DeltaSyncInitInfo, DeltaSyncUpdateInfo]):
         self._touched: set[str] = set()  # the last session's tensors, proven in parts after the pause
         self.drift: dict[str, Any] | None = None
         """The last drift found (tensor, version, when): cleared when an anchor restores the engine."""
+        self.change_parts: dict[str, Any] = {}
+        """TP > 1: the last prepared update's changes to the tensors this rank holds in part (per parameter, as
+        sketches), for the agent to add up over the ranks before the first write."""
         self.proofs: dict[str, Any] = {}
         """The last whole-state proof: when, how long, how many tensors."""
         self.adapter_dir: str | None = None
         self._base_fingerprint: str | None = None
+        if os.environ.get(MAP_AT_START_ENV, "1") != "0" and vllm_config.lora_config is None:
+            self._map_at_start()
+
+    def _map_at_start(self) -> None:
+        """Learn the patch map while vLLM starts, right after it loads the model and before it serves: the first
+        update (often a cold replica's anchor) then pays none of it, and no request waits on it later (a map
+        built by an update's ``prepare`` stalls the worker's steps meanwhile). Never raises: a map that cannot
+        be built is said in ``status()["map_error"]``, as it would be at the first update. ``lora`` servers
+        (``--enable-lora``) and ``DELTASYNC_MAP_AT_START=0`` build it at the first use instead."""
+        t0 = time.perf_counter()
+        try:
+            self.patch_map()
+        except ApplyError as exc:  # an unknown checkpoint, or a map that cannot be built (recorded)
+            logger.info("deltasync: no patch map at start (%s)", exc)
+        except Exception as exc:  # noqa: BLE001 - vLLM must start: the failure is recorded (status "map_error")
+            self._map_failed = f"{type(exc).__name__}: {exc}"
+            logger.warning("deltasync: no patch map at start (%s); this engine reloads instead", self._map_failed)
+        try:
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()  # the build's stand-ins: free before vLLM sizes its KV cache
+        except Exception as exc:  # noqa: BLE001 - only memory left cached
+            logger.info("deltasync: could not free the map build's cached memory (%s)", exc)
+        if self._map is not None:
+            logger.info("deltasync: patch map built at start in %.1f s", time.perf_counter() - t0)
 
     def init_transfer_engine(self, init_info: DeltaSyncInitInfo) -> None:
         """An agent's claim (:class:`~deltasync.targets.EngineClaim`). A refused claim changes nothing and is only
@@ -275,13 +305,14 @@ class EngineBase(WeightTransferEngine[DeltaSyncInitInfo, DeltaSyncUpdateInfo]):
 
     def decodes(self) -> bool:
         """Whether this engine decodes published objects against what it serves (its agent then stages them as
-        fetched and keeps no copy of the model): it must read every tensor it serves whole, on every rank. Reload
-        mode reads its shadow; in place, a single rank reads its live parameters (the map is built by the first
-        update, whose anchor needs no base: until then this is a promise :meth:`_undecodable` keeps per tensor)."""
+        fetched and keeps no copy of the model). Reload mode reads its shadow; in place, each rank reads its live
+        parameters: one rank must hold every tensor whole, and with tensor parallelism each rank decodes the
+        elements it holds (the ranks' changes are added up before the first write: :meth:`_prove`). Without a map
+        yet (built by the first update, whose anchor needs no base) this is a promise :meth:`_undecodable` keeps
+        per tensor. Pipeline parallel ranks hold no part of some tensors: their agent decodes."""
         if self.mode in ("reload", "lora"):
             return True
-        parallel = self.vllm_config.parallel_config
-        if self.mode != "inplace" or parallel.tensor_parallel_size * parallel.pipeline_parallel_size != 1:
+        if self.mode != "inplace" or self.vllm_config.parallel_config.pipeline_parallel_size != 1:
             return False
         spec = self.served_spec()
         if self._map is None or spec is None:
@@ -303,13 +334,29 @@ class EngineBase(WeightTransferEngine[DeltaSyncInitInfo, DeltaSyncUpdateInfo]):
         pm = self.patch_map()
         if name in pm:
             dtype, shape = spec[name]
-            if not pm.holds_whole(name, math.prod(shape)):
-                return "this rank holds it in part"
+            if not self._tensor_parallel() and not pm.holds_whole(name, math.prod(shape)):
+                return "this engine's one rank holds it in part"
             if any(pm.param(p).dtype != DTYPES[dtype] for p in pm.params_of(name)):
                 return f"its parameters are not {dtype}"
             return None
         # modules the map cannot hold are reloaded from the shadow, which every update then keeps current
         return None if pm.unmapped and name in self._get_shadow() else "the patch map does not hold it"
+
+    def _tensor_parallel(self) -> bool:
+        return int(self.vllm_config.parallel_config.tensor_parallel_size) > 1
+
+    def _holds(self, name: str, indices: torch.Tensor) -> torch.Tensor | None:
+        """Which of checkpoint tensor ``name``'s sorted flat ``indices`` this rank holds in place (a bool tensor),
+        or ``None`` where it holds the whole tensor (or reads it from its shadow). A rank that holds part of a
+        tensor always answers a mask, even one that holds every element asked for: its changes are then added
+        up with the other ranks' (:meth:`_prove`), never taken as a whole tensor's."""
+        pm, spec = self._map, self.served_spec()
+        if pm is None or spec is None or name not in pm or pm.holds_whole(name, math.prod(spec[name][1])):
+            return None
+        mask = torch.zeros(indices.numel(), dtype=torch.bool)
+        for r in pm.runs[name]:
+            mask |= r.locate(indices)[0]
+        return mask
 
     def _get_shadow(self) -> Shadow:
         if self._shadow is None:

@@ -114,9 +114,12 @@ class DeltaSyncWeightTransferEngine(ProvingEngine):
     def prepare(self, update_info: dict[str, Any]) -> dict[str, Any]:
         """Read, validate and plan an update before the pause (the ``deltasync_prepare`` RPC); the next
         ``update_weights`` with the same ``update_info`` then only re-checks admission and writes. Never raises:
-        a refusal is returned (and found again by ``update_weights``)."""
+        a refusal is recorded (``status()["outcome"]``) and returned, and the agent stops there, before the pause
+        (``update_weights`` would find it again). With TP > 1 the answer carries this rank's changes to the tensors
+        it holds in part (``changes``), which the agent adds up over the ranks before the pause."""
         t0 = time.perf_counter()
         self._prepared = None
+        self.change_parts = {}
         times: dict[str, float] = {}
         try:
             update = self._parse(update_info)
@@ -128,13 +131,18 @@ class DeltaSyncWeightTransferEngine(ProvingEngine):
             if ops is not None:
                 self._prove(checked, ops)
             times["prove_s"] = time.perf_counter() - t0 - times["read_s"] - times["plan_s"]
-        except UpdateRefused as exc:
-            return {"ok": False, "refused": exc.reason.value, "message": str(exc)}
+        except UpdateRefused as exc:  # recorded as a refused update is (the agent stops here, before the pause)
+            self.outcome = {"ok": False, "refused": exc.reason.value, "message": str(exc)}
+            logger.warning("deltasync: %s", exc)
+            return dict(self.outcome)
         except Exception as exc:  # noqa: BLE001 - update_weights repeats the work and reports it
             return {"ok": False, "refused": None, "message": f"{type(exc).__name__}: {exc}"}
         self._prepared = (_key(update_info), checked, ops or [])
         self._last_prepare = {k: round(v, 4) for k, v in times.items()}  # in the next session's stats
-        return {"ok": True, "prepare_s": round(time.perf_counter() - t0, 4)}
+        out: dict[str, Any] = {"ok": True, "prepare_s": round(time.perf_counter() - t0, 4)}
+        if ops is not None and self.change_parts:  # TP > 1: the agent adds them up before the pause
+            out["changes"] = self.change_parts
+        return out
 
     def receive_weights(self, update_info: DeltaSyncUpdateInfo) -> None:
         """Validate the whole update, then write it (in place, to the shadow, or as patches).
@@ -234,7 +242,9 @@ class DeltaSyncWeightTransferEngine(ProvingEngine):
             except (ValueError, OSError) as exc:
                 raise UpdateRefused(f"deltasync: {exc}", reason=RefusalReason.MALFORMED) from exc
             self._admit_manifests([m for m in admitted if m is not None], update)
-            source = ServedValues(self._served_values)
+            # tensor parallel in place: each rank decodes the elements it holds
+            holds = self._holds if self.mode == "inplace" and self._tensor_parallel() else None
+            source = ServedValues(self._served_values, holds)
             if self.mode == "inplace":
                 try:  # built here, once, before the decoder's threads read through it
                     self.patch_map()

@@ -134,13 +134,18 @@ class PatchMap:
         out: list[Scatter | Blocks] = []
         for d in deltas:
             runs = self.runs[d.ckpt_name]
-            if d.indices is not None:
+            held_here = getattr(d, "held", None)  # benchmarks/gpu plans its own light entries
+            if d.indices is not None or held_here is not None:
+                indices = d.indices if d.indices is not None else torch.arange(*d.bounds, dtype=torch.int64)
+                new = d.values.reshape(-1)
+                if held_here is not None:  # decoded on this rank in part (a dense entry too): only what it decoded
+                    indices, new = indices[held_here], new[held_here]
                 for r in runs:
-                    held, where = r.locate(d.indices)
-                    if where.numel() == d.indices.numel():  # all held (a whole tensor): no masked copy
-                        parts.setdefault(r.param, []).append((where, d.values.reshape(-1)))
+                    held, where = r.locate(indices)
+                    if where.numel() == indices.numel():  # all held (a whole tensor): no masked copy
+                        parts.setdefault(r.param, []).append((where, new))
                     elif where.numel():
-                        parts.setdefault(r.param, []).append((where, d.values[held]))
+                        parts.setdefault(r.param, []).append((where, new[held]))
                 continue
             start, stop = d.span if d.span is not None else (0, d.values.numel())
             flat = d.values.reshape(-1)
@@ -634,8 +639,6 @@ def build_map(
     written. ``untrusted(param)`` names why a parameter cannot be patched (``None``: it can); tensors landing
     in one are left out of the map.
     """
-    from ..vocab import DTYPES
-
     t0 = time.perf_counter()
     params = dict(model.named_parameters(remove_duplicate=False))
     by_group: dict[str, list[str]] = {}
@@ -653,6 +656,49 @@ def build_map(
     learned: dict[tuple[Any, ...], _Learned] = {}
     counts = {"probed": 0, "derived": 0}
     before = _fingerprints(model)
+    try:
+        _build_groups(model, spec, load, untrusted, params, by_group, param_groups, runs, unmapped, learned, counts)
+    except Exception as exc:
+        _restore_identity(model, params)
+        _check_untouched(model, before, exc)
+        raise
+    _restore_identity(model, params)
+    _check_untouched(model, before)
+    pm = PatchMap(runs, unmapped, params, time.perf_counter() - t0, model=model)
+    pm.layers = dict(counts)
+    logger.info("deltasync: patch map built: %s", pm.summary())
+    return pm
+
+
+def _check_untouched(
+    model: torch.nn.Module, before: dict[str, tuple[Any, ...]], cause: BaseException | None = None
+) -> None:
+    """Raise :class:`MapCorruption` if building the map (finished, or stopped by ``cause``) changed live weights."""
+    changed = [n for n, fp in _fingerprints(model).items() if before.get(n) != fp]
+    if changed:
+        raise MapCorruption(
+            f"building the patch map changed live weights it had not swapped ({len(changed)}: {changed[:3]}): the "
+            "loader writes where probing cannot see (another layer's parameter, a buffer, an alias of a "
+            "parameter's storage); this engine serves wrong weights until an anchor restores it"
+        ) from cause
+
+
+def _build_groups(
+    model: torch.nn.Module,
+    spec: Mapping[str, tuple[str, tuple[int, ...]]],
+    load: Callable[[Iterable[tuple[str, torch.Tensor]]], Any],
+    untrusted: Callable[[str], str | None],
+    params: Mapping[str, torch.nn.Parameter],
+    by_group: dict[str, list[str]],
+    param_groups: dict[str, list[str]],
+    runs: dict[str, list[Runs]],
+    unmapped: dict[str, str],
+    learned: dict[tuple[Any, ...], _Learned],
+    counts: dict[str, int],
+) -> None:
+    """:func:`build_map`'s work, group by group: probed, or derived from the first layer of its kind."""
+    from ..vocab import DTYPES
+
     for group, names in sorted(by_group.items()):
         probed = param_groups.get(group, [])
         if group == "" or not probed:  # outside the layers, names can go anywhere outside them
@@ -678,18 +724,6 @@ def build_map(
                 unmapped={_template(n): unmapped[n] for n in names if n in unmapped},
                 values={_template(n): values[n] for n in names if n in runs},
             )
-    _restore_identity(model, params)
-    changed = [n for n, fp in _fingerprints(model).items() if before.get(n) != fp]
-    if changed:
-        raise MapCorruption(
-            f"building the patch map changed live weights it had not swapped ({len(changed)}: {changed[:3]}): the "
-            "loader writes where probing cannot see (another layer's parameter, a buffer, an alias of a "
-            "parameter's storage); this engine serves wrong weights until an anchor restores it"
-        )
-    pm = PatchMap(runs, unmapped, params, time.perf_counter() - t0, model=model)
-    pm.layers = dict(counts)
-    logger.info("deltasync: patch map built: %s", pm.summary())
-    return pm
 
 
 def _take_derived(

@@ -21,7 +21,7 @@ import torch
 from ..errors import ApplyError, RefusalReason, UpdateRefused
 from ..format import TensorDelta, tensor_checksum
 from ..manifest import DeltaManifest, TensorEntry
-from ..sketch import add_sketches, format_sketch, parse_sketch, sketch_change
+from ..sketch import ZERO, add_sketches, format_sketch, parse_sketch, sketch_change
 from ..vocab import DTYPES
 from .base import EngineBase, logger
 from .patch_map import PatchMap
@@ -82,9 +82,20 @@ class ProvingEngine(EngineBase):
         reads, self._served_reads = self._served_reads, {}
         bad: list[str] = []
         whole: list[str] = []
+        self.change_parts = {}
         for name, ds in changes.items():
             entry = last[name].tensors[name]
             final = ds[-1]
+            if any(d.held is not None for d in ds):  # decoded here in part (TP > 1): the ranks' changes add up
+                before = served.tensors.get(name) if served is not None else None
+                if before is not None and before.sketch is not None and entry.sketch is not None:
+                    self.change_parts[name] = {
+                        "parts": self._change_parts(pm, name, ds, DTYPES[entry.dtype]),
+                        "served": before.sketch,
+                        "published": entry.sketch,
+                        "numel": entry.numel,
+                    }
+                continue  # else proven after the pause, by the ranks' sketch parts (audit)
             if final.indices is None and (final.span is None or tuple(final.span) == (0, entry.numel)):
                 # written whole last (an anchor): the result is the staged values themselves
                 if not _matches(final.values.reshape(-1), entry):
@@ -106,6 +117,37 @@ class ProvingEngine(EngineBase):
                 f"differ from the published checksums (e.g. {sorted(bad)[0]}); nothing was written",
                 reason=RefusalReason.INTEGRITY,
             )
+
+    @staticmethod
+    def _change_parts(pm: PatchMap, name: str, ds: list[TensorDelta], dtype: torch.dtype) -> list[list[Any]]:
+        """How the sparse changes ``ds`` (in order; decoded on this rank in part) move the sketch of each live
+        parameter's part of tensor ``name``: ``[parameter, sketch change, elements of the tensor it holds]``.
+        Added up over the ranks whose parts cover the tensor once, plus the served sketch, they must give the
+        published sketch (:func:`deltasync.targets.base.combine_changes`)."""
+        idx: torch.Tensor | None = None
+        new: torch.Tensor | None = None
+        for d in ds:
+            at = d.indices if d.indices is not None else torch.arange(*d.bounds, dtype=torch.int64)
+            values = d.values.reshape(-1)
+            if d.held is not None:
+                at, values = at[d.held], values[d.held]
+            idx, new = (at, values) if idx is None or new is None else merge_changes((idx, new), (at, values))
+        assert idx is not None and new is not None
+        new = new.to(dtype)
+        out: dict[str, list[Any]] = {}
+        for r in pm.runs[name]:
+            held, where = r.locate(idx)
+            flat = pm.param(r.param).data.view(-1)
+            moved = ZERO
+            at, values = idx[held], new[held]
+            for a in range(0, at.numel(), _BLOCK):
+                old = flat.index_select(0, where[a : a + _BLOCK].to(flat.device)).cpu().to(dtype)
+                moved = add_sketches(
+                    moved, sketch_change(values[a : a + _BLOCK], old, at[a : a + _BLOCK], increasing=True)
+                )
+            part = out.setdefault(r.param, [r.param, ZERO, 0])
+            part[1], part[2] = add_sketches(part[1], moved), part[2] + r.numel
+        return [[param, format_sketch(sk), count] for param, sk, count in out.values()]
 
     @staticmethod
     def _prove_change(

@@ -43,11 +43,19 @@ class ServedValues:
 
     Args:
         live: reads what the engine serves of a tensor at sorted flat indices (``name``, ``indices``, ``dtype``);
-            raises ``FormatError`` when it cannot (the tensor is held in part, or not at all).
+            raises ``FormatError`` when it cannot (the tensor is not served here).
+        holds: which of a tensor's sorted flat indices this engine holds (``name``, ``indices``): a bool tensor,
+            or ``None`` for all (a tensor-parallel rank holds parts of tensors and decodes only those; the ranks
+            holding the rest decode theirs). Default: every element.
     """
 
-    def __init__(self, live: Callable[[str, torch.Tensor, torch.dtype], torch.Tensor]) -> None:
+    def __init__(
+        self,
+        live: Callable[[str, torch.Tensor, torch.dtype], torch.Tensor],
+        holds: Callable[[str, torch.Tensor], torch.Tensor | None] | None = None,
+    ) -> None:
         self._live = live
+        self._holds = holds
         self._dense: dict[str, torch.Tensor] = {}  # written whole earlier in the session: flat values
         self._owned: set[str] = set()  # dense values this session owns (copied before a later change)
         self._sparse: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # changed earlier: sorted indices, values
@@ -55,6 +63,11 @@ class ServedValues:
         self.served: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = {}
         """Per tensor, the (indices, values) read from what the engine serves, for the first object that changes
         it (a tensor split over shards is read once per part)."""
+
+    def held(self, name: str, indices: torch.Tensor) -> torch.Tensor | None:
+        if self._holds is None or name in self._dense:  # a tensor written whole earlier in the session is held whole
+            return None
+        return self._holds(name, indices)
 
     def values_at(self, name: str, shape: tuple[int, ...], dtype: torch.dtype, indices: torch.Tensor) -> torch.Tensor:
         dense = self._dense.get(name)
@@ -84,7 +97,8 @@ class ServedValues:
                 self._change(d)
         for name, parts in spans.items():
             numel = _numel(parts[0].shape)
-            if sum(b - a for a, b in (p.bounds for p in parts)) != numel:  # a part of the tensor (or a forgery)
+            partial = any(p.held is not None for p in parts)  # decoded here in part: only those elements are known
+            if partial or sum(b - a for a, b in (p.bounds for p in parts)) != numel:  # a part (or a forgery)
                 for p in parts:
                     self._change(p)
                 continue
@@ -99,13 +113,15 @@ class ServedValues:
 
     def _change(self, d: TensorDelta) -> None:
         name = d.ckpt_name
-        if d.indices is None and d.span is None:  # written whole
+        if d.indices is None and d.span is None and d.held is None:  # written whole
             self._dense[name] = d.values.reshape(-1)
             self._owned.discard(name)
             self._sparse.pop(name, None)
             return
         idx = d.indices if d.indices is not None else torch.arange(*d.bounds, dtype=torch.int64)
         values = d.values.reshape(-1)
+        if d.held is not None:  # the elements this rank decoded; the others' values are placeholders
+            idx, values = idx[d.held], values[d.held]
         dense = self._dense.get(name)
         if dense is not None:
             if name not in self._owned:  # the earlier object's values are written as they are: never change them

@@ -16,7 +16,6 @@ from safetensors.torch import load_file
 
 from deltasync import (
     ApplyError,
-    IntegrityError,
     LocalStore,
     ObjectWriter,
     RefusalReason,
@@ -200,8 +199,10 @@ def test_a_corrupt_delta_is_never_applied_and_the_agent_recovers(vllm_engine: An
     bad = bytearray(good)
     bad[len(bad) // 2] ^= 0x40
     overwrite(world.store, key, bytes(bad))
-    with pytest.raises(IntegrityError, match="sha256 is"):
+    # the agent links a local store's shards unread for an engine that decodes: the engine's own hash refuses it
+    with pytest.raises(UpdateRefused, match="sha256 is") as exc:
         agent.sync()
+    assert exc.value.reason is RefusalReason.MALFORMED
     assert_engine_at(vllm_engine, world, at)  # nothing was applied; v{at} keeps serving
     overwrite(world.store, key, good)
     assert agent.sync().to_version == new

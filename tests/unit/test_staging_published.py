@@ -208,3 +208,52 @@ def test_a_fetched_shard_is_staged_by_a_hard_link_and_still_proven(
     # where no link can be made (the fetcher says so), the bytes are written
     copied = stage_published(root / "copy", m1, data1, blobs1, link=lambda e, p: False)
     assert not os.path.samefile(copied.shard_paths[0], staged1.shard_paths[0])
+
+
+def test_a_local_store_shard_is_linked_unread_and_the_engine_hashes_it(tmp_path: Path) -> None:
+    """An agent that stages for an engine that decodes links a local store's shards without reading them (no copy
+    of an anchor passes through it); the engine's hash is then the only one, and a corrupt store file is refused
+    there, before anything is decoded. A remote store's shards are fetched (and hashed) as before."""
+    import hashlib
+    import os
+
+    from deltasync._fetch import ObjectFetcher
+    from deltasync.layout import manifest_key, object_prefix
+    from deltasync.staging import stage_published
+
+    class CountingStore(LocalStore):
+        gets: list[str] = []
+
+        def get(self, key: str, *, max_bytes: int | None = None) -> bytes:
+            self.gets.append(key)
+            return super().get(key, max_bytes=max_bytes)
+
+    store = CountingStore(tmp_path / "store")
+    truth = _publish(store, UpdateStream.from_shapes({"w": (64, 32), "b": (32,)}, seed=0), 1)
+    fetcher = ObjectFetcher(
+        store, tmp_path / "staging" / "cache", verify_key=None, retries=0, backoff_s=0.0, workers=2, name="t"
+    )
+    m1, data1 = fetcher.manifest(
+        1, "delta", "sha256:" + hashlib.sha256(store.get(manifest_key(1, "delta"))).hexdigest()
+    )
+    root = tmp_path / "staging"
+    (root / "d1").mkdir(parents=True)
+    store.gets.clear()
+    done = [fetcher.link_unread(m1, e, root / "d1" / e.file) for e in m1.shards]
+    assert done == [True] * len(m1.shards)
+    assert fetcher.shards([m1], skip=[done]) == [[b""] * len(m1.shards)] and store.gets == []  # nothing read
+    staged = stage_published(root / "d1", m1, data1, [b""] * len(m1.shards), link=lambda e, p: True)
+    shard = tmp_path / "store" / (object_prefix(1, "delta") + m1.shards[0].file)
+    assert os.path.samefile(staged.shard_paths[0], shard)
+    message = StagedObject.from_update_info(staged.to_update_info())
+    _, deltas = read_staged(message, root=root, base=truth[0])
+    assert_bit_equal(dict(write({k: v.clone() for k, v in truth[0].items()}, m1, deltas)), truth[1])
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    with open(shard, "r+b") as f:  # the store's file corrupted in place: the staged link sees it
+        f.write(data)
+    with pytest.raises((IntegrityError, FormatError), match="sha256"):
+        read_staged(message, root=root, base=truth[0])
+    # fetched where it cannot be linked unread (another store kind): read and hashed by the fetcher itself
+    with pytest.raises(IntegrityError, match="sha256"):
+        fetcher.shards([m1], skip=[[False] * len(m1.shards)])
