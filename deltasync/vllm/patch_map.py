@@ -273,10 +273,17 @@ class PatchMap:
         CPU, in the parameters' dtype."""
         runs = self.runs[name]
         if len(runs) == 1:
-            held, where = runs[0].locate(indices)
-            if int(held.sum()) != indices.numel():
-                raise KeyError(f"{name}: this rank does not hold every element asked for")
-            flat = self.param(runs[0].param).data.view(-1)
+            r = runs[0]
+            if r.ckpt_start.numel() == 1:  # one run (a whole tensor): bounds checked at its ends, no mask
+                c, p, n = int(r.ckpt_start[0]), int(r.param_start[0]), int(r.length[0])
+                if indices.numel() and (int(indices[0]) < c or int(indices[-1]) >= c + n):
+                    raise KeyError(f"{name}: this rank does not hold every element asked for")
+                where = indices + (p - c) if p != c else indices
+            else:
+                held, where = r.locate(indices)
+                if where.numel() != indices.numel():
+                    raise KeyError(f"{name}: this rank does not hold every element asked for")
+            flat = self.param(r.param).data.view(-1)
             return flat.index_select(0, where.to(flat.device)).cpu()  # ~1.4x faster than flat[where] here
         out: torch.Tensor | None = None
         for r in runs:
