@@ -546,17 +546,17 @@ def _undo_ordinal_delta(
             whole[keep] = part
             return whole, held
     else:
-        held = None if base is None else base.get(t)
-        if held is None:
+        whole_base = None if base is None else base.get(t)
+        if whole_base is None:
             raise _bad(file, f"tensor {t!r} is coded against the base version, but the base has no such tensor")
-        if tuple(held.shape) != info.shape or held.dtype != DTYPES[info.dtype]:
-            found = f"{DTYPE_NAMES.get(held.dtype, str(held.dtype))} {list(held.shape)}"
+        if tuple(whole_base.shape) != info.shape or whole_base.dtype != DTYPES[info.dtype]:
+            found = f"{DTYPE_NAMES.get(whole_base.dtype, str(whole_base.dtype))} {list(whole_base.shape)}"
             raise _bad(
                 file,
                 f"tensor {t!r}: the shard expects {info.dtype} {list(info.shape)}, the base holds "
                 f"{found} (a delta for another model?)",
             )
-        held_bits = _bits_of(held, info.dtype)
+        held_bits = _bits_of(whole_base, info.dtype)
         # np.take: ~1.2x numpy's fancy indexing on a large tensor
         bounds = info.bounds
         base_bits = np.take(held_bits, indices) if indices is not None else held_bits[bounds[0] : bounds[1]]

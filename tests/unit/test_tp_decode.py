@@ -173,3 +173,14 @@ def test_parts_that_overlap_are_left_to_the_proof_after_the_write(run, tmp_path:
     answers = [{"ok": True, "changes": rank.changes(rank.decode(objects, tmp_path), served)} for rank in ranks]
     bad, unproven = combine_changes(answers)
     assert bad == [] and set(unproven) == set(answers[0]["changes"])
+
+
+def test_a_decode_against_whole_tensors_marks_every_element_decoded(run, tmp_path: Path) -> None:
+    """An agent's decode against its host copy (whole tensors) decodes every element: no entry says it was decoded
+    in part, so a plan writes all of it (a mask taken from anything else would drop or misplace changes)."""
+    store, truth = run
+    _, deltas = read_staged(stage_as_published(store, tmp_path / "v2", 2), root=tmp_path, base=truth[1])
+    assert deltas and all(d.held is None for d in deltas)
+    ranks = _Rank(truth[1], 0, 1, "rows")  # one rank holding every tensor whole
+    planned = sum(op.index.numel() for op in ranks.pm.plan(deltas) if hasattr(op, "index"))
+    assert planned == sum(d.nnz for d in deltas if d.indices is not None)
