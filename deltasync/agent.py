@@ -488,14 +488,19 @@ class Agent:
             self.host, self.host_version = None, None  # the engine decodes against what it serves
             # a local store's shards are linked unread: the engine hashes each against the manifest before decoding
             dirs = [self._staging_dir(m) for m, _ in manifests]
-            linked = [
-                [self.fetcher.link_unread(m, e, d / e.file) for e in m.shards]
-                for (m, _), d in zip(manifests, dirs, strict=True)
-            ]
-            shards = self.fetcher.shards([m for m, _ in manifests], skip=linked)
-            t1 = time.perf_counter()
-            for (m, data), blobs, d, done in zip(manifests, shards, dirs, linked, strict=True):
-                objects.append(stage_published(d, m, data, blobs, link=self._linker(m, done)))
+            try:
+                linked = [
+                    [self.fetcher.link_unread(m, e, d / e.file) for e in m.shards]
+                    for (m, _), d in zip(manifests, dirs, strict=True)
+                ]
+                shards = self.fetcher.shards([m for m, _ in manifests], skip=linked)
+                t1 = time.perf_counter()
+                for (m, data), blobs, d, done in zip(manifests, shards, dirs, linked, strict=True):
+                    objects.append(stage_published(d, m, data, blobs, link=self._linker(m, done)))
+            except BaseException:  # a fetch that failed: nothing of this update stays staged
+                for d in dirs:
+                    shutil.rmtree(d, ignore_errors=True)
+                raise
             timings.update(fetch=t1 - t0, decode=0.0, stage=time.perf_counter() - t1)
             return StagedUpdate(objects=tuple(objects)), dirs
         shards = self.fetcher.shards([m for m, _ in manifests])

@@ -28,7 +28,7 @@ from deltasync import (
     write_anchor,
     write_delta,
 )
-from deltasync.errors import ApplyError, RefusalReason, UpdateRefused
+from deltasync.errors import ApplyError, IntegrityError, RefusalReason, UpdateRefused
 from deltasync.layout import manifest_key, signature_key
 from deltasync.reader import load_object, read_manifest
 from deltasync.staging import StagedUpdate, stage_object
@@ -324,3 +324,23 @@ def test_agent_run_outlives_a_coordinator_answer_it_cannot_parse(w: World, monke
     stop.set()
     thread.join(10)
     assert agent.target.version == 1 and calls  # it kept syncing although every heartbeat failed
+
+
+def test_a_fetch_that_fails_after_linking_leaves_nothing_staged(w: World) -> None:
+    """An agent that stages for an engine that decodes links a local store's shards unread before it fetches the
+    others; a shard that cannot be linked (here: not its manifest's size) is fetched and refused, and the
+    directories made for the update are gone: nothing of a refused update stays in the staging directory."""
+
+    class Decoding(InMemoryTarget):  # says, as a vLLM engine in place does, that it decodes what it is given
+        def state(self):  # type: ignore[no-untyped-def]
+            return dataclasses.replace(super().state(), decodes=True)
+
+    agent = w.agent("agent-0", target=Decoding(staged_files=True))
+    assert agent.sync().to_version == 0
+    v = w.publisher.step()
+    shard = w.store.root / f"v{v:08d}" / read_manifest(w.store, v).shards[0].file
+    good = shard.read_bytes()
+    shard.write_bytes(good[: len(good) // 2])  # (this target decodes no packed delta: no recovery asserted)
+    with pytest.raises(IntegrityError, match="size is"):
+        agent.sync()
+    assert sorted(p.name for p in agent.staging.iterdir() if p.name != "cache") == []
