@@ -11,7 +11,7 @@ import argparse
 import os
 import time
 from pathlib import Path
-from typing import Any  # noqa: F401
+from typing import Any
 
 import torch
 
@@ -74,6 +74,11 @@ def agent(args: argparse.Namespace) -> None:
             if args.pause == "fetch" and "shard-" in key:
                 _pause(args.marker)
             return super().get(key, max_bytes=max_bytes)
+
+        def link_to(self, key: str, dst: Any, size: int) -> bool:  # a shard staged unread for an engine that decodes
+            if args.pause == "fetch" and "shard-" in key:
+                _pause(args.marker)
+            return super().link_to(key, dst, size)
 
     class PausingTarget(HttpVllmTarget):
         def apply(self, update: StagedUpdate) -> None:

@@ -47,10 +47,12 @@ def test_sidecar_killed_mid_fetch_or_mid_apply_converges(world: ServerStack, poi
         str(marker),
     )
     deadline = time.monotonic() + 120
-    while not marker.exists():
-        assert proc.poll() is None and time.monotonic() < deadline, world.log.read_text()[-3000:]
-        time.sleep(0.05)
-    proc.send_signal(signal.SIGKILL)
+    try:
+        while not marker.exists():
+            assert proc.poll() is None and time.monotonic() < deadline, world.log.read_text()[-3000:]
+            time.sleep(0.05)
+    finally:  # never left running into the next test (its agent id would be taken)
+        proc.send_signal(signal.SIGKILL)
     proc.wait(10)
     if point == "apply":  # the server was left paused, inside an update session
         assert world.server.admin_json("GET", "/is_paused")["is_paused"] is True
