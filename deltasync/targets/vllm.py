@@ -65,6 +65,7 @@ class _VllmTarget:
             UpdateRefused: a rank refused the update (``VersionGapError``: it holds another base), or (reason
                 ``integrity``) the ranks' changes do not give a published checksum; nothing was written.
         """
+        self._proven_before: list[str] = []
         try:
             ranks = self._rpc("deltasync_prepare", update_info=json.dumps(update.to_update_info()))
         except Exception as exc:  # noqa: BLE001 - an optimization: apply() does the work if prepare could not
@@ -93,6 +94,8 @@ class _VllmTarget:
                 "nothing was written",
                 reason=RefusalReason.INTEGRITY,
             )
+        changed = {n for r in ranks if isinstance(r, dict) for n in r.get("changes") or {}}
+        self._proven_before = sorted(changed - set(unproven))  # the audit need not add their parts up again
         if unproven:  # parts that overlap (a replicated slice): the audit after the pause proves the result
             logger.info(
                 "%d tensors held in overlapping parts are proven after the pause: %s", len(unproven), unproven[:3]
@@ -105,7 +108,8 @@ class _VllmTarget:
         Raises:
             ApplyError: a rank's parameters differ (the engine is unhealthy and unlabelled).
         """
-        ranks = self._rpc("deltasync_audit")
+        proven, self._proven_before = getattr(self, "_proven_before", []), []
+        ranks = self._rpc("deltasync_audit", proven=proven)
         bad = [r for r in ranks if not r.get("ok", False)]
         if bad:
             self._invalidate()

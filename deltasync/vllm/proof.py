@@ -202,15 +202,22 @@ class ProvingEngine(EngineBase):
             del copy
         return bad
 
-    def audit(self) -> dict[str, Any]:
+    def audit(self, proven: list[str] | None = None) -> dict[str, Any]:
         """The last update read back from the live parameters (the ``deltasync_audit`` RPC, right after the
         pause, which holds only the writes): every written element is compared bit for bit with the plan.
         The plan itself was proven against the published checksums before the first write (:meth:`_prove`),
         so together they prove what is served. On a mismatch the engine is marked unhealthy and the agent
-        pauses it until an anchor restores it."""
-        touched, self._touched = sorted(self._touched), set()
-        # TP > 1: the tensors this rank holds in part were proven only against the plan; their sketches, added
-        # up over the ranks by the agent, prove them against the published checksums
+        pauses it until an anchor restores it.
+
+        With TP > 1 the tensors this rank holds in part are also proven whole here, as sketches of its parts for
+        the agent to add up, except ``proven``: those whose changes the agent added up over the ranks before the
+        first write (their parts cover each once), so the audit stays proportional to what changed."""
+        if not self.stats.get("prepared"):  # written from a plan made in the session: nothing was added up before
+            proven = None
+        touched, self._touched = sorted(self._touched - set(proven or ())), set()
+        # TP > 1: the tensors this rank holds in part and whose changes could not be added up before the write
+        # (overlapping parts) were proven only against the plan; their sketches, added up over the ranks by the
+        # agent, prove them against the published checksums
         parts = self.vllm_config.parallel_config.tensor_parallel_size > 1 and self.healthy
         proof = self.prove_state(touched) if parts and touched else None
         if self.mode != "inplace" or self._map is None or not self._readback:

@@ -46,12 +46,13 @@ class DeltaSyncWorkerExtension:
         result: dict[str, Any] = engine.prepare(update_info)
         return result
 
-    def deltasync_audit(self) -> dict[str, Any]:
-        """Checksums of the last update's tensors read back from the live parameters (``inplace`` mode)."""
+    def deltasync_audit(self, proven: list[str] | None = None) -> dict[str, Any]:
+        """Checksums of the last update's tensors read back from the live parameters (``inplace`` mode).
+        ``proven``: tensors held in parts whose changes the agent added up over the ranks before the first write."""
         engine = getattr(self, "weight_transfer_engine", None)
         if engine is None or not hasattr(engine, "audit"):
             return {"ok": True, "checked": 0, "partial": 0, "bad": []}
-        result: dict[str, Any] = engine.audit()
+        result: dict[str, Any] = engine.audit(proven)
         return result
 
     def deltasync_prove(self, names: list[str] | None = None) -> dict[str, Any]:

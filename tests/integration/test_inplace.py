@@ -146,6 +146,10 @@ def test_inplace_through_the_map_is_bit_exact_against_a_fresh_engine(
                 result = agent.sync()
                 assert result.route == "deltas" and "audit" in result.timings
                 assert all(h.get("prepared") for st in _statuses(llm) for h in st["history"][-1:]), "not prepared"
+                if tp == 2:  # the audit proves again only what the ranks' sum before the write left unproven
+                    for st in _statuses(llm):
+                        proofs, tensors = st["proofs"], st["history"][-1]["tensors"]
+                        assert not proofs["whole"] and proofs["tensors"] < tensors, (proofs, tensors)
             # every rank decodes the published objects against its live parameters (at TP=2 the elements it holds:
             # the ranks' changes are added up before the pause): the agent holds no copy of the model
             assert [st["decodes"] for st in _statuses(llm)] == [True] * tp
