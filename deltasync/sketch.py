@@ -90,6 +90,7 @@ _W_T = _W_F64.t().contiguous()  # (LANES + 1, chunk): F.linear's layout, ~3x fas
 
 _W_NP = _W_INT.numpy()
 _V_TABLE = np.zeros((0, LANES), dtype=np.int64)
+_DIRECT_MAX = 4096  # words: below this a sketch gathers each word's weights (a histogram costs 2**16 rows)
 _V_TABLE_MAX = 1 << 16  # chunks (2**32 words, 8 MiB of offsets); a larger tensor's far chunks are computed
 
 
@@ -164,31 +165,42 @@ def _word_indices(indices: torch.Tensor, per: int) -> torch.Tensor:
     return (idx[:, None] * per + torch.arange(per)).reshape(-1) if per > 1 else idx
 
 
-def _weighted(words: torch.Tensor, idx: torch.Tensor, *, increasing: bool = False) -> Sketch:
-    """``sum_i words[i] * w(idx[i])`` per lane, mod 2**64, for int64 ``words`` (any sign, ``|words| < 2**17``) at
-    word indices ``idx`` (no repeats). Two integer histograms instead of a gather of weights per element: the
-    words summed per weight row (``idx mod 2**16``) and per chunk (``idx // 2**16``; for sorted ``idx``, read off
-    a running sum at the chunk edges), then two small exact products. ``increasing``: ``idx`` is known to be
-    strictly increasing (a decoded delta's indices are), which skips checking it."""
+def _weighted(words: np.ndarray, idx: torch.Tensor, *, increasing: bool = False) -> Sketch:
+    """``sum_i words[i] * w(idx[i])`` per lane, mod 2**64, for float64 ``words`` holding integers (any sign,
+    ``|words| < 2**17``) at word indices ``idx`` (no repeats). Two histograms instead of a gather of weights per
+    element: the words summed per weight row (``idx mod 2**16``) and per chunk (``idx // 2**16``; for sorted
+    ``idx``, one sum per run of a chunk, no prefix sum), then two small exact products. Every partial sum stays
+    far below ``2**53``, so float64 is exact here, and the words need no integer copy. ``increasing``: ``idx`` is
+    known to be strictly increasing (a decoded delta's indices are), which skips checking it."""
     if idx.numel() == 0:
         return ZERO
-    # float64 bins are exact: |word| < 2**17, so every partial sum stays far below 2**53
-    rows = np.bincount((idx & (_CHUNK - 1)).numpy(), weights=words.numpy(), minlength=_CHUNK).astype(np.int64)
-    first, last = int(idx[0]) >> _CHUNK_BITS, int(idx[-1]) >> _CHUNK_BITS
+    at = idx.numpy()
+    if at.size <= _DIRECT_MAX:  # few words: their weights gathered, not two histograms over a whole chunk's rows
+        first = int(at.min()) >> _CHUNK_BITS
+        chunks = np.right_shift(at, _CHUNK_BITS) - first
+        weights = _W_NP[np.bitwise_and(at, _CHUNK - 1)] + _v_span(first, first + int(chunks.max()) + 1)[chunks]
+        with np.errstate(over="ignore"):  # int64: wraps mod 2**64, as the lanes do
+            lanes = (words.astype(np.int64)[:, None] * weights).sum(0)
+        return _lanes(lanes.tolist())
+    rows = np.bincount(np.bitwise_and(at, _CHUNK - 1), weights=words, minlength=_CHUNK).astype(np.int64)
+    first, last = int(at[0]) >> _CHUNK_BITS, int(at[-1]) >> _CHUNK_BITS
     # sorted (a delta's indices are): no per-element chunk
-    if increasing or idx.numel() < 2 or bool((idx[1:] > idx[:-1]).all()):
-        edges = torch.searchsorted(idx, torch.arange(first + 1, last + 1, dtype=torch.int64) << _CHUNK_BITS)
-        total = torch.cumsum(words, 0)
-        at = torch.cat([total.index_select(0, edges - 1) if edges.numel() else total[:0], total[-1:]])
-        per_chunk = torch.diff(at, prepend=torch.zeros(1, dtype=torch.int64))
-        # a chunk no index falls in sums to 0 (its edge repeats the previous one)
+    if increasing or at.size < 2 or bool((idx[1:] > idx[:-1]).all()):
+        # where each chunk's run of indices starts; a chunk no index falls in is an empty run (and sums to 0)
+        starts = np.empty(last - first + 2, dtype=np.int64)
+        starts[0], starts[-1] = 0, at.size
+        starts[1:-1] = np.searchsorted(at, np.arange(first + 1, last + 1, dtype=np.int64) << _CHUNK_BITS)
+        full = starts[:-1] < starts[1:]
+        sums = np.zeros(last - first + 1, dtype=np.float64)
+        sums[full] = np.add.reduceat(words, starts[:-1][full])  # each run up to the next non-empty one's start
+        per_chunk = sums.astype(np.int64)
     else:
-        chunks = idx >> _CHUNK_BITS
+        chunks = np.right_shift(at, _CHUNK_BITS)
         first = int(chunks.min())
-        per_chunk = torch.zeros(int(chunks.max()) - first + 1, dtype=torch.int64).scatter_add_(0, chunks - first, words)
-    table = _v_span(first, first + per_chunk.numel())
+        per_chunk = np.bincount(chunks - first, weights=words).astype(np.int64)
+    table = _v_span(first, first + per_chunk.size)
     with np.errstate(over="ignore"):  # int64: wraps mod 2**64, as the lanes do
-        lanes = rows @ _W_NP + per_chunk.numpy() @ table
+        lanes = rows @ _W_NP + per_chunk @ table
     return _lanes(lanes.tolist())
 
 
@@ -201,7 +213,7 @@ def sketch_at(values: torch.Tensor, indices: torch.Tensor) -> Sketch:
     per = values.element_size() // 2
     if words.numel() != indices.numel() * per:
         raise ValueError(f"sketch_at: {indices.numel()} indices for {words.numel() // per} values")
-    return _weighted(words.to(torch.int64), _word_indices(indices, per))
+    return _weighted(words.numpy().astype(np.float64), _word_indices(indices, per))
 
 
 def sketch_change(new: torch.Tensor, old: torch.Tensor, indices: torch.Tensor, *, increasing: bool = False) -> Sketch:
@@ -216,10 +228,9 @@ def sketch_change(new: torch.Tensor, old: torch.Tensor, indices: torch.Tensor, *
             f"{indices.numel()} indices"
         )
     per = new.element_size() // 2
-    # one int64 buffer, subtracted in place (numpy): two fresh int64 temporaries cost ~15x more here (page faults)
-    diff = _words(new).numpy().astype(np.int64)
-    diff -= _words(old).numpy()
-    return _weighted(torch.from_numpy(diff), _word_indices(indices, per), increasing=increasing)
+    # the differences straight into float64 (exact: |new - old| < 2**16), the histograms' own type: one pass
+    diff = np.subtract(_words(new).numpy(), _words(old).numpy(), dtype=np.float64)
+    return _weighted(diff, _word_indices(indices, per), increasing=increasing)
 
 
 def add_sketches(*sketches: Sketch) -> Sketch:

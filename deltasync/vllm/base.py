@@ -21,6 +21,7 @@ from vllm.distributed.weight_transfer.base import (
 )
 
 from .. import apply
+from .._heap import keep_scratch
 from ..errors import ApplyError, RefusalReason
 from ..format import TensorDelta
 from ..manifest import AdapterEntry, DeltaManifest, model_fingerprint
@@ -159,6 +160,8 @@ class EngineBase(WeightTransferEngine[DeltaSyncInitInfo, DeltaSyncUpdateInfo]):
         """The last whole-state proof: when, how long, how many tensors."""
         self.adapter_dir: str | None = None
         self._base_fingerprint: str | None = None
+        self.keeps_scratch = keep_scratch()
+        """Whether this worker's malloc keeps an update's freed scratch memory for the next (:mod:`deltasync._heap`)."""
         if os.environ.get(MAP_AT_START_ENV, "1") != "0" and vllm_config.lora_config is None:
             self._map_at_start()
 
@@ -467,7 +470,7 @@ class EngineBase(WeightTransferEngine[DeltaSyncInitInfo, DeltaSyncUpdateInfo]):
             "drift": self.drift,
             "proofs": dict(self.proofs),
             "history": self.history[-8:],
-            "memory": _memory(),
+            "memory": None if (m := _memory()) is None else {**m, "keeps_scratch": self.keeps_scratch},
         }
 
     def _mark_unhealthy(self, why: str) -> None:

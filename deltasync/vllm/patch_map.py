@@ -440,11 +440,14 @@ _REAL_BLOCK = 1_000_003
 """Real check values repeat with this (prime) period: one random draw serves a tensor of any size."""
 
 
-def _real_values(shape: tuple[int, ...], dtype: torch.dtype, gen: torch.Generator) -> torch.Tensor:
+def _real_values(
+    shape: tuple[int, ...], dtype: torch.dtype, gen: torch.Generator, out: torch.Tensor | None = None
+) -> torch.Tensor:
     """Random values with the edge cases spread among them (NaN, infinities, -0.0, the largest finite value,
     a subnormal, large magnitudes): a loader that clamps, cleans or renormalises any of them is caught. One
     block of :data:`_REAL_BLOCK` values is drawn and tiled (where a value lands is the integer probes' proof;
-    these catch arithmetic on the values)."""
+    these catch arithmetic on the values). ``out``: a spent probe whose memory holds them (at least as many
+    bytes; on CPU): no fresh pages for a large tensor's values."""
     numel = _numel(shape)
     block = torch.randn(min(numel, _REAL_BLOCK), generator=gen).to(dtype)
     if block.numel() and dtype.is_floating_point:
@@ -454,9 +457,16 @@ def _real_values(shape: tuple[int, ...], dtype: torch.dtype, gen: torch.Generato
         stride = max(1, block.numel() // (4 * len(edge)))
         for i in range(min(block.numel(), 4 * len(edge))):
             block[(i * stride) % block.numel()] = edge[i % len(edge)]
-    if numel <= block.numel():
-        return block.reshape(shape)
-    return block.repeat((numel + block.numel() - 1) // block.numel())[:numel].reshape(shape)
+    if out is None:
+        if numel <= block.numel():
+            return block.reshape(shape)
+        return block.repeat((numel + block.numel() - 1) // block.numel())[:numel].reshape(shape)
+    flat = out.reshape(-1).view(torch.uint8)[: numel * block.element_size()].view(dtype)
+    whole = numel // max(block.numel(), 1)
+    if whole:
+        flat[: whole * block.numel()].view(whole, block.numel()).copy_(block.expand(whole, -1))
+    flat[whole * block.numel() :] = block[: numel - whole * block.numel()]
+    return flat.view(shape)
 
 
 def _verify_group(
@@ -719,9 +729,14 @@ def _build_groups(
             logger.info("deltasync: patch map: %s probed in full (%s)", group, why)
         counts["probed"] += 1
         gen = torch.Generator().manual_seed(20260)
+        # a layer kind's values are kept for its other layers; a group of its own (the embedding, the head) has
+        # its values written into each tensor's spent probe (at 0.6B: 310 MB of fresh pages less)
+        if kind is None:
+            _probe_group(model, params, names, probed, spec, gen, load, untrusted, runs, unmapped)
+            continue
         values = {n: _real_values(spec[n][1], DTYPES[spec[n][0]], gen) for n in names}
         _probe_group(model, params, names, probed, spec, values, load, untrusted, runs, unmapped)
-        if kind is not None and kind not in learned:
+        if kind not in learned:
             learned[kind] = _Learned(
                 runs={
                     _template(n): [(_template(r.param), r.ckpt_start, r.param_start, r.length) for r in runs[n]]
@@ -807,18 +822,22 @@ def _probe_group(
     names: list[str],
     probed: list[str],
     spec: Mapping[str, tuple[str, tuple[int, ...]]],
-    values: Mapping[str, torch.Tensor],
+    values: Mapping[str, torch.Tensor] | torch.Generator,
     load: Callable[[Iterable[tuple[str, torch.Tensor]]], Any],
     untrusted: Callable[[str], str | None],
     runs: dict[str, list[Runs]],
     unmapped: dict[str, str],
 ) -> None:
-    """Probe a group's checkpoint tensors one at a time, then check the group with real ``values``."""
+    """Probe a group's checkpoint tensors one at a time, then check the group with real ``values`` (or, given a
+    generator, with values drawn from it into each mapped tensor's spent probe)."""
     originals = {q: params[q].data for q in probed}
     grads = {q: params[q].requires_grad for q in probed}
     biggest = max([params[q].numel() for q in probed] + [_numel(spec[n][1]) for n in names], default=0)
     wide = biggest >= 2**31 - 1  # a probe and the parameters it lands in share one integer type
     itype = torch.int64 if wide else torch.int32
+    from ..vocab import DTYPES
+
+    drawn: dict[str, torch.Tensor] = {}
     try:
         for q in probed:
             params[q].requires_grad_(False)  # an integer tensor cannot require gradients
@@ -860,9 +879,13 @@ def _probe_group(
                 unmapped[name] = why
             else:
                 runs[name] = found
+                if isinstance(values, torch.Generator):  # the probe is spent: its memory holds the real values
+                    drawn[name] = _real_values(shape, DTYPES[spec[name][0]], values, out=probe)
+            del probe
         mapped = {n: runs[n] for n in names if n in runs}
         scratch = {q: _reuse(params[q].data, originals[q]) for q in probed}  # the probes' memory: no page faults
-        _verify_group(model, params, originals, mapped, values, load, unmapped, runs, scratch)
+        real = drawn if isinstance(values, torch.Generator) else values
+        _verify_group(model, params, originals, mapped, real, load, unmapped, runs, scratch)
     finally:
         for q, data in originals.items():
             params[q].data = data
