@@ -35,7 +35,15 @@ def _rewrite_through_map(model: Any, new: dict[str, torch.Tensor]) -> tuple[list
     ref = copy.deepcopy(model)
     ref.load_weights([(n, t.clone()) for n, t in new.items()])
     pm = build_map(model, SPEC, model.load_weights)
-    pm.write(pm.plan([TensorDelta(ckpt_name=n, shape=tuple(t.shape), dtype=t.dtype, indices=None, values=t.clone()) for n, t in new.items() if n in pm]))
+    pm.write(
+        pm.plan(
+            [
+                TensorDelta(ckpt_name=n, shape=tuple(t.shape), dtype=t.dtype, indices=None, values=t.clone())
+                for n, t in new.items()
+                if n in pm
+            ]
+        )
+    )
     if pm.unmapped:
         model.load_weights([(n, new[n].clone()) for n in SPEC if n in pm.unmapped])
     differ = [
@@ -156,11 +164,8 @@ def test_r6_a_plain_loader_is_mapped_and_a_loader_reading_its_kept_probe_is_not(
     mapped, differ = _rewrite_through_map(Plain(), _new_with_edges())
     assert mapped == ["embed", "head"] and not differ
     m = KeepsFirst()
-    m.first = {}
-    model_new = _new_with_edges()
     # the first load (the base weights) is what this loader keeps: clear it so it keeps the probes
     m.load_weights([(n, t.clone()) for n, t in _weights(1).items()])
     m.first.clear()
     pm = build_map(m, SPEC, m.load_weights)
     assert not pm.runs and set(pm.unmapped) == set(SPEC), pm.summary()
-    del model_new

@@ -8,8 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from deltasync import FormatError, TensorDelta, decode_shard, encode_shard, tensor_checksum
-from deltasync import _codec
+from deltasync import FormatError, TensorDelta, _codec, decode_shard, encode_shard, tensor_checksum
 from deltasync import format as fmt
 
 _U = [np.uint8, np.uint16, np.uint32, np.uint64]
@@ -43,8 +42,23 @@ def _all_finite(dtype: torch.dtype) -> torch.Tensor:
     """Every non-NaN bit pattern of a 16-bit dtype; for fp32 the edges and 200,000 random non-NaN patterns."""
     if dtype == torch.float32:
         g = np.random.default_rng(7)
-        edge = np.array([0, 0x80000000, 1, 0x80000001, 0x7F7FFFFF, 0xFF7FFFFF, 0x7F800000, 0xFF800000, 0x00800000,
-                         0x007FFFFF, 0x3F800000, 0xBF800000], dtype=np.uint32)
+        edge = np.array(
+            [
+                0,
+                0x80000000,
+                1,
+                0x80000001,
+                0x7F7FFFFF,
+                0xFF7FFFFF,
+                0x7F800000,
+                0xFF800000,
+                0x00800000,
+                0x007FFFFF,
+                0x3F800000,
+                0xBF800000,
+            ],
+            dtype=np.uint32,
+        )
         bits = np.concatenate([edge, g.integers(0, 2**32, size=200_000, dtype=np.uint64).astype(np.uint32)])
         t = torch.from_numpy(bits.view(np.int32)).view(torch.float32)
     else:
@@ -72,8 +86,9 @@ def test_r6_packed_round_trip_of_every_pattern_against_a_shuffled_base(
     deltas = [
         TensorDelta(ckpt_name="d", shape=(n,), dtype=dtype, indices=None, values=new, base_values=old, checksum=cs),
         TensorDelta(ckpt_name="b", shape=(n,), dtype=dtype, indices=None, values=new, checksum=cs),
-        TensorDelta(ckpt_name="s", shape=(n,), dtype=dtype, indices=idx, values=new[idx], base_values=old[idx],
-                    checksum=cs),
+        TensorDelta(
+            ckpt_name="s", shape=(n,), dtype=dtype, indices=idx, values=new[idx], base_values=old[idx], checksum=cs
+        ),
     ]
     buf = encode_shard(deltas, kind="delta", encoding="packed", base_version=1, target_version=2)
     _, out = decode_shard(bytearray(buf), name="f", base={"d": old, "s": old})
@@ -98,8 +113,15 @@ def test_r6_a_top_plane_that_pushes_a_bf16_ordinal_out_of_range_is_refused(monke
     monkeypatch.setattr(fmt._codec, "split_planes", lambda v, p: forged(v, p) if v.dtype == np.uint32 else real(v, p))
     old = torch.tensor([1.0, -2.0, 0.0, 3.0], dtype=torch.bfloat16)
     new = old + 1
-    d = TensorDelta(ckpt_name="w", shape=(4,), dtype=torch.bfloat16, indices=None, values=new, base_values=old,
-                    checksum=tensor_checksum(new))
+    d = TensorDelta(
+        ckpt_name="w",
+        shape=(4,),
+        dtype=torch.bfloat16,
+        indices=None,
+        values=new,
+        base_values=old,
+        checksum=tensor_checksum(new),
+    )
     buf = encode_shard([d], kind="delta", encoding="packed", base_version=1, target_version=2)
     with pytest.raises(FormatError, match="outside the BF16 range"):
         decode_shard(buf, name="f", base={"w": old})
