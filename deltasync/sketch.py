@@ -32,6 +32,7 @@ Pure: torch and numpy only.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterable
 
 import numpy as np
@@ -90,6 +91,7 @@ _W_T = _W_F64.t().contiguous()  # (LANES + 1, chunk): F.linear's layout, ~3x fas
 
 _W_NP = _W_INT.numpy()
 _V_TABLE = np.zeros((0, LANES), dtype=np.int64)
+_V_LOCK = threading.Lock()
 _DIRECT_MAX = 4096  # words: below this a sketch gathers each word's weights (a histogram costs 2**16 rows)
 _V_TABLE_MAX = 1 << 16  # chunks (2**32 words, 8 MiB of offsets); a larger tensor's far chunks are computed
 
@@ -101,9 +103,14 @@ def _v_span(first: int, stop: int) -> np.ndarray:
     global _V_TABLE
     if stop > _V_TABLE_MAX:
         return _weights(2, np.arange(first, stop)) & ~np.int64(1)
-    if stop > len(_V_TABLE):  # racing threads build the same table: either one is right
-        _V_TABLE = _weights(2, np.arange(min(max(stop, 2 * len(_V_TABLE)), _V_TABLE_MAX))) & ~np.int64(1)
-    return _V_TABLE[first:stop]
+    table = _V_TABLE
+    if stop > len(table):
+        # sliced from this call's own table: another thread may meanwhile publish a shorter one it grew
+        table = _weights(2, np.arange(min(max(stop, 2 * len(table)), _V_TABLE_MAX))) & ~np.int64(1)
+        with _V_LOCK:
+            if len(table) > len(_V_TABLE):
+                _V_TABLE = table
+    return table[first:stop]
 
 
 def _words(values: torch.Tensor) -> torch.Tensor:

@@ -440,14 +440,11 @@ _REAL_BLOCK = 1_000_003
 """Real check values repeat with this (prime) period: one random draw serves a tensor of any size."""
 
 
-def _real_values(
-    shape: tuple[int, ...], dtype: torch.dtype, gen: torch.Generator, out: torch.Tensor | None = None
-) -> torch.Tensor:
+def _real_values(shape: tuple[int, ...], dtype: torch.dtype, gen: torch.Generator) -> torch.Tensor:
     """Random values with the edge cases spread among them (NaN, infinities, -0.0, the largest finite value,
     a subnormal, large magnitudes): a loader that clamps, cleans or renormalises any of them is caught. One
     block of :data:`_REAL_BLOCK` values is drawn and tiled (where a value lands is the integer probes' proof;
-    these catch arithmetic on the values). ``out``: a spent probe whose memory holds them (at least as many
-    bytes; on CPU): no fresh pages for a large tensor's values."""
+    these catch arithmetic on the values)."""
     numel = _numel(shape)
     block = torch.randn(min(numel, _REAL_BLOCK), generator=gen).to(dtype)
     if block.numel() and dtype.is_floating_point:
@@ -457,16 +454,9 @@ def _real_values(
         stride = max(1, block.numel() // (4 * len(edge)))
         for i in range(min(block.numel(), 4 * len(edge))):
             block[(i * stride) % block.numel()] = edge[i % len(edge)]
-    if out is None:
-        if numel <= block.numel():
-            return block.reshape(shape)
-        return block.repeat((numel + block.numel() - 1) // block.numel())[:numel].reshape(shape)
-    flat = out.reshape(-1).view(torch.uint8)[: numel * block.element_size()].view(dtype)
-    whole = numel // max(block.numel(), 1)
-    if whole:
-        flat[: whole * block.numel()].view(whole, block.numel()).copy_(block.expand(whole, -1))
-    flat[whole * block.numel() :] = block[: numel - whole * block.numel()]
-    return flat.view(shape)
+    if numel <= block.numel():
+        return block.reshape(shape)
+    return block.repeat((numel + block.numel() - 1) // block.numel())[:numel].reshape(shape)
 
 
 def _verify_group(
@@ -475,6 +465,7 @@ def _verify_group(
     originals: Mapping[str, torch.Tensor],
     group_runs: Mapping[str, list[Runs]],
     values: Mapping[str, torch.Tensor],
+    digests: Mapping[str, str],
     load: Callable[[Iterable[tuple[str, torch.Tensor]]], Any],
     unmapped: dict[str, str],
     runs: dict[str, list[Runs]],
@@ -482,8 +473,10 @@ def _verify_group(
 ) -> None:
     """Load random real values (``values``, by checkpoint name) through the loader and check they land where the
     map says, bit for bit (a loader that scales or offsets values would map integer probes to wrong places);
-    mismatching tensors leave the map. The parameters are swapped meanwhile for zeroed stand-ins (``scratch``,
-    by parameter, when given; else new ones)."""
+    mismatching tensors leave the map. The values must still be what was drawn (``digests``, taken then): a
+    loader that writes into the tensors it is given, now or later, would make both sides of the comparison
+    agree. The parameters are swapped meanwhile for zeroed stand-ins (``scratch``, by parameter, when given;
+    else new ones)."""
     if not group_runs:
         return
     for q, data in originals.items():
@@ -500,6 +493,8 @@ def _verify_group(
             unmapped[n] = f"the loader refused real values together ({type(exc).__name__}: {exc})"[:200]
             runs.pop(n, None)
         return
+    from ..format import tensor_checksum
+
     for n, rs in group_runs.items():
         src = values[n].reshape(-1)
         for param, c, p, length in _segments(rs):  # slices: no per-element index arrays
@@ -508,6 +503,10 @@ def _verify_group(
                 unmapped[n] = f"real values do not land where the probes did in {param} (the loader transforms them)"
                 runs.pop(n, None)
                 break
+        else:
+            if tensor_checksum(values[n]) != digests[n]:
+                unmapped[n] = "the loader wrote into the real values it was given (a check against them proves nothing)"
+                runs.pop(n, None)
 
 
 _SLOT = "\x00"
@@ -548,6 +547,8 @@ class _Learned:
     """Checkpoint template -> why the first layer left it out."""
     values: dict[str, torch.Tensor]
     """Checkpoint template -> the real values its check loaded (reused: one draw per kind of layer)."""
+    digests: dict[str, str]
+    """Checkpoint template -> the digest of :attr:`values` when drawn (a loader must leave them as they are)."""
     probe: torch.Tensor | None = None
     """The derived layers' probe values, all tensors of a layer in one integer range (made once per kind)."""
     offsets: dict[str, int] = dataclasses.field(default_factory=dict)
@@ -714,6 +715,7 @@ def _build_groups(
     counts: dict[str, int],
 ) -> None:
     """:func:`build_map`'s work, group by group: probed, or derived from the first layer of its kind."""
+    from ..format import tensor_checksum
     from ..vocab import DTYPES
 
     for group, names in sorted(by_group.items()):
@@ -729,14 +731,11 @@ def _build_groups(
             logger.info("deltasync: patch map: %s probed in full (%s)", group, why)
         counts["probed"] += 1
         gen = torch.Generator().manual_seed(20260)
-        # a layer kind's values are kept for its other layers; a group of its own (the embedding, the head) has
-        # its values written into each tensor's spent probe (at 0.6B: 310 MB of fresh pages less)
-        if kind is None:
-            _probe_group(model, params, names, probed, spec, gen, load, untrusted, runs, unmapped)
-            continue
+        # fresh memory, never the spent probes: a loader may keep the tensors it was given, and write them later
         values = {n: _real_values(spec[n][1], DTYPES[spec[n][0]], gen) for n in names}
-        _probe_group(model, params, names, probed, spec, values, load, untrusted, runs, unmapped)
-        if kind not in learned:
+        digests = {n: tensor_checksum(v) for n, v in values.items()}
+        _probe_group(model, params, names, probed, spec, (values, digests), load, untrusted, runs, unmapped)
+        if kind is not None and kind not in learned:
             learned[kind] = _Learned(
                 runs={
                     _template(n): [(_template(r.param), r.ckpt_start, r.param_start, r.length) for r in runs[n]]
@@ -745,6 +744,7 @@ def _build_groups(
                 },
                 unmapped={_template(n): unmapped[n] for n in names if n in unmapped},
                 values={_template(n): values[n] for n in names if n in runs},
+                digests={_template(n): digests[n] for n in names if n in runs},
             )
 
 
@@ -767,6 +767,7 @@ def _take_derived(
     if why is not None:
         return why
     values = {n: learned.values[_template(n)] for n in d_runs}
+    digests = {n: learned.digests[_template(n)] for n in d_runs}
     originals = {q: params[q].data for q in probed}
     grads = {q: params[q].requires_grad for q in probed}
     # the real values go in the reverse order of the probes: a stray write that a later tensor of the probe
@@ -777,7 +778,7 @@ def _take_derived(
         for q in probed:
             params[q].requires_grad_(False)
         scratch = {q: learned.stand_in(q, originals[q]) for q in probed}
-        _verify_group(model, params, originals, reverse, values, load, d_unmapped, checked, scratch)
+        _verify_group(model, params, originals, reverse, values, digests, load, d_unmapped, checked, scratch)
     finally:
         for q, data in originals.items():
             params[q].data = data
@@ -822,22 +823,19 @@ def _probe_group(
     names: list[str],
     probed: list[str],
     spec: Mapping[str, tuple[str, tuple[int, ...]]],
-    values: Mapping[str, torch.Tensor] | torch.Generator,
+    real: tuple[Mapping[str, torch.Tensor], Mapping[str, str]],
     load: Callable[[Iterable[tuple[str, torch.Tensor]]], Any],
     untrusted: Callable[[str], str | None],
     runs: dict[str, list[Runs]],
     unmapped: dict[str, str],
 ) -> None:
-    """Probe a group's checkpoint tensors one at a time, then check the group with real ``values`` (or, given a
-    generator, with values drawn from it into each mapped tensor's spent probe)."""
+    """Probe a group's checkpoint tensors one at a time, then check the group with ``real`` values (and their
+    digests when drawn)."""
     originals = {q: params[q].data for q in probed}
     grads = {q: params[q].requires_grad for q in probed}
     biggest = max([params[q].numel() for q in probed] + [_numel(spec[n][1]) for n in names], default=0)
     wide = biggest >= 2**31 - 1  # a probe and the parameters it lands in share one integer type
     itype = torch.int64 if wide else torch.int32
-    from ..vocab import DTYPES
-
-    drawn: dict[str, torch.Tensor] = {}
     try:
         for q in probed:
             params[q].requires_grad_(False)  # an integer tensor cannot require gradients
@@ -879,13 +877,9 @@ def _probe_group(
                 unmapped[name] = why
             else:
                 runs[name] = found
-                if isinstance(values, torch.Generator):  # the probe is spent: its memory holds the real values
-                    drawn[name] = _real_values(shape, DTYPES[spec[name][0]], values, out=probe)
-            del probe
         mapped = {n: runs[n] for n in names if n in runs}
         scratch = {q: _reuse(params[q].data, originals[q]) for q in probed}  # the probes' memory: no page faults
-        real = drawn if isinstance(values, torch.Generator) else values
-        _verify_group(model, params, originals, mapped, real, load, unmapped, runs, scratch)
+        _verify_group(model, params, originals, mapped, real[0], real[1], load, unmapped, runs, scratch)
     finally:
         for q, data in originals.items():
             params[q].data = data

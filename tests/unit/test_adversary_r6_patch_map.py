@@ -77,7 +77,8 @@ class ZeroCopyCleaner(torch.nn.Module):
 
 
 def test_r6_a_loader_that_aliases_the_integer_probe_hides_its_transform_from_the_real_values_check() -> None:
-    """Broken by the change: the probe aliased as the parameter's data is the memory ``_real_values`` writes the
+    """Was broken by writing the real values into the spent probes (reverted: fresh memory again): the probe
+    aliased as the parameter's data is the memory ``_real_values`` wrote the
     real values into, and ``_reuse`` then carves the zeroed stand-in out of that same memory, so every real value
     is zeroed before the check loads it. Zeros survive NaN cleaning and clamping, the check passes, and the map
     writes NaN / 1e6 where the loader makes 0 / 65504 (with values in a fresh tensor, as before, the NaN and
@@ -106,8 +107,8 @@ class RecyclingClamp(torch.nn.Module):
 
 
 def test_r6_a_loader_that_zeroes_the_tensors_it_was_given_earlier_erases_the_real_values() -> None:
-    """Broken by the change: ``head``'s real values live in its spent probe, which the loader was given (and
-    kept) in the probe call; it zeroes that buffer when the real-values load starts, so ``head`` is checked with
+    """Was broken by writing the real values into the spent probes (reverted): ``head``'s real values lived in
+    its spent probe, which the loader was given (and kept) in the probe call; it zeroes that buffer when the real-values load starts, so ``head`` is checked with
     zeros and the clamp goes unseen (the map writes 1e6 where the loader writes 65504)."""
     mapped, differ = _rewrite_through_map(RecyclingClamp(), _new_with_edges())
     assert not differ, f"mapped {mapped}: the map wrote values the loader would not make in {differ}"
@@ -128,9 +129,9 @@ class InPlaceCleaner(torch.nn.Module):
 
 
 def test_r6_a_loader_that_writes_into_the_tensor_it_is_given_is_left_out_of_the_map() -> None:
-    """Broken (before this change too): the check compares the parameter with the very tensor handed to the
-    loader, after the load, so a loader that transforms that tensor in place makes both sides agree. Nothing
-    checks that the loader left its input as it was."""
+    """Was broken (before the r6 change too): the check compares the parameter with the very tensor handed to
+    the loader, after the load, so a loader that transforms that tensor in place makes both sides agree. Fixed:
+    the real values must still have the digest they had when drawn."""
     mapped, differ = _rewrite_through_map(InPlaceCleaner(), _new_with_edges())
     assert not differ, f"mapped {mapped}: the map wrote values the loader would not make in {differ}"
 
@@ -169,3 +170,36 @@ def test_r6_a_plain_loader_is_mapped_and_a_loader_reading_its_kept_probe_is_not(
     m.first.clear()
     pm = build_map(m, SPEC, m.load_weights)
     assert not pm.runs and set(pm.unmapped) == set(SPEC), pm.summary()
+
+
+class LayeredRecyclingClamp(torch.nn.Module):
+    """Two repeating layers; the loader zeroes the tensors of its previous call (a staging-buffer pool) and clamps
+    layer 1's floats into fp16 range (layer 0's it copies as they are). The layer kind's real values, drawn once
+    and reused for layer 1's check, were given to the loader in layer 0's check: by layer 1's they are zeros."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = torch.nn.ModuleList([torch.nn.Module() for _ in range(2)])
+        for layer in self.layers:
+            layer.w = _p()
+        self.spent: list[torch.Tensor] = []
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        items = list(weights)
+        for t in self.spent:
+            t.zero_()
+        for name, t in items:
+            src = t.clamp(-65504, 65504) if t.is_floating_point() and name.startswith("layers.1.") else t
+            self.get_parameter(name).data.copy_(src)
+        self.spent = [t for _, t in items]
+
+
+def test_r6_a_derived_layer_checked_with_values_the_loader_zeroed_earlier_is_left_out() -> None:
+    """The digest check covers a layer kind's reused values: layer 1 is derived from layer 0, and its check
+    would load zeros (the clamp unseen) and map it; it is left out instead. Layer 0, which the loader copies as
+    it is, stays mapped."""
+    spec: Spec = {f"layers.{i}.w": ("BF16", (8, 16)) for i in range(2)}
+    model = LayeredRecyclingClamp()
+    pm = build_map(model, spec, model.load_weights)
+    assert sorted(pm.runs) == ["layers.0.w"], f"mapped {sorted(pm.runs)}: layer 1's loader clamps"
+    assert "layers.1.w" in pm.unmapped

@@ -127,7 +127,7 @@ def _line(func: object, text: str) -> int:
 def test_r6_the_offsets_table_grown_by_two_threads_at_once_never_gives_a_wrong_sketch(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """Broken: ``_v_span``'s comment says racing threads build the same table, but they build tables of
+    """Was broken (fixed): ``_v_span``'s comment said racing threads build the same table, but they build tables of
     different sizes. Thread B (needing 1 chunk) sizes its table at 1 row and is computing it, thread A (needing
     chunk 5) builds and assigns a 6-row table, B then assigns its 1-row table over it, and A returns
     ``_V_TABLE[5:6]`` of B's table: an empty slice. ``sketch_range`` of one whole chunk then broadcasts its plain sum against zero offset rows
@@ -135,7 +135,7 @@ def test_r6_the_offsets_table_grown_by_two_threads_at_once_never_gives_a_wrong_s
     threads it is rare (only while the table grows) but possible, e.g. sketches computed on worker threads."""
     monkeypatch.setattr(S, "_V_TABLE", np.zeros((0, S.LANES), dtype=np.int64))
     in_weights = _line(S._weights, "keys = ")  # B: its table's size is decided, the table not yet assigned
-    at_return = _line(S._v_span, "return _V_TABLE[first:stop]")
+    at_return = _line(S._v_span, "return table[first:stop]")
     b_building, a_at_return, b_done = threading.Event(), threading.Event(), threading.Event()
 
     def tracer(code: object, pause_line: int, reached: threading.Event, wait_for: threading.Event):  # type: ignore[no-untyped-def]
