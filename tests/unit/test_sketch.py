@@ -200,3 +200,21 @@ def test_argument_errors() -> None:
     with pytest.raises(ValueError) as exc:
         sketch_range(torch.zeros(2, dtype=torch.int8))
     assert str(exc.value) == "the sketch takes 16-bit, 32-bit or 64-bit elements, got torch.int8"
+
+
+@pytest.mark.parametrize("word", [1, 0x7FFF, 0xFFFF])
+def test_row_sums_small_and_large_give_the_same_sketch_by_every_path(word: int) -> None:
+    """The weighted row sums take a float64 product when every row's sum is below 2**16 in magnitude and an
+    integer one otherwise; whole tensors of one word (rows summing to ``word`` x 40, past 2**16 for the large
+    words) must give what the per-chunk ``sketch_range`` gives, sorted, shuffled and from a change."""
+    n = 40 * 65536 + 123  # bf16: one word per element, 41 chunks, 40-41 elements per row
+    t = torch.full((n,), word, dtype=torch.int16).view(torch.bfloat16) if word < 0x8000 else None
+    if t is None:
+        t = torch.full((n,), word - 0x10000, dtype=torch.int16).view(torch.bfloat16)
+    idx = torch.arange(n)
+    whole = sketch_range(t)
+    assert sketch_at(t, idx) == whole
+    perm = torch.randperm(n, generator=torch.Generator().manual_seed(word))
+    assert sketch_at(t[perm], perm) == whole
+    zero = torch.zeros(n, dtype=torch.bfloat16)
+    assert add_sketches(sketch_range(zero), sketch_change(t, zero, idx, increasing=True)) == whole
