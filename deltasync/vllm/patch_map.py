@@ -734,7 +734,7 @@ def _build_groups(
         # fresh memory, never the spent probes: a loader may keep the tensors it was given, and write them later
         values = {n: _real_values(spec[n][1], DTYPES[spec[n][0]], gen) for n in names}
         digests = {n: tensor_checksum(v) for n, v in values.items()}
-        _probe_group(model, params, names, probed, spec, (values, digests), load, untrusted, runs, unmapped)
+        _probe_group(model, params, names, probed, spec, values, digests, load, untrusted, runs, unmapped)
         if kind is not None and kind not in learned:
             learned[kind] = _Learned(
                 runs={
@@ -823,14 +823,15 @@ def _probe_group(
     names: list[str],
     probed: list[str],
     spec: Mapping[str, tuple[str, tuple[int, ...]]],
-    real: tuple[Mapping[str, torch.Tensor], Mapping[str, str]],
+    values: Mapping[str, torch.Tensor],
+    digests: Mapping[str, str],
     load: Callable[[Iterable[tuple[str, torch.Tensor]]], Any],
     untrusted: Callable[[str], str | None],
     runs: dict[str, list[Runs]],
     unmapped: dict[str, str],
 ) -> None:
-    """Probe a group's checkpoint tensors one at a time, then check the group with ``real`` values (and their
-    digests when drawn)."""
+    """Probe a group's checkpoint tensors one at a time, then check the group with real ``values`` (``digests``:
+    theirs when drawn)."""
     originals = {q: params[q].data for q in probed}
     grads = {q: params[q].requires_grad for q in probed}
     biggest = max([params[q].numel() for q in probed] + [_numel(spec[n][1]) for n in names], default=0)
@@ -879,7 +880,7 @@ def _probe_group(
                 runs[name] = found
         mapped = {n: runs[n] for n in names if n in runs}
         scratch = {q: _reuse(params[q].data, originals[q]) for q in probed}  # the probes' memory: no page faults
-        _verify_group(model, params, originals, mapped, real[0], real[1], load, unmapped, runs, scratch)
+        _verify_group(model, params, originals, mapped, values, digests, load, unmapped, runs, scratch)
     finally:
         for q, data in originals.items():
             params[q].data = data
