@@ -46,7 +46,9 @@ def _profile(worker: Any, on: bool) -> None:
         worker.deltasync_bench_profile.enable()
     else:
         worker.deltasync_bench_profile.disable()
-        pstats.Stats(worker.deltasync_bench_profile).sort_stats("tottime").print_stats(22)
+        stats = pstats.Stats(worker.deltasync_bench_profile)
+        stats.sort_stats("tottime").print_stats(22)
+        stats.sort_stats("cumulative").print_stats("deltasync", 40)
 
 
 def profiled(llm: Any, fn: Any) -> Any:

@@ -427,10 +427,11 @@ def decode_shard(
             f"{header.base_version}; pass base= the tensors of that version"
         )
     writable = not memoryview(buf).readonly
+    against = _Base.of(base)
 
     def decode_one(t: str) -> TensorDelta:
         try:
-            return _decode_tensor(t, header.tensors[t], header.encoding, st, base, writable, name)
+            return _decode_tensor(t, header.tensors[t], header.encoding, st, against, writable, name)
         except FormatError:
             raise
         except ValueError as exc:  # codec errors carry no file or tensor name: add them
@@ -447,6 +448,23 @@ def decode_shard(
     return header, {d.ckpt_name: d for d in decoded}
 
 
+@dataclass(frozen=True)
+class _Base:
+    """What a shard's ``ordinal-delta`` entries are decoded against, judged once per shard (a runtime protocol
+    check costs ~15 us a call on Python 3.11, two per tensor)."""
+
+    whole: Mapping[str, torch.Tensor] | None
+    reader: BaseValues | None
+    partial: PartialBaseValues | None
+    """:attr:`reader` again when it holds part of some tensors."""
+
+    @classmethod
+    def of(cls, base: Mapping[str, torch.Tensor] | BaseValues | None) -> _Base:
+        if isinstance(base, BaseValues):
+            return cls(None, base, base if isinstance(base, PartialBaseValues) else None)
+        return cls(base, None, None)
+
+
 def _frombuffer(data: memoryview, np_dtype: type[np.generic], writable: bool) -> np.ndarray:
     arr = np.frombuffer(data, dtype=np_dtype)
     return arr if writable else arr.copy()
@@ -457,7 +475,7 @@ def _decode_tensor(
     info: TensorInfo,
     encoding: Encoding,
     st: SafetensorsFile,
-    base: Mapping[str, torch.Tensor] | BaseValues | None,
+    against: _Base,
     writable: bool,
     file: str,
 ) -> TensorDelta:
@@ -491,7 +509,7 @@ def _decode_tensor(
         else:
             _, unsigned = wide_dtypes(info.dtype)
             coded = _codec.join_planes(raw_vals, n, info.value_planes, unsigned)
-            bits, held = _undo_ordinal_delta(file, t, info, coded, base, indices)
+            bits, held = _undo_ordinal_delta(file, t, info, coded, against, indices)
     shape = info.shape if info.layout == "dense" and info.span is None else (n,)
     values = torch.from_numpy(bits).view(DTYPES[info.dtype]).reshape(shape)
     if has_nan(values):
@@ -517,16 +535,17 @@ def _undo_ordinal_delta(
     t: str,
     info: TensorInfo,
     coded: np.ndarray,
-    base: Mapping[str, torch.Tensor] | BaseValues | None,
+    against: _Base,
     indices: np.ndarray | None,
 ) -> tuple[np.ndarray, torch.Tensor | None]:
     """The new bits, and which of them were decoded (``None``: all; a :class:`PartialBaseValues` reader decodes
     only the elements it holds, and the others are +0.0)."""
     held: torch.Tensor | None = None
-    if isinstance(base, BaseValues):
+    base = against.reader
+    if base is not None:
         at = torch.from_numpy(indices) if indices is not None else torch.arange(*info.bounds, dtype=torch.int64)
-        if isinstance(base, PartialBaseValues):
-            held = base.held(t, at)
+        if against.partial is not None:
+            held = against.partial.held(t, at)
             if held is not None:
                 if held.dtype != torch.bool or held.numel() != at.numel():
                     raise _bad(file, f"tensor {t!r}: the base's held mask does not match {at.numel()} elements")
@@ -546,7 +565,7 @@ def _undo_ordinal_delta(
             whole[keep] = part
             return whole, held
     else:
-        whole_base = None if base is None else base.get(t)
+        whole_base = None if against.whole is None else against.whole.get(t)
         if whole_base is None:
             raise _bad(file, f"tensor {t!r} is coded against the base version, but the base has no such tensor")
         if tuple(whole_base.shape) != info.shape or whole_base.dtype != DTYPES[info.dtype]:

@@ -122,3 +122,60 @@ def test_a_layer_whose_loader_behaves_differently_is_probed_in_full(quirk: str, 
     left_out = {n for n in pm.unmapped if "layers.4." in n}
     assert (left_out == set()) if outcome == "mapped" else left_out, pm.unmapped
     assert not {n for n in pm.unmapped if "layers.4." not in n}  # the other layers keep their derived map
+
+
+@pytest.mark.parametrize(
+    ("spans", "numel", "tiles"),
+    [
+        ([(4, 10), (0, 4)], 10, True),  # in any order
+        ([(0, 4), (4, 4), (4, 10)], 10, True),  # an empty run
+        ([(0, 4), (5, 10)], 10, False),  # a gap: a stray write there is found only by counting
+        ([(0, 6), (4, 10)], 10, False),  # an overlap: two runs claim elements 4 and 5
+        ([(0, 4), (4, 9)], 10, False),  # short of the end
+        ([], 0, True),
+        ([], 3, False),
+    ],
+)
+def test_a_derived_parameter_skips_the_count_only_when_its_runs_tile_it(
+    spans: list[tuple[int, int]], numel: int, tiles: bool
+) -> None:
+    assert patch_map._tiles(spans, numel) is tiles
+
+
+def test_a_stray_write_into_a_part_no_run_covers_still_sends_the_layer_to_probing() -> None:
+    class Padded(Stack):
+        """``down``'s parameter has a padding column no checkpoint element lands in; layer 3 writes one there."""
+
+        def __init__(self) -> None:
+            super().__init__(n=5)
+            for layer in self.layers:
+                layer.down = torch.nn.Parameter(
+                    torch.zeros(self.hidden, self.inter // 2 + 1, dtype=torch.bfloat16), requires_grad=False
+                )
+
+        def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+            for name, w in weights:
+                if ".down." not in name:
+                    super().load_weights([(name, w)])
+                    continue
+                i = int(name.split(".")[2])
+                down = self.layers[i].down.data
+                down[:, : self.inter // 2].copy_(w[:, w.shape[1] // 2 :])
+                down[:, -1].zero_()
+                if i == 3:
+                    down[0, -1] = w.reshape(-1)[1]  # the stray: into the padding
+
+    model = Padded()
+    pm, differ = _map_and_rewrite(model, model.spec())
+    assert pm.layers == {"probed": 3, "derived": 3}, pm.layers  # layer 3's derived proof failed: probed in full
+    assert differ == [] or differ == ["P:layers.3.down"], differ
+
+
+def test_real_values_of_a_large_tensor_are_one_block_tiled() -> None:
+    block = patch_map._REAL_BLOCK
+    for dtype in (torch.bfloat16, torch.float32):
+        small = patch_map._real_values((block,), dtype, torch.Generator().manual_seed(5))
+        large = patch_map._real_values((3, block - 1), dtype, torch.Generator().manual_seed(5))
+        assert large.shape == (3, block - 1) and large.dtype == dtype and large.is_contiguous()
+        expected = small.repeat(3)[: 3 * (block - 1)].view(torch.int16 if dtype == torch.bfloat16 else torch.int32)
+        assert torch.equal(large.reshape(-1).view(expected.dtype), expected)
