@@ -59,6 +59,17 @@ class Runs:
     def numel(self) -> int:
         return int(self.length.sum())
 
+    def offset_of(self, indices: torch.Tensor) -> int | None:
+        """For sorted checkpoint flat ``indices``: ``param index - checkpoint index`` if this is one run (a whole
+        tensor, a row block) that holds every one of them, else ``None`` (:meth:`locate` them). Bounds checked at
+        the ends: no mask, no index array."""
+        if self.ckpt_start.numel() != 1:
+            return None
+        c, p, n = int(self.ckpt_start[0]), int(self.param_start[0]), int(self.length[0])
+        if indices.numel() and (int(indices[0]) < c or int(indices[-1]) >= c + n):
+            return None
+        return p - c
+
     def locate(self, indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """For sorted checkpoint flat ``indices``: which of them this parameter holds (a bool mask) and where
         (flat parameter indices of the held ones). Vectorized: one ``searchsorted``."""
@@ -127,10 +138,10 @@ class PatchMap:
         return p
 
     def plan(self, deltas: Iterable[Any]) -> list[Scatter | Blocks]:
-        """The writes of an update, values cast and moved to each parameter's device: one scatter per live
-        parameter for the sparse entries, contiguous block copies for the dense ones (anchors). Runs before the
-        pause (nothing is read during it). Raises KeyError for a tensor the map does not hold."""
-        parts: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+        """The writes of an update, values cast and moved to each parameter's device: one scatter per sparse entry
+        and live parameter holding it (a fused parameter gets one per checkpoint tensor, in order: no joined copy
+        of their indices), contiguous block copies for the dense ones (anchors). Runs before the pause (nothing is
+        read during it). Raises KeyError for a tensor the map does not hold."""
         out: list[Scatter | Blocks] = []
         for d in deltas:
             runs = self.runs[d.ckpt_name]
@@ -141,11 +152,17 @@ class PatchMap:
                 if held_here is not None:  # decoded on this rank in part (a dense entry too): only what it decoded
                     indices, new = indices[held_here], new[held_here]
                 for r in runs:
+                    shift = r.offset_of(indices)
+                    if shift is not None:  # all held: the indices themselves (or shifted), no mask
+                        p = self.param(r.param)
+                        where = indices + shift if shift else indices
+                        out.append(Scatter(r.param, where.to(p.device), new.to(device=p.device, dtype=p.dtype)))
+                        continue
                     held, where = r.locate(indices)
-                    if where.numel() == indices.numel():  # all held (a whole tensor): no masked copy
-                        parts.setdefault(r.param, []).append((where, new))
-                    elif where.numel():
-                        parts.setdefault(r.param, []).append((where, new[held]))
+                    if where.numel():
+                        p = self.param(r.param)
+                        values = new if where.numel() == indices.numel() else new[held]  # all held: no masked copy
+                        out.append(Scatter(r.param, where.to(p.device), values.to(device=p.device, dtype=p.dtype)))
                 continue
             start, stop = d.span if d.span is not None else (0, d.values.numel())
             flat = d.values.reshape(-1)
@@ -168,11 +185,6 @@ class PatchMap:
                             moved[(p.device, p.dtype)],
                         )
                     )
-        for name, pieces in parts.items():
-            p = self.param(name)
-            index = torch.cat([w for w, _ in pieces]) if len(pieces) > 1 else pieces[0][0]
-            values = torch.cat([v for _, v in pieces]) if len(pieces) > 1 else pieces[0][1]
-            out.append(Scatter(name, index.to(p.device), values.to(device=p.device, dtype=p.dtype)))
         return out
 
     def write(self, ops: Iterable[Scatter | Blocks], into: Mapping[str, torch.Tensor] | None = None) -> int:
@@ -209,7 +221,7 @@ class PatchMap:
                         torch.equal(_bits(flat[d : d + n]), _bits(op.values[s : s + n]))
                         for d, s, n in zip(op.dst, op.src, op.length, strict=True)
                     )
-                if not ok:
+                if not ok and op.param not in bad:
                     bad.append(op.param)
         return bad
 
@@ -275,10 +287,13 @@ class PatchMap:
         if len(runs) == 1:
             r = runs[0]
             if r.ckpt_start.numel() == 1:  # one run (a whole tensor): bounds checked at its ends, no mask
-                c, p, n = int(r.ckpt_start[0]), int(r.param_start[0]), int(r.length[0])
-                if indices.numel() and (int(indices[0]) < c or int(indices[-1]) >= c + n):
+                shift = r.offset_of(indices)
+                if shift is None:
                     raise KeyError(f"{name}: this rank does not hold every element asked for")
-                where = indices + (p - c) if p != c else indices
+                flat = self.param(r.param).data.view(-1)
+                if shift >= 0:  # read through a view that starts where the checkpoint's element 0 would: no index sum
+                    return flat[shift:].index_select(0, indices.to(flat.device)).cpu()
+                where = indices + shift
             else:
                 held, where = r.locate(indices)
                 if where.numel() != indices.numel():

@@ -139,3 +139,40 @@ def test_runs_are_the_same_whatever_the_scan_chunk(monkeypatch: pytest.MonkeyPat
     twice = torch.cat([whole, whole])  # the whole tensor twice (chunks that each match the probe)
     with pytest.raises(ValueError, match="written twice"):
         patch_map._runs("p", twice, 30, probe)
+
+
+def _bits16(t: torch.Tensor) -> torch.Tensor:
+    return t.reshape(-1).view(torch.int16)
+
+
+def test_gather_and_plan_read_and_write_where_the_loader_does_at_every_offset() -> None:
+    model = Fused()
+    pm = build_map(model, SPEC, model.load_weights)
+    truth = _weights(1)
+    model.load_weights([(n, t) for n, t in truth.items() if n != "quantized"])
+    for name in ("q", "k", "v", "embed"):  # one run each, at parameter offsets 0, 8, 16 and 0
+        idx = torch.tensor([0, 3, 5, truth[name].numel() - 1])
+        assert pm.runs[name][0].offset_of(idx) == int(pm.runs[name][0].param_start[0])
+        assert torch.equal(_bits16(pm.gather(name, idx)), _bits16(truth[name])[idx]), name
+    held = torch.tensor([3, 5, 9, 23])  # `down`: this rank's half of each row, one run per row (located)
+    assert pm.runs["down"][0].offset_of(held) is None
+    assert torch.equal(_bits16(pm.gather("down", held)), _bits16(truth["down"])[held])
+    for name, idx in (("k", torch.tensor([7, 8])), ("down", torch.tensor([2, 3]))):  # past k's end; a column
+        with pytest.raises(KeyError, match="does not hold every element"):  # of `down` another rank holds
+            pm.gather(name, idx)
+
+    new = {n: t.clone() for n, t in truth.items()}
+    sparse = []
+    for name in ("q", "k", "v", "down"):
+        idx = torch.tensor([1, 4, 7]) if name != "down" else held
+        _bits16(new[name])[idx] += 1
+        sparse.append(_delta(name, new[name], idx, new[name].reshape(-1)[idx]))
+    ops = pm.plan(sparse)
+    # one scatter per checkpoint tensor, in order: the fused qkv gets three, with no joined copy of the indices
+    assert [op.param for op in ops] == ["qkv", "qkv", "qkv", "down"]
+    assert ops[0].index is sparse[0].indices and torch.equal(ops[1].index, sparse[1].indices + 8)
+    assert pm.write(ops) == 13 and not pm.check_written(ops)
+    written = {n: p.detach().clone() for n, p in model.named_parameters()}
+    model.load_weights([(n, t) for n, t in new.items() if n != "quantized"])  # what a full reload gives
+    for n, p in model.named_parameters():
+        assert torch.equal(_bits16(written[n]), _bits16(p.detach())), n
