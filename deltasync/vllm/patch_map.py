@@ -132,9 +132,22 @@ class PatchMap:
         loading; a mismatch means the map is stale and nothing is written)."""
         # resolved by name on every use: a module reloaded from the shadow (reload mode) may hold new parameter
         # objects, and a cached one would be read (or written) while another is served
-        p = self._model.get_parameter(name) if self._model is not None else self._params[name]
+        p = self._resolve(name) if self._model is not None else self._params[name]
         if (tuple(p.shape), p.dtype) != self._shapes[name]:
             raise RuntimeError(f"parameter {name} changed shape or dtype since the patch map was built")
+        return p
+
+    def _resolve(self, name: str) -> torch.nn.Parameter:
+        """``model.get_parameter(name)`` through the modules' own tables (~10x faster: no ``__getattr__`` and
+        ``hasattr`` per level), falling back to it for anything unusual (it names what is missing)."""
+        mod: torch.nn.Module | None = self._model
+        *path, leaf = name.split(".")
+        for atom in path:
+            mod = mod._modules.get(atom) if mod is not None else None
+        p = mod._parameters.get(leaf) if mod is not None else None
+        if p is None:
+            assert self._model is not None
+            return self._model.get_parameter(name)
         return p
 
     def plan(self, deltas: Iterable[Any]) -> list[Scatter | Blocks]:

@@ -176,3 +176,20 @@ def test_gather_and_plan_read_and_write_where_the_loader_does_at_every_offset() 
     model.load_weights([(n, t) for n, t in new.items() if n != "quantized"])  # what a full reload gives
     for n, p in model.named_parameters():
         assert torch.equal(_bits16(written[n]), _bits16(p.detach())), n
+
+
+def test_parameters_are_resolved_by_name_as_get_parameter_does_even_after_a_reregistration() -> None:
+    outer = torch.nn.Module()
+    outer.inner = Fused()  # nested, as vLLM's models are: "inner.qkv"
+    pm = build_map(outer, SPEC, outer.inner.load_weights)
+    assert [r.param for r in pm.runs["q"]] == ["inner.qkv"]
+    assert pm.param("inner.qkv") is outer.get_parameter("inner.qkv")
+    fresh = torch.nn.Parameter(torch.zeros(6, 4, dtype=torch.bfloat16), requires_grad=False)
+    outer.inner.register_parameter("qkv", fresh)  # a module reloaded in place re-registers its parameters
+    assert pm.param("inner.qkv") is fresh
+    d = _delta("q", torch.zeros(2, 4, dtype=torch.bfloat16), torch.tensor([1]), torch.ones(1, dtype=torch.bfloat16))
+    pm.write(pm.plan([d]))
+    assert float(fresh.view(-1)[1]) == 1.0
+    del outer.inner  # gone: the lookup fails as get_parameter does, naming what is missing
+    with pytest.raises(AttributeError, match="inner"):
+        pm.param("inner.qkv")
