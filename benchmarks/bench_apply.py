@@ -22,6 +22,7 @@ import argparse
 import gc
 import json
 import os
+import shutil
 import statistics
 import sys
 import tempfile
@@ -261,12 +262,15 @@ def main() -> None:
     from tests.support.models import write_config_only_model
 
     tmp = Path(tempfile.mkdtemp(prefix="deltasync-bench-apply-"))
-    model = write_config_only_model(tmp / "qwen3-0.6b")
     rows: list[dict[str, Any]] = []
     figures: dict[str, Any] = {"model_elements": None}
-    for label in args.engines:  # one engine at a time (2 cores, and ~10 GB of optimizer state per stream)
-        rows += run_engine(tmp, model, label, args, figures)
-        gc.collect()
+    try:  # the stores and staging hold a few GB: never left behind
+        model = write_config_only_model(tmp / "qwen3-0.6b")
+        for label in args.engines:  # one engine at a time (2 cores, and ~10 GB of optimizer state per stream)
+            rows += run_engine(tmp, model, label, args, figures)
+            gc.collect()
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
     summary: dict[str, Any] = {}
     for label, mode, lr in sorted({(r["engine"], r["mode"], r["lr"]) for r in rows}):
         group = [r for r in rows if (r["engine"], r["mode"], r["lr"]) == (label, mode, lr)]
