@@ -124,24 +124,6 @@ def test_a_layer_whose_loader_behaves_differently_is_probed_in_full(quirk: str, 
     assert not {n for n in pm.unmapped if "layers.4." not in n}  # the other layers keep their derived map
 
 
-@pytest.mark.parametrize(
-    ("spans", "numel", "tiles"),
-    [
-        ([(4, 10), (0, 4)], 10, True),  # in any order
-        ([(0, 4), (4, 4), (4, 10)], 10, True),  # an empty run
-        ([(0, 4), (5, 10)], 10, False),  # a gap: a stray write there is found only by counting
-        ([(0, 6), (4, 10)], 10, False),  # an overlap: two runs claim elements 4 and 5
-        ([(0, 4), (4, 9)], 10, False),  # short of the end
-        ([], 0, True),
-        ([], 3, False),
-    ],
-)
-def test_a_derived_parameter_skips_the_count_only_when_its_runs_tile_it(
-    spans: list[tuple[int, int]], numel: int, tiles: bool
-) -> None:
-    assert patch_map._tiles(spans, numel) is tiles
-
-
 def test_a_stray_write_into_a_part_no_run_covers_still_sends_the_layer_to_probing() -> None:
     class Padded(Stack):
         """``down``'s parameter has a padding column no checkpoint element lands in; layer 3 writes one there."""
