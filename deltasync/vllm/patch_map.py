@@ -999,8 +999,8 @@ def _probe_group(
                 unmapped[name] = why
             else:
                 runs[name] = found
-        # drawn now, in new tensors: the probes' memory is free for them to reuse unless the loader kept a probe
-        # (then that one stays its own, and it could write into it later), never the probes themselves
+        # drawn now, in new tensors, once this function lets go of the last probe: they may reuse the probes' freed
+        # memory, never a probe the loader kept (a kept tensor is never freed, and it could write into it later)
         probe = torch.empty(0)
         values, digests = _draw_real_values(names, spec)
         mapped = {n: runs[n] for n in names if n in runs}
