@@ -476,14 +476,13 @@ def _edge_bits(dtype: torch.dtype) -> torch.Tensor:
     signs and several payloads (quiet, signalling, all ones: a loader that canonicalises NaNs changes them),
     infinities, -0.0, the largest finite values, a subnormal, large magnitudes."""
     info = torch.finfo(dtype)
-    itype = _INT_OF_SIZE[torch.empty((), dtype=dtype).element_size()]
     floats = [float("nan"), float("inf"), float("-inf"), -0.0, info.max, -info.max, info.smallest_normal / 4]
     floats += [1e6, -1e6, 7e4, -7e4]
-    bits = torch.tensor(floats, dtype=dtype).view(itype)
+    bits = _bits(torch.tensor(floats, dtype=dtype))
     quiet, inf = int(bits[0]), int(bits[1])
-    sign = -(1 << (8 * torch.empty((), dtype=itype).element_size() - 1))
+    sign = -(1 << (8 * bits.element_size() - 1))
     nans = [quiet | sign, inf | 1, (inf | 1) | sign, -1]  # -qNaN, +sNaN, -sNaN, all ones (a NaN in every format)
-    return torch.cat([bits, torch.tensor(nans, dtype=itype)])
+    return torch.cat([bits, torch.tensor(nans, dtype=bits.dtype)])
 
 
 _EDGE_STEP = 7
@@ -502,12 +501,12 @@ def _real_values(shape: tuple[int, ...], dtype: torch.dtype, gen: torch.Generato
         start = int(torch.randint(0, min(_EDGE_STEP, block.numel()), (1,), generator=gen))
         at = torch.arange(start, block.numel(), _EDGE_STEP)
         first = int(torch.randint(0, edges.numel(), (1,), generator=gen))
-        block.view(edges.dtype)[at] = edges[(torch.arange(at.numel()) + first) % edges.numel()]
+        _bits(block)[at] = edges[(torch.arange(at.numel()) + first) % edges.numel()]
     if numel <= block.numel():
         return block.reshape(shape)
     # tiled in numpy's memory: numpy asks the kernel for huge pages for large arrays and torch's allocator does
     # not, so a large tensor's values fault in ~4x faster (the embedding's are 311 MB at Qwen3-0.6B)
-    bits = block.view(_INT_OF_SIZE[block.element_size()]).numpy()
+    bits = _bits(block).numpy()
     out = np.empty(numel, dtype=bits.dtype)
     whole = numel - numel % bits.size
     out[:whole].reshape(-1, bits.size)[:] = bits
@@ -565,23 +564,28 @@ def _verify_group(
 
     failed = False
     for n, rs in group_runs.items():
-        src = values[n].reshape(-1)
-        for param, c, p, length in _segments(rs):  # slices: no per-element index arrays
-            flat = params[param].data.view(-1)
-            if not torch.equal(_bits(flat[p : p + length].cpu()), _bits(src[c : c + length])):
-                unmapped[n] = f"real values do not land where the probes did in {param} (the loader transforms them)"
-                runs.pop(n, None)
-                failed = True
-                break
-        else:
-            if tensor_checksum(values[n]) != digests[n]:
-                unmapped[n] = "the loader wrote into the real values it was given (a check against them proves nothing)"
-                runs.pop(n, None)
+        param = _misplaced(params, rs, values[n])
+        if param is not None:
+            unmapped[n] = f"real values do not land where the probes did in {param} (the loader transforms them)"
+            runs.pop(n, None)
+            failed = True
+        elif tensor_checksum(values[n]) != digests[n]:
+            unmapped[n] = "the loader wrote into the real values it was given (a check against them proves nothing)"
+            runs.pop(n, None)
     # nothing may land outside the runs (a write into padding, or into no tensor's place, for real values only);
     # and where one tensor's place was wrong, another may have written there: each is then loaded alone
     if failed or _written_outside(params, originals, group_runs, values):
         alone = {n: group_runs[n] for n in group_runs if n in runs}
         _load_alone(model, params, originals, alone, values, load, unmapped, runs)
+
+
+def _misplaced(params: Mapping[str, torch.nn.Parameter], rs: list[Runs], values: torch.Tensor) -> str | None:
+    """The first parameter whose runs ``rs`` do not hold ``values`` bit for bit, or ``None``."""
+    src = values.reshape(-1)
+    for param, c, p, length in _segments(rs):  # slices: no per-element index arrays
+        if not torch.equal(_bits(params[param].data.view(-1)[p : p + length].cpu()), _bits(src[c : c + length])):
+            return param
+    return None
 
 
 def _nonzero_words(t: torch.Tensor) -> int:
@@ -623,12 +627,11 @@ def _load_alone(
             ok = not _restore_identity(model, params)
         except Exception:  # noqa: BLE001 - it loaded with the group: alone it must too
             ok = False
-        src = values[n].reshape(-1)
-        ok = ok and all(
-            torch.equal(_bits(params[param].data.view(-1)[p : p + length].cpu()), _bits(src[c : c + length]))
-            for param, c, p, length in _segments(rs)
-        )
-        if not ok or _written_outside(params, originals, {n: rs}, values):
+        if (
+            not ok
+            or _misplaced(params, rs, values[n]) is not None
+            or _written_outside(params, originals, {n: rs}, values)
+        ):
             unmapped[n] = "loaded alone, its real values land outside its own place (another tensor's, padding)"
             runs.pop(n, None)
 
@@ -912,7 +915,6 @@ def _take_derived(
     return None
 
 
-_INT_OF_SIZE = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 _SAME_SIZE_INT = {1: np.int8, 2: np.int16, 4: np.int32, 8: np.int64}
 
 
