@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import re
 import time
 from collections.abc import Callable, Iterable, Mapping
@@ -120,6 +121,8 @@ class PatchMap:
         self.runs, self.unmapped, self.build_s = runs, unmapped, build_s
         self.layers: dict[str, int] = {}
         """How many layers were probed tensor by tensor and how many derived from their kind's first layer."""
+        self.split: list[str] = []
+        """The groups (layers; ``""``: outside them) probed in two int16 passes (:data:`SPLIT_AT_ENV`)."""
         self._params = dict(params)
         self._model = model
         self._shapes = {n: (tuple(p.shape), p.dtype) for n, p in self._params.items()}
@@ -338,6 +341,7 @@ class PatchMap:
             "runs": sum(len(rs) for rs in self.runs.values()),
             "build_s": round(self.build_s, 3),
             "layers": self.layers,
+            "split": self.split,
         }
 
 
@@ -363,21 +367,40 @@ def _runs(param: str, flat: torch.Tensor, numel: int, probe: torch.Tensor | None
     Raises:
         ValueError: a value that is no element index, or a checkpoint element written twice.
     """
+
+    def pieces() -> Iterable[tuple[int, int, int, torch.Tensor | None]]:
+        for lo in range(0, flat.numel(), _CHUNK):
+            chunk = flat[lo : lo + _CHUNK]
+            first, n = int(chunk[0]), chunk.numel()
+            if (
+                probe is not None
+                and 0 < first <= numel - n + 1
+                and torch.equal(chunk, probe[first - 1 : first - 1 + n])
+            ):
+                yield lo, n, first - 1, None
+            else:
+                yield lo, n, -1, chunk
+
+    return _join(param, pieces(), numel)
+
+
+def _join(param: str, pieces: Iterable[tuple[int, int, int, torch.Tensor | None]], numel: int) -> Runs | None:
+    """:func:`_runs` from a parameter's chunks, in its order, each ``(start, length, checkpoint start, None)``
+    where the chunk is one stretch of the checkpoint tensor, else ``(start, length, -1, values)`` with its values
+    as 1-based checkpoint indices (0: not written)."""
     ck_starts: list[torch.Tensor] = []
     pos_starts: list[torch.Tensor] = []
     lengths: list[torch.Tensor] = []
     prev_ck = prev_pos = -2  # the last written element of the previous chunk, to join runs across chunks
-    for lo in range(0, flat.numel(), _CHUNK):
-        chunk = flat[lo : lo + _CHUNK]
-        first, n = int(chunk[0]), chunk.numel()
-        if probe is not None and 0 < first <= numel - n + 1 and torch.equal(chunk, probe[first - 1 : first - 1 + n]):
-            if first - 1 == prev_ck + 1 and lo == prev_pos + 1:
+    for lo, n, first, chunk in pieces:
+        if chunk is None:
+            if first == prev_ck + 1 and lo == prev_pos + 1:
                 lengths[-1][-1] += n  # continues the previous run
             else:
-                ck_starts.append(torch.tensor([first - 1]))
+                ck_starts.append(torch.tensor([first]))
                 pos_starts.append(torch.tensor([lo]))
                 lengths.append(torch.tensor([n]))
-            prev_ck, prev_pos = first - 1 + n - 1, lo + n - 1
+            prev_ck, prev_pos = first + n - 1, lo + n - 1
             continue
         pos = torch.nonzero(chunk != 0).squeeze(1)  # a negative image (a derived ``-w``) counts as a write
         if pos.numel() == 0:
@@ -774,7 +797,8 @@ def build_map(
     """Learn the map of ``model`` for the checkpoint ``spec`` by watching ``load`` (the model's
     ``load_weights``) write probe tensors. The live parameters are swapped for zeroed integer tensors one
     layer at a time and restored afterwards, bit for bit; peak extra memory: one layer's parameters in int32
-    (int64 for tensors of 2^31 elements or more) plus one probe.
+    (int64 for tensors of 2^31 elements or more; int16 where its largest tensor has 2^25 elements or more, then
+    probed in two passes, :func:`_probe_split`) plus one probe.
 
     Layers repeat: only the first layer of each kind (:func:`_layer_kind`: the same checkpoint tensors and the
     same parameters, index aside) is probed tensor by tensor. Every other layer of the kind gets the first
@@ -803,9 +827,12 @@ def build_map(
     unmapped: dict[str, str] = {}
     learned: dict[tuple[Any, ...], _Learned] = {}
     counts = {"probed": 0, "derived": 0}
+    split: list[str] = []
     before = _fingerprints(model)
     try:
-        _build_groups(model, spec, load, untrusted, params, by_group, param_groups, runs, unmapped, learned, counts)
+        _build_groups(
+            model, spec, load, untrusted, params, by_group, param_groups, runs, unmapped, learned, counts, split
+        )
     except Exception as exc:
         _restore_identity(model, params)
         _check_untouched(model, before, exc)
@@ -813,7 +840,7 @@ def build_map(
     _restore_identity(model, params)
     _check_untouched(model, before)
     pm = PatchMap(runs, unmapped, params, time.perf_counter() - t0, model=model)
-    pm.layers = dict(counts)
+    pm.layers, pm.split = dict(counts), split
     logger.info("deltasync: patch map built: %s", pm.summary())
     return pm
 
@@ -843,6 +870,7 @@ def _build_groups(
     unmapped: dict[str, str],
     learned: dict[tuple[Any, ...], _Learned],
     counts: dict[str, int],
+    split: list[str],
 ) -> None:
     """:func:`build_map`'s work, group by group: probed, or derived from the first layer of its kind."""
     for group, names in sorted(by_group.items()):
@@ -857,7 +885,9 @@ def _build_groups(
                 continue
             logger.info("deltasync: patch map: %s probed in full (%s)", group, why)
         counts["probed"] += 1
-        values, digests = _probe_group(model, params, names, probed, spec, load, untrusted, runs, unmapped)
+        values, digests, halves = _probe_group(model, params, names, probed, spec, load, untrusted, runs, unmapped)
+        if halves:
+            split.append(group)
         if kind is not None and kind not in learned:
             learned[kind] = _Learned(
                 runs={
@@ -952,41 +982,25 @@ def _probe_group(
     untrusted: Callable[[str], str | None],
     runs: dict[str, list[Runs]],
     unmapped: dict[str, str],
-) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+) -> tuple[dict[str, torch.Tensor], dict[str, str], bool]:
     """Probe a group's checkpoint tensors one at a time, then check the group with real values
-    (:func:`_draw_real_values`); returns those values and their digests."""
+    (:func:`_draw_real_values`); returns those values, their digests and whether the probes went in two int16
+    passes (:func:`_probe_split`: a group whose largest tensor has :data:`SPLIT_AT_ENV` elements or more)."""
     originals = {q: params[q].data for q in probed}
     grads = {q: params[q].requires_grad for q in probed}
     biggest = max([params[q].numel() for q in probed] + [_numel(spec[n][1]) for n in names], default=0)
     wide = biggest >= 2**31 - 1  # a probe and the parameters it lands in share one integer type
-    itype = torch.int64 if wide else torch.int32
+    split = not wide and biggest >= _split_at() and all(_numel(spec[n][1]) <= _PERIOD**2 for n in names)
+    itype = torch.int16 if split else torch.int64 if wide else torch.int32
     try:
         for q in probed:
             params[q].requires_grad_(False)  # an integer tensor cannot require gradients
             params[q].data = _zeros(originals[q].shape, itype, torch.device("cpu"))
         for name in names:
-            _, shape = spec[name]
-            numel = _numel(shape)
-            probe = _arange(numel, torch.int64 if numel >= 2**31 - 1 else itype).reshape(shape)
             try:
-                load([(name, probe)])
-                if _restore_identity(model, params):
-                    raise ValueError("the loader replaced a parameter object (re-registered it)")
-            except Exception as exc:  # noqa: BLE001 - this tensor cannot be probed: it is reloaded instead
-                unmapped[name] = f"{type(exc).__name__}: {exc}"[:200]
-                for q in probed:
-                    params[q].data.zero_()
-                continue
-            found: list[Runs] = []
-            try:
-                for q in probed:
-                    flat = params[q].data.view(-1)
-                    if int(torch.count_nonzero(flat)):  # ~4x faster than any() on CPU
-                        r = _runs(q, flat, numel, probe.view(-1))
-                        if r is not None:
-                            found.append(r)
-                        flat.zero_()
-            except ValueError as exc:
+                probe_one = _probe_split if split else _probe_whole
+                found = probe_one(model, params, probed, name, spec[name][1], load, itype)
+            except _Refused as exc:
                 unmapped[name] = str(exc)
                 for q in probed:
                     params[q].data.zero_()
@@ -1001,9 +1015,8 @@ def _probe_group(
                 unmapped[name] = why
             else:
                 runs[name] = found
-        # drawn now, in new tensors, once this function lets go of the last probe: they may reuse the probes' freed
-        # memory, never a probe the loader kept (a kept tensor is never freed, and it could write into it later)
-        probe = torch.empty(0)
+        # drawn now, in new tensors, once the last probe is let go: they may reuse the probes' freed memory, never a
+        # probe the loader kept (a kept tensor is never freed, and it could write into it later)
         values, digests = _draw_real_values(names, spec)
         mapped = {n: runs[n] for n in names if n in runs}
         scratch = {q: _reuse(params[q].data, originals[q]) for q in probed}  # the probes' memory: no page faults
@@ -1012,4 +1025,182 @@ def _probe_group(
         for q, data in originals.items():
             params[q].data = data
             params[q].requires_grad_(grads[q])
-    return values, digests
+    return values, digests, split
+
+
+class _Refused(Exception):
+    """Why a checkpoint tensor cannot be probed: it is left out of the map (its modules are reloaded instead)."""
+
+
+def _load_probe(
+    model: torch.nn.Module,
+    params: Mapping[str, torch.nn.Parameter],
+    load: Callable[[Iterable[tuple[str, torch.Tensor]]], Any],
+    name: str,
+    probe: torch.Tensor,
+) -> None:
+    try:
+        load([(name, probe)])
+        if _restore_identity(model, params):
+            raise ValueError("the loader replaced a parameter object (re-registered it)")
+    except Exception as exc:  # noqa: BLE001 - this tensor cannot be probed: it is reloaded instead
+        raise _Refused(f"{type(exc).__name__}: {exc}"[:200]) from None
+
+
+def _probe_whole(
+    model: torch.nn.Module,
+    params: Mapping[str, torch.nn.Parameter],
+    probed: list[str],
+    name: str,
+    shape: tuple[int, ...],
+    load: Callable[[Iterable[tuple[str, torch.Tensor]]], Any],
+    itype: torch.dtype,
+) -> list[Runs]:
+    """Where one checkpoint tensor lands, from one probe of its 1-based element indices (``itype``, or int64 for
+    a tensor of 2^31 elements or more). Leaves the stand-ins zeroed.
+
+    Raises:
+        _Refused: the loader refuses the probe, or transforms its values.
+    """
+    numel = _numel(shape)
+    probe = _arange(numel, torch.int64 if numel >= 2**31 - 1 else itype)
+    _load_probe(model, params, load, name, probe.view(shape))
+    found = []
+    try:
+        for q in probed:
+            flat = params[q].data.view(-1)
+            if int(torch.count_nonzero(flat)):  # ~4x faster than any() on CPU
+                r = _runs(q, flat, numel, probe)
+                if r is not None:
+                    found.append(r)
+                flat.zero_()
+    except ValueError as exc:
+        raise _Refused(str(exc)) from None
+    return found
+
+
+_PERIOD = 32767
+"""A split probe's period: element ``i`` is probed as ``i % _PERIOD + 1``, then as ``i // _PERIOD + 1`` (both
+non-zero int16 values), for tensors of up to ``_PERIOD ** 2`` (1.07 billion) elements."""
+
+SPLIT_AT_ENV = "DELTASYNC_MAP_SPLIT_AT"
+"""Probe a layer (or the model outside its layers) whose largest tensor has at least this many elements in two
+int16 passes (:func:`_probe_split`) instead of one int32 pass. Default 2^25."""
+
+_SPLIT_AT = 1 << 25
+
+
+def _split_at() -> int:
+    raw = os.environ.get(SPLIT_AT_ENV, "")
+    try:
+        return int(raw) if raw else _SPLIT_AT
+    except ValueError:
+        raise ValueError(f"{SPLIT_AT_ENV}={raw!r}: expected a number of elements (default {_SPLIT_AT})") from None
+
+
+def _split_probe(numel: int, high: bool) -> torch.Tensor:
+    """One half of a split probe of ``numel`` elements, int16: ``i % _PERIOD + 1`` (low) or ``i // _PERIOD + 1``
+    (high), written through numpy's memory (huge pages) with no temporary of the tensor's size."""
+    out = np.empty(numel, dtype=np.int16)
+    rows = numel // _PERIOD
+    whole = rows * _PERIOD
+    if high:
+        out[:whole].reshape(rows, _PERIOD)[:] = np.arange(1, rows + 1, dtype=np.int16)[:, None]
+        out[whole:] = rows + 1
+    else:
+        block = np.arange(1, _PERIOD + 1, dtype=np.int16)
+        out[:whole].reshape(rows, _PERIOD)[:] = block
+        out[whole:] = block[: numel - whole]
+    return torch.from_numpy(out)
+
+
+def _probe_split(
+    model: torch.nn.Module,
+    params: Mapping[str, torch.nn.Parameter],
+    probed: list[str],
+    name: str,
+    shape: tuple[int, ...],
+    load: Callable[[Iterable[tuple[str, torch.Tensor]]], Any],
+    itype: torch.dtype,
+) -> list[Runs]:
+    """:func:`_probe_whole` in two passes of int16 halves (:func:`_split_probe`) into int16 stand-ins: half the
+    memory of int32 probes and stand-ins, which is what a large tensor's map build costs where fresh memory is
+    slow to first touch (a VM backs each page then: ~1-3 ns per byte). The low pass is kept per chunk as the
+    stretch of the period it matches (or a copy of the chunk where it matches none); the high pass must then put
+    every element at the one place both halves name, or the chunk's values are joined element by element.
+
+    Raises:
+        _Refused: the loader refuses a probe, transforms its values, or writes a place in one pass only.
+    """
+    numel = _numel(shape)
+    low = _split_probe(numel, high=False)
+    _load_probe(model, params, load, name, low.view(shape))
+    lows: dict[str, list[int | torch.Tensor | None]] = {}
+    for q in probed:
+        flat = params[q].data.view(-1)
+        if int(torch.count_nonzero(flat)):
+            lows[q] = [_low_chunk(flat[lo : lo + _CHUNK], numel, low) for lo in range(0, flat.numel(), _CHUNK)]
+            flat.zero_()
+    # a new tensor for the second pass: a loader that kept the first (or a cache keyed by its storage) never sees
+    # the same memory again
+    del low
+    high = _split_probe(numel, high=True)
+    _load_probe(model, params, load, name, high.view(shape))
+    found = []
+    try:
+        for q in probed:
+            flat = params[q].data.view(-1)
+            if q not in lows:
+                if int(torch.count_nonzero(flat)):
+                    raise ValueError(f"{q}: written by the second half of a probe only (the loader transforms it)")
+                continue
+            r = _join(q, _high_pieces(q, flat, numel, high, lows.pop(q)), numel)
+            if r is not None:
+                found.append(r)
+            flat.zero_()
+    except ValueError as exc:
+        raise _Refused(str(exc)) from None
+    return found
+
+
+def _low_chunk(chunk: torch.Tensor, numel: int, low: torch.Tensor) -> int | torch.Tensor | None:
+    """A chunk after the low pass: the start ``r < _PERIOD`` of the stretch of the (periodic) low probe it equals,
+    ``None`` if nothing was written in it, else a copy of it."""
+    r, n = int(chunk[0]) - 1, chunk.numel()
+    if 0 <= r < _PERIOD and r + n <= numel and torch.equal(chunk, low[r : r + n]):
+        return r
+    return chunk.clone() if int(torch.count_nonzero(chunk)) else None
+
+
+def _high_pieces(
+    param: str, flat: torch.Tensor, numel: int, high: torch.Tensor, lows: list[int | torch.Tensor | None]
+) -> Iterable[tuple[int, int, int, torch.Tensor | None]]:
+    """:func:`_join`'s pieces of a parameter after the high pass, from its chunks' low pass (:func:`_low_chunk`)."""
+    for lo, kept in zip(range(0, flat.numel(), _CHUNK), lows, strict=True):
+        chunk = flat[lo : lo + _CHUNK]
+        n = chunk.numel()
+        if isinstance(kept, int):  # one stretch of the low probe: where both halves say it starts, if they agree
+            first = (int(chunk[0]) - 1) * _PERIOD + kept
+            if 0 <= first <= numel - n and torch.equal(chunk, high[first : first + n]):
+                yield lo, n, first, None
+                continue
+            yield lo, n, -1, _indices(param, torch.arange(kept, kept + n).remainder_(_PERIOD).add_(1), chunk)
+        elif kept is None:
+            if int(torch.count_nonzero(chunk)):
+                yield lo, n, -1, _indices(param, torch.zeros(n, dtype=torch.int16), chunk)
+        else:
+            yield lo, n, -1, _indices(param, kept, chunk)
+
+
+def _indices(param: str, low: torch.Tensor, high: torch.Tensor) -> torch.Tensor:
+    """A chunk's 1-based checkpoint indices from its two probe halves (0: written in neither pass).
+
+    Raises:
+        ValueError: a place written in one pass only, or a value neither half can hold.
+    """
+    low64, high64 = low.to(torch.int64), high.to(torch.int64)
+    written = low64 != 0
+    bad = (written != (high64 != 0)) | (written & ((low64 < 1) | (low64 > _PERIOD) | (high64 < 1)))
+    if bool(bad.any()):
+        raise ValueError(f"{param}: holds values that are no element index (the loader transforms them)")
+    return torch.where(written, (high64 - 1) * _PERIOD + low64, 0)

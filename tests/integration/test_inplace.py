@@ -26,6 +26,7 @@ from deltasync.layout import manifest_key
 from deltasync.reader import load_object, read_manifest
 from deltasync.staging import StagedUpdate, stage_object
 from deltasync.targets import OfflineLLMTarget
+from deltasync.vllm.patch_map import SPLIT_AT_ENV
 from deltasync.vllm.plain import ENV as PLAIN_ENV
 from tests.conftest import PUBLISHER_TOKEN, ServerThread, agent_token, coordinator_settings
 from tests.integration.fresh_engine import fresh_run, generate
@@ -122,6 +123,11 @@ def test_inplace_through_the_map_is_bit_exact_against_a_fresh_engine(
         monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")
     at_start = arch != "qwen2"  # the map is learned while vLLM starts; qwen2 defers it to the first update
     monkeypatch.setenv("DELTASYNC_MAP_AT_START", "1" if at_start else "0")
+    split = arch == "llama"  # every group probed in two int16 passes (at the default, a large embedding is)
+    if split:
+        monkeypatch.setenv(SPLIT_AT_ENV, "0")
+    else:
+        monkeypatch.delenv(SPLIT_AT_ENV, raising=False)
     model_dir = build_tiny_model(tmp_path / arch, arch=arch, seed=1)
     llm = offline_llm(model_dir, tensor_parallel_size=tp)
     try:
@@ -141,6 +147,7 @@ def test_inplace_through_the_map_is_bit_exact_against_a_fresh_engine(
             for st in _statuses(llm):
                 assert st["mode"] == "inplace", st
                 assert st["map"]["unmapped_count"] == 0 and st["map"]["mapped"] == len(publisher.truth[0]), st["map"]
+                assert bool(st["map"]["split"]) == split, st["map"]
             for step in range(4):
                 publisher.step(anchor=step == 2)
                 result = agent.sync()

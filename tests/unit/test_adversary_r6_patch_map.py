@@ -10,10 +10,13 @@ import copy
 from collections.abc import Iterable
 from typing import Any
 
+import pytest
 import torch
 
 from deltasync.format import TensorDelta
 from deltasync.vllm.patch_map import build_map
+
+pytestmark = pytest.mark.usefixtures("probe_passes")  # one int32 pass, and two int16 halves
 
 Spec = dict[str, tuple[str, tuple[int, ...]]]
 SPEC: Spec = {"embed": ("BF16", (8, 16)), "head": ("BF16", (8, 16))}  # no ``layers.N.``: one group, kind None

@@ -20,6 +20,8 @@ from deltasync.format import TensorDelta
 from deltasync.vllm.patch_map import PatchMap, Scatter, build_map
 from tests.unit.test_attacks_patch_map import Spec, _map_and_rewrite, _weights
 
+pytestmark = pytest.mark.usefixtures("probe_passes")  # one int32 pass, and two int16 halves
+
 
 def _p(*shape: int, dtype: torch.dtype = torch.bfloat16) -> torch.nn.Parameter:
     return torch.nn.Parameter(torch.zeros(*shape, dtype=dtype), requires_grad=False)

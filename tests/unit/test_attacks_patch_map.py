@@ -17,6 +17,8 @@ from deltasync.sketch import tensor_sketch
 from deltasync.vllm.patch_map import MapCorruption, PatchMap, build_map
 from deltasync.vocab import DTYPES
 
+pytestmark = pytest.mark.usefixtures("probe_passes")  # one int32 pass, and two int16 halves
+
 Spec = dict[str, tuple[str, tuple[int, ...]]]
 
 

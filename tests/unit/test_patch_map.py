@@ -9,6 +9,8 @@ import torch
 from deltasync.format import TensorDelta
 from deltasync.vllm.patch_map import build_map
 
+pytestmark = pytest.mark.usefixtures("probe_passes")  # one int32 pass, and two int16 halves
+
 
 class Fused(torch.nn.Module):
     """q, k, v rows fused into one parameter; a vocabulary padded to 8 rows; a tied head; a TP-like slice

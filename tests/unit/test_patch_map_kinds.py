@@ -14,6 +14,8 @@ from deltasync.vllm import patch_map
 from deltasync.vllm.patch_map import build_map
 from tests.unit.test_attacks_patch_map import Spec, _map_and_rewrite, _weights
 
+pytestmark = pytest.mark.usefixtures("probe_passes")  # one int32 pass, and two int16 halves
+
 
 class Layer(torch.nn.Module):
     def __init__(self, hidden: int, inter: int) -> None:
