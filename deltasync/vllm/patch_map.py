@@ -19,6 +19,7 @@ import dataclasses
 import logging
 import os
 import re
+import secrets
 import time
 from collections.abc import Callable, Iterable, Mapping
 from typing import TYPE_CHECKING, Any
@@ -451,9 +452,15 @@ def _numel(shape: Iterable[int]) -> int:
     return n
 
 
-def _restore_identity(model: torch.nn.Module, params: Mapping[str, torch.nn.Parameter]) -> list[str]:
+def _restore_identity(
+    model: torch.nn.Module,
+    params: Mapping[str, torch.nn.Parameter],
+    swapped: Mapping[str, torch.Tensor] | None = None,
+) -> list[str]:
     """Re-register every parameter the loader replaced by another object (the map, and vLLM, hold the
-    originals); returns the names that had been replaced."""
+    originals), and put back every stand-in of ``swapped`` (by parameter) whose ``.data`` the loader replaced
+    (``param.data = w.t().clone()``: what it wrote is not in the stand-in the map reads); returns the names of
+    both."""
     replaced = []
     for qn, p in model.named_parameters(remove_duplicate=False):
         if qn in params and p is not params[qn]:
@@ -461,6 +468,11 @@ def _restore_identity(model: torch.nn.Module, params: Mapping[str, torch.nn.Para
     for qn in replaced:
         owner, _, leaf = qn.rpartition(".")
         model.get_submodule(owner)._parameters[leaf] = params[qn]
+    for qn, t in (swapped or {}).items():
+        d = params[qn].data
+        if (d.data_ptr(), d.shape, d.stride(), d.dtype) != (t.data_ptr(), t.shape, t.stride(), t.dtype):
+            params[qn].data = t
+            replaced.append(qn)
     return replaced
 
 
@@ -479,15 +491,33 @@ def _fingerprints(model: torch.nn.Module) -> dict[str, tuple[Any, ...]]:
         if data.device.type == "cpu":
             digest: Any = tensor_checksum(data.contiguous()) if data.numel() else ""
         else:
-            flat = _bits(data.reshape(-1)) if data.dtype != torch.bool else data.reshape(-1).to(torch.uint8)
-            s1 = s2 = 0
-            for lo in range(0, flat.numel(), _CHUNK):
-                c = flat[lo : lo + _CHUNK].to(torch.int64)
-                s1 += int(c.sum())
-                s2 += int((c * torch.arange(lo + 1, lo + 1 + c.numel(), device=c.device)).sum())
-            digest = (s1, s2)
+            digest = _device_digest(
+                _bits(data.reshape(-1)) if data.dtype != torch.bool else data.reshape(-1).to(torch.uint8)
+            )
         out[name] = (id(t), data.dtype, tuple(data.shape), digest)
     return out
+
+
+_MIX = tuple(k - (1 << 64) for k in (0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB))
+"""Odd 64-bit multipliers (splitmix64's), as the signed int64 values torch multiplies by (wrapping)."""
+
+
+def _device_digest(words: torch.Tensor) -> tuple[int, int]:
+    """A digest of an integer tensor on its own device (an accelerator's parameters are not copied to the host):
+    two sums of every word mixed with its position (multiply, xor-shift; wrapping int64). Plain sums of words and
+    of words times positions missed a change of +1, -2, +1 to three neighbours (adversarial review, round 8)."""
+    s1 = s2 = 0
+    for lo in range(0, words.numel(), _CHUNK):
+        x = words[lo : lo + _CHUNK].to(torch.int64)
+        x = x * _MIX[0] + torch.arange(lo + 1, lo + 1 + x.numel(), device=x.device)
+        x ^= x >> 31
+        x *= _MIX[1]
+        x ^= x >> 29
+        s1 += int(x.sum())
+        x *= _MIX[2]
+        x ^= x >> 32
+        s2 += int(x.sum())
+    return s1, s2
 
 
 _REAL_BLOCK = 1_000_003
@@ -516,7 +546,9 @@ def _real_values(shape: tuple[int, ...], dtype: torch.dtype, gen: torch.Generato
     """Random values with the edge cases (:func:`_edge_bits`) dense among them, every :data:`_EDGE_STEP`-th
     element from a random start per tensor (so no two tensors hold the same edge at the same place): a loader
     that clamps, cleans or renormalises any of them, anywhere, is caught. One block of :data:`_REAL_BLOCK` values is
-    drawn and tiled (where a value lands is the integer probes' proof; these catch arithmetic on the values)."""
+    drawn and tiled, each tile rotated by a random amount (where a value lands is the integer probes' proof; these
+    catch arithmetic on the values, and an element swapped with its neighbour one block away: identical tiles
+    would hold the same bits at both places)."""
     numel = _numel(shape)
     block = torch.randn(min(numel, _REAL_BLOCK), generator=gen).to(dtype)
     if block.numel() and dtype.is_floating_point:
@@ -530,21 +562,32 @@ def _real_values(shape: tuple[int, ...], dtype: torch.dtype, gen: torch.Generato
     # tiled in numpy's memory: numpy asks the kernel for huge pages for large arrays and torch's allocator does
     # not, so a large tensor's values fault in ~4x faster (the embedding's are 311 MB at Qwen3-0.6B)
     bits = _bits(block).numpy()
+    size = bits.size
     out = np.empty(numel, dtype=bits.dtype)
-    whole = numel - numel % bits.size
-    out[:whole].reshape(-1, bits.size)[:] = bits
-    out[whole:] = bits[: numel - whole]
+    shifts = torch.randint(0, size, (-(-numel // size),), generator=gen).tolist()
+    for lo, shift in zip(range(0, numel, size), shifts, strict=True):
+        n = min(size, numel - lo)
+        head = min(n, size - shift)
+        out[lo : lo + head] = bits[shift : shift + head]
+        out[lo + head : lo + n] = bits[: n - head]
     return torch.from_numpy(out).view(dtype).reshape(shape)
+
+
+def _seed() -> int:
+    """A new seed for each group's real values: a loader cannot know them when it is given the probes, so it
+    cannot pick elements whose real values happen to be equal and move them on integer input only (adversarial
+    review, round 8)."""
+    return secrets.randbits(63)
 
 
 def _draw_real_values(
     names: Iterable[str], spec: Mapping[str, tuple[str, tuple[int, ...]]]
 ) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
-    """A group's real values (:func:`_real_values`, one seeded draw, by checkpoint name) and their digests."""
+    """A group's real values (:func:`_real_values`, one draw of a new seed, by checkpoint name) and their digests."""
     from ..format import tensor_checksum
     from ..vocab import DTYPES
 
-    gen = torch.Generator().manual_seed(20260)
+    gen = torch.Generator().manual_seed(_seed())
     values = {n: _real_values(spec[n][1], DTYPES[spec[n][0]], gen) for n in names}
     return values, {n: tensor_checksum(v) for n, v in values.items()}
 
@@ -574,10 +617,11 @@ def _verify_group(
             params[q].data = scratch[q]
         else:
             params[q].data = _zeros(data.shape, data.dtype, data.device)
+    swapped = {q: params[q].data for q in originals}
     try:
         load([(n, values[n]) for n in group_runs])
-        if _restore_identity(model, params):
-            raise ValueError("the loader replaced a parameter object (re-registered it)")
+        if _restore_identity(model, params, swapped):
+            raise ValueError(_REPLACED)
     except Exception as exc:  # noqa: BLE001 - the probes loaded one by one; together they do not: map nothing
         for n in group_runs:
             unmapped[n] = f"the loader refused real values together ({type(exc).__name__}: {exc})"[:200]
@@ -603,10 +647,14 @@ def _verify_group(
 
 
 def _misplaced(params: Mapping[str, torch.nn.Parameter], rs: list[Runs], values: torch.Tensor) -> str | None:
-    """The first parameter whose runs ``rs`` do not hold ``values`` bit for bit, or ``None``."""
+    """The first parameter whose runs ``rs`` do not hold ``values`` bit for bit as the map writes them (cast to
+    the parameter's dtype, :meth:`PatchMap.plan`), or ``None``."""
     src = values.reshape(-1)
     for param, c, p, length in _segments(rs):  # slices: no per-element index arrays
-        if not torch.equal(_bits(params[param].data.view(-1)[p : p + length].cpu()), _bits(src[c : c + length])):
+        held = params[param].data.view(-1)[p : p + length].cpu()
+        # bits of one width on both sides: torch.equal compares tensors of two dtypes by value, so an fp32
+        # parameter's int32 bits would "equal" a bf16 value's int16 bits sign-extended (adversarial review, round 8)
+        if not torch.equal(_bits(held), _bits(src[c : c + length].to(held.dtype))):
             return param
     return None
 
@@ -626,7 +674,8 @@ def _written_outside(
     for n, rs in group_runs.items():
         src = values[n].reshape(-1)
         for param, c, _, length in _segments(rs):
-            expected[param] = expected.get(param, 0) + _nonzero_words(src[c : c + length])
+            written = src[c : c + length].to(params[param].dtype)  # as the map writes them (_misplaced)
+            expected[param] = expected.get(param, 0) + _nonzero_words(written)
     return any(_nonzero_words(params[q].data) != count for q, count in expected.items())
 
 
@@ -645,9 +694,10 @@ def _load_alone(
     for n, rs in group_runs.items():
         for q in originals:
             params[q].data.zero_()
+        swapped = {q: params[q].data for q in originals}
         try:
             load([(n, values[n])])
-            ok = not _restore_identity(model, params)
+            ok = not _restore_identity(model, params, swapped)
         except Exception:  # noqa: BLE001 - it loaded with the group: alone it must too
             ok = False
         if (
@@ -758,13 +808,14 @@ def _prove_derived(
         for q in probed:
             params[q].requires_grad_(False)
             params[q].data = learned.stand_in(q, originals[q], probe.dtype)
+        swapped = {q: params[q].data for q in probed}
         try:
             order = reversed(list(derived))  # the real values go in checkpoint order (_take_derived)
             load([(n, probe[offsets[n] : offsets[n] + _numel(spec[n][1])].view(spec[n][1])) for n in order])
         except Exception as exc:  # noqa: BLE001 - probed one by one instead
             return f"the loader refused the layer's probes together ({type(exc).__name__}: {exc})"
-        if _restore_identity(model, params):
-            return "the loader replaced a parameter object"
+        if _restore_identity(model, params, swapped):
+            return _REPLACED
         expected: dict[str, int] = {}
         for n, rs in derived.items():
             for r in rs:
@@ -986,6 +1037,8 @@ def _probe_group(
     """Probe a group's checkpoint tensors one at a time, then check the group with real values
     (:func:`_draw_real_values`); returns those values, their digests and whether the probes went in two int16
     passes (:func:`_probe_split`: a group whose largest tensor has :data:`SPLIT_AT_ENV` elements or more)."""
+    from ..vocab import DTYPES
+
     originals = {q: params[q].data for q in probed}
     grads = {q: params[q].requires_grad for q in probed}
     biggest = max([params[q].numel() for q in probed] + [_numel(spec[n][1]) for n in names], default=0)
@@ -1007,6 +1060,15 @@ def _probe_group(
                 continue
             why = next((w for w in (untrusted(r.param) for r in found) if w), None) or next(
                 (f"{r.param} is not contiguous in memory" for r in found if not originals[r.param].is_contiguous()),
+                None,
+            )
+            dtype = DTYPES[spec[name][0]]
+            why = why or next(  # the engine decodes against its parameters' bits: they must be the checkpoint's
+                (
+                    f"{r.param} holds {originals[r.param].dtype}, not {dtype}"
+                    for r in found
+                    if originals[r.param].dtype != dtype
+                ),
                 None,
             )
             if not found:
@@ -1032,17 +1094,22 @@ class _Refused(Exception):
     """Why a checkpoint tensor cannot be probed: it is left out of the map (its modules are reloaded instead)."""
 
 
+_REPLACED = "the loader replaced a parameter object (re-registered it) or its data (param.data = ...)"
+
+
 def _load_probe(
     model: torch.nn.Module,
     params: Mapping[str, torch.nn.Parameter],
+    probed: list[str],
     load: Callable[[Iterable[tuple[str, torch.Tensor]]], Any],
     name: str,
     probe: torch.Tensor,
 ) -> None:
+    swapped = {q: params[q].data for q in probed}
     try:
         load([(name, probe)])
-        if _restore_identity(model, params):
-            raise ValueError("the loader replaced a parameter object (re-registered it)")
+        if _restore_identity(model, params, swapped):
+            raise ValueError(_REPLACED)
     except Exception as exc:  # noqa: BLE001 - this tensor cannot be probed: it is reloaded instead
         raise _Refused(f"{type(exc).__name__}: {exc}"[:200]) from None
 
@@ -1064,7 +1131,7 @@ def _probe_whole(
     """
     numel = _numel(shape)
     probe = _arange(numel, torch.int64 if numel >= 2**31 - 1 else itype)
-    _load_probe(model, params, load, name, probe.view(shape))
+    _load_probe(model, params, probed, load, name, probe.view(shape))
     found = []
     try:
         for q in probed:
@@ -1134,18 +1201,18 @@ def _probe_split(
     """
     numel = _numel(shape)
     low = _split_probe(numel, high=False)
-    _load_probe(model, params, load, name, low.view(shape))
+    _load_probe(model, params, probed, load, name, low.view(shape))
     lows: dict[str, list[int | torch.Tensor | None]] = {}
     for q in probed:
         flat = params[q].data.view(-1)
         if int(torch.count_nonzero(flat)):
             lows[q] = [_low_chunk(flat[lo : lo + _CHUNK], numel, low) for lo in range(0, flat.numel(), _CHUNK)]
             flat.zero_()
-    # a new tensor for the second pass: a loader that kept the first (or a cache keyed by its storage) never sees
-    # the same memory again
+    # a new tensor for the second pass: a loader that kept the first never sees it change. (It often gets the freed
+    # first one's memory: a loader that caches by storage address replays the low pass, and the scan refuses.)
     del low
     high = _split_probe(numel, high=True)
-    _load_probe(model, params, load, name, high.view(shape))
+    _load_probe(model, params, probed, load, name, high.view(shape))
     found = []
     try:
         for q in probed:

@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from deltasync.format import TensorDelta
+from deltasync.vllm import patch_map
 from deltasync.vllm.patch_map import PatchMap, Scatter, build_map
 from tests.unit.test_attacks_patch_map import Spec, _map_and_rewrite, _weights
 
@@ -224,7 +225,10 @@ def test_r7_a_loader_canonicalising_nans_is_unseen_because_the_only_edge_nan_is_
     "a transform confined to one short row sees only a few of them; no finite set of check values covers every "
     "transform a loader could confine to a region",
 )
-def test_r7_a_transform_confined_to_a_region_without_edge_values_is_unseen() -> None:
+def test_r7_a_transform_confined_to_a_region_without_edge_values_is_unseen(monkeypatch: pytest.MonkeyPatch) -> None:
+    # the real values' seed is new for each build since round 8: this one places no edge value where the loader
+    # clamps (with a new seed, the loader is caught in most builds, not all)
+    monkeypatch.setattr(patch_map, "_seed", lambda: 20260)
     # HOLE (narrowed, still open): the edge values (NaN, inf, max, 1e6, ...) sit at 44 positions, ``numel // 44`` apart (7 for an 8x16
     # tensor: positions 0..301 of 128 elements wrap, but for larger tensors whole rows have none). A loader that
     # clamps only the last row of ``b`` sees only random values there and passes; an update with 1e6 in that row

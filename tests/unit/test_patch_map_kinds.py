@@ -155,11 +155,23 @@ def test_a_stray_write_into_a_part_no_run_covers_still_sends_the_layer_to_probin
     assert differ == [] or differ == ["P:layers.3.down"], differ
 
 
-def test_real_values_of_a_large_tensor_are_one_block_tiled() -> None:
+def test_real_values_of_a_large_tensor_are_one_block_tiled_each_tile_rotated() -> None:
+    """One block drawn, tiled with each tile rotated at random: the elements one block apart hold different
+    values (a loader swapping them on integer input only would otherwise be unseen: adversarial review, round 8)."""
     block = patch_map._REAL_BLOCK
     for dtype in (torch.bfloat16, torch.float32):
         small = patch_map._real_values((block,), dtype, torch.Generator().manual_seed(5))
         large = patch_map._real_values((3, block - 1), dtype, torch.Generator().manual_seed(5))
         assert large.shape == (3, block - 1) and large.dtype == dtype and large.is_contiguous()
-        expected = small.repeat(3)[: 3 * (block - 1)].view(torch.int16 if dtype == torch.bfloat16 else torch.int32)
-        assert torch.equal(large.reshape(-1).view(expected.dtype), expected)
+        bits = patch_map._bits(small)
+        flat = patch_map._bits(large.reshape(-1))
+        shifts = []
+        twice = torch.cat([bits, bits])  # every rotation of the block is a window of it
+        for lo in range(0, flat.numel(), block):
+            tile = flat[lo : lo + block]
+            starts = torch.nonzero(bits == tile[0]).squeeze(1).tolist()  # candidates, then their first 64, then all
+            starts = [s for s in starts if torch.equal(twice[s : s + 64], tile[:64])]
+            shifts += [s for s in starts if torch.equal(twice[s : s + tile.numel()], tile)][:1]
+        assert len(shifts) == 3 and len(set(shifts)) == 3, shifts  # rotations of the block, each its own
+        same = flat[: 2 * block - 2 - block] == flat[block : 2 * block - 2]
+        assert float(same.double().mean()) < 0.05  # one block apart: equal only where the random values are
