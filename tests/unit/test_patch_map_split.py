@@ -92,6 +92,14 @@ def _runs(pm: patch_map.PatchMap) -> dict[str, list[tuple[str, list[int], list[i
     }
 
 
+@pytest.fixture(autouse=True)
+def _fixed_real_values(monkeypatch: pytest.MonkeyPatch) -> None:
+    """One seed for the real values (new for each build otherwise): a loader here that swaps two elements in one
+    pass is caught by the real values unless the two happen to be equal (~1/600 a pair); with this seed they are
+    not, in every case below."""
+    monkeypatch.setattr(patch_map, "_seed", lambda: 7)
+
+
 @pytest.mark.parametrize("period", [9, 13, 32767])  # 9: 81 indices, the largest tensor has 78
 @pytest.mark.parametrize("chunk", [1, 4, 7, 1 << 22])
 def test_split_probes_learn_the_same_map_as_one_int32_pass(
