@@ -617,10 +617,8 @@ def _verify_group(
             params[q].data = scratch[q]
         else:
             params[q].data = _zeros(data.shape, data.dtype, data.device)
-    swapped = {q: params[q].data for q in originals}
     try:
-        load([(n, values[n]) for n in group_runs])
-        if _restore_identity(model, params, swapped):
+        if _load_swapped(model, params, originals, load, [(n, values[n]) for n in group_runs]):
             raise ValueError(_REPLACED)
     except Exception as exc:  # noqa: BLE001 - the probes loaded one by one; together they do not: map nothing
         for n in group_runs:
@@ -694,10 +692,8 @@ def _load_alone(
     for n, rs in group_runs.items():
         for q in originals:
             params[q].data.zero_()
-        swapped = {q: params[q].data for q in originals}
         try:
-            load([(n, values[n])])
-            ok = not _restore_identity(model, params, swapped)
+            ok = not _load_swapped(model, params, originals, load, [(n, values[n])])
         except Exception:  # noqa: BLE001 - it loaded with the group: alone it must too
             ok = False
         if (
@@ -808,13 +804,13 @@ def _prove_derived(
         for q in probed:
             params[q].requires_grad_(False)
             params[q].data = learned.stand_in(q, originals[q], probe.dtype)
-        swapped = {q: params[q].data for q in probed}
+        order = reversed(list(derived))  # the real values go in checkpoint order (_take_derived)
+        weights = [(n, probe[offsets[n] : offsets[n] + _numel(spec[n][1])].view(spec[n][1])) for n in order]
         try:
-            order = reversed(list(derived))  # the real values go in checkpoint order (_take_derived)
-            load([(n, probe[offsets[n] : offsets[n] + _numel(spec[n][1])].view(spec[n][1])) for n in order])
+            replaced = _load_swapped(model, params, probed, load, weights)
         except Exception as exc:  # noqa: BLE001 - probed one by one instead
             return f"the loader refused the layer's probes together ({type(exc).__name__}: {exc})"
-        if _restore_identity(model, params, swapped):
+        if replaced:
             return _REPLACED
         expected: dict[str, int] = {}
         for n, rs in derived.items():
@@ -1097,6 +1093,20 @@ class _Refused(Exception):
 _REPLACED = "the loader replaced a parameter object (re-registered it) or its data (param.data = ...)"
 
 
+def _load_swapped(
+    model: torch.nn.Module,
+    params: Mapping[str, torch.nn.Parameter],
+    swapped: Iterable[str],
+    load: Callable[[Iterable[tuple[str, torch.Tensor]]], Any],
+    weights: list[tuple[str, torch.Tensor]],
+) -> bool:
+    """``load(weights)`` while the parameters named in ``swapped`` hold stand-ins; whether the loader replaced a
+    parameter object or a stand-in (:func:`_restore_identity` puts both back). The loader's errors propagate."""
+    stand_ins = {q: params[q].data for q in swapped}
+    load(weights)
+    return bool(_restore_identity(model, params, stand_ins))
+
+
 def _load_probe(
     model: torch.nn.Module,
     params: Mapping[str, torch.nn.Parameter],
@@ -1105,10 +1115,8 @@ def _load_probe(
     name: str,
     probe: torch.Tensor,
 ) -> None:
-    swapped = {q: params[q].data for q in probed}
     try:
-        load([(name, probe)])
-        if _restore_identity(model, params, swapped):
+        if _load_swapped(model, params, probed, load, [(name, probe)]):
             raise ValueError(_REPLACED)
     except Exception as exc:  # noqa: BLE001 - this tensor cannot be probed: it is reloaded instead
         raise _Refused(f"{type(exc).__name__}: {exc}"[:200]) from None
