@@ -9,11 +9,14 @@ import numpy as np
 import numpy.typing as npt
 import zstandard
 
+from ._kernels import kernels
+
 __all__ = [
     "MAX_ZSTD_RATIO",
     "decode_gaps",
     "encode_gaps",
     "from_ordinal",
+    "join_gaps",
     "join_planes",
     "planes_needed",
     "split_planes",
@@ -86,6 +89,20 @@ def decode_gaps(gaps: UIntArray) -> npt.NDArray[np.uint64]:
     return out
 
 
+def join_gaps(buf: bytes, n: int, planes: int) -> npt.NDArray[np.uint64]:
+    """``decode_gaps(join_planes(buf, n, planes, np.uint64))``: where numba is installed, one compiled pass that
+    joins each gap from its planes and adds it up as it goes (no joined copy read back three times)."""
+    compiled = kernels()
+    if compiled is None or not 0 < planes <= 8:
+        return decode_gaps(join_planes(buf, n, planes, np.uint64))
+    src = np.frombuffer(buf, dtype=np.uint8)
+    if src.size != n * planes:
+        raise ValueError(f"join_gaps: {src.size} bytes for {n} values of {planes} planes")
+    out = np.empty(n, dtype=np.uint64)
+    compiled.join_gaps(src, n, planes, out)
+    return out
+
+
 def to_ordinal(bits: IntArray) -> IntArray:
     """Map sign-magnitude float bit patterns (as signed ints) to integers in float order.
 
@@ -115,12 +132,34 @@ def zigzag_decode(z: UIntArray, signed: type[np.signedinteger]) -> IntArray:
     return out
 
 
+_COMPILED_UNDO = {(np.dtype(np.int16), np.dtype(np.uint32)), (np.dtype(np.int32), np.dtype(np.uint64))}
+"""(base, coded) dtypes the compiled undo takes: bf16/fp16 and fp32 values."""
+
+
 def undo_ordinal_delta(base_bits: IntArray, coded: UIntArray) -> IntArray | None:
     """The new bit patterns from the base's (``base_bits``, signed, the dtype's width) and the zigzagged ordinal
     differences (``coded``, unsigned, twice that width): ``from_ordinal(to_ordinal(base) + zigzag_decode(coded))``,
     computed in ``coded``'s own buffer (which the caller gives up) with one narrow and one wide temporary, where the
     composed functions make six (fresh pages cost more than the arithmetic here). ``None`` if a result falls outside
-    the dtype (a corrupt shard)."""
+    the dtype (a corrupt shard). Where numba is installed, one compiled pass (:mod:`deltasync._kernels`) writes the
+    result into a fresh array instead, and leaves ``coded`` as it was."""
+    if base_bits.size != coded.size:
+        raise ValueError(f"undo_ordinal_delta: {coded.size} coded values for {base_bits.size} base values")
+    compiled = kernels()
+    width = base_bits.dtype.itemsize * 8
+    if compiled is not None and (base_bits.dtype, coded.dtype) in _COMPILED_UNDO:
+        info = np.iinfo(base_bits.dtype)
+        result = np.empty(coded.size, dtype=base_bits.dtype)
+        bad = compiled.undo_ordinal(
+            np.ascontiguousarray(base_bits),
+            np.ascontiguousarray(coded),
+            result,
+            width - 1,
+            (1 << (width - 1)) - 1,
+            info.min,
+            info.max,
+        )
+        return None if bad >= 0 else result
     signed = np.dtype(f"i{coded.dtype.itemsize}")
     d: IntArray = coded.view(signed)
     sign = np.bitwise_and(coded, coded.dtype.type(1)).view(signed)
@@ -135,7 +174,6 @@ def undo_ordinal_delta(base_bits: IntArray, coded: UIntArray) -> IntArray | None
     if d.size and (int(d.min()) < info.min or int(d.max()) > info.max):
         return None
     out: IntArray = d.astype(base_bits.dtype)
-    width = out.dtype.itemsize * 8
     flip = np.right_shift(out, width - 1)  # from_ordinal, in place: one narrow temporary
     np.bitwise_and(flip, np.array((1 << (width - 1)) - 1, dtype=out.dtype), out=flip)
     np.bitwise_xor(out, flip, out=out)

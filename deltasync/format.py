@@ -497,7 +497,7 @@ def _decode_tensor(
             work = np.uint32 if info.numel <= 2**32 else np.uint64
             raw_gaps = _codec.zstd_decompress(st.entries[f"{t}:packed_indices"].data, n * info.index_planes)
             # joined straight into uint64 (the planes fit ``work``: the header checked them): one buffer
-            decoded = _codec.decode_gaps(_codec.join_planes(raw_gaps, n, info.index_planes, np.uint64))
+            decoded = _codec.join_gaps(raw_gaps, n, info.index_planes)
             # uint32 gaps (at most 2**32 of them) sum to less than 2**64: the uint64 result cannot wrap
             # and is strictly increasing by construction; uint64 gaps can wrap, so check them
             _check_indices(file, t, decoded, info.bounds, increasing=work is np.uint32)

@@ -27,7 +27,7 @@ Why it serves:
 * **Speed.** Per 65,536-word chunk the four lanes are one exact float64 matrix-vector product (each product
   is below ``2**36`` and a chunk's sum below ``2**52``), so a whole tensor costs about 2-3 x a memcpy.
 
-Pure: torch and numpy only.
+Pure: torch and numpy; where numba is installed, a change's sketch is one compiled pass (:mod:`deltasync._kernels`).
 """
 
 from __future__ import annotations
@@ -37,6 +37,8 @@ from collections.abc import Iterable
 
 import numpy as np
 import torch
+
+from ._kernels import kernels
 
 __all__ = [
     "LANES",
@@ -194,11 +196,6 @@ def _weighted(words: np.ndarray, idx: torch.Tensor, *, increasing: bool = False)
             lanes = (words.astype(np.int64)[:, None] * weights).sum(0)
         return _lanes(lanes.tolist())
     rows = np.bincount(np.bitwise_and(at, _CHUNK - 1), weights=words, minlength=_CHUNK)
-    with np.errstate(over="ignore"):  # int64: wraps mod 2**64, as the lanes do
-        if -_ROWS_F64 < rows.min() and rows.max() < _ROWS_F64:  # float64 is exact: one BLAS product, ~5x
-            by_rows = (_W_NP_T_F64 @ rows).astype(np.int64)
-        else:
-            by_rows = rows.astype(np.int64) @ _W_NP
     first, last = int(at[0]) >> _CHUNK_BITS, int(at[-1]) >> _CHUNK_BITS
     # sorted (a delta's indices are): no per-element chunk
     if increasing or at.size < 2 or bool((idx[1:] > idx[:-1]).all()):
@@ -214,10 +211,42 @@ def _weighted(words: np.ndarray, idx: torch.Tensor, *, increasing: bool = False)
         chunks = np.right_shift(at, _CHUNK_BITS)
         first = int(chunks.min())
         per_chunk = np.bincount(chunks - first, weights=words).astype(np.int64)
-    table = _v_span(first, first + per_chunk.size)
+    return _sum_rows(rows, per_chunk, first)
+
+
+def _sum_rows(rows: np.ndarray, per_chunk: np.ndarray, first: int) -> Sketch:
+    """The lanes from the word sums per weight row (``2**16``, float64 or int64) and per chunk (int64, the first
+    one chunk ``first``): two small exact products."""
     with np.errstate(over="ignore"):  # int64: wraps mod 2**64, as the lanes do
-        lanes = by_rows + per_chunk @ table
+        if -_ROWS_F64 < rows.min() and rows.max() < _ROWS_F64:  # float64 is exact: one BLAS product, ~5x
+            by_rows = (_W_NP_T_F64 @ rows.astype(np.float64, copy=False)).astype(np.int64)
+        else:
+            by_rows = rows.astype(np.int64) @ _W_NP
+        lanes = by_rows + per_chunk @ _v_span(first, first + per_chunk.size)
     return _lanes(lanes.tolist())
+
+
+def _change_compiled(new: np.ndarray, old: np.ndarray, at: np.ndarray, increasing: bool) -> Sketch | None:
+    """:func:`sketch_change` of 16-bit words in one compiled pass (:mod:`deltasync._kernels`), with no temporary
+    per element: below 2**16 words each difference times its word's four weights, added up as it is read (int64,
+    wrapping mod 2**64 as the lanes do); above, the differences summed per weight row and per chunk, then two
+    small products as :func:`_weighted` makes. ``None`` without numba."""
+    compiled = kernels()
+    if compiled is None:
+        return None
+    for trusted in (increasing, False):  # a caller wrong about ``increasing`` gets the chunks of min and max
+        first, last = (int(at[0]), int(at[-1])) if trusted else (int(at.min()), int(at.max()))
+        first, last = first >> _CHUNK_BITS, last >> _CHUNK_BITS
+        if at.size < _CHUNK:  # each word's weights read where they are: no 2**16-row histogram to clear and sum
+            lanes = np.zeros(LANES, dtype=np.int64)
+            if compiled.change_lanes(at, new, old, _W_NP, _v_span(first, last + 1), first, lanes) < 0:
+                return _lanes(lanes.tolist())
+        else:  # per row and per chunk, then two small products (a histogram in cache beats the weights' table)
+            rows = np.zeros(_CHUNK, dtype=np.int64)
+            per_chunk = np.zeros(last - first + 1, dtype=np.int64)
+            if compiled.change_rows(at, new, old, rows, per_chunk, first) < 0:
+                return _sum_rows(rows, per_chunk, first)
+    raise AssertionError("sketch_change: a word's chunk fell outside the chunks of its indices' min and max")
 
 
 def sketch_at(values: torch.Tensor, indices: torch.Tensor) -> Sketch:
@@ -244,6 +273,11 @@ def sketch_change(new: torch.Tensor, old: torch.Tensor, indices: torch.Tensor, *
             f"{indices.numel()} indices"
         )
     per = new.element_size() // 2
+    if per == 1 and indices.numel():
+        at = indices.detach().reshape(-1).to(device="cpu", dtype=torch.int64).contiguous().numpy()
+        done = _change_compiled(_words(new).numpy(), _words(old).numpy(), at, increasing)
+        if done is not None:
+            return done
     # the differences straight into float64 (exact: |new - old| < 2**16), the histograms' own type: one pass
     diff = np.subtract(_words(new).numpy(), _words(old).numpy(), dtype=np.float64)
     return _weighted(diff, _word_indices(indices, per), increasing=increasing)

@@ -22,6 +22,7 @@ from vllm.distributed.weight_transfer.base import (
 
 from .. import apply
 from .._heap import keep_scratch
+from .._kernels import warm as warm_kernels
 from ..errors import ApplyError, RefusalReason
 from ..format import TensorDelta
 from ..manifest import AdapterEntry, DeltaManifest, model_fingerprint
@@ -162,6 +163,9 @@ class EngineBase(WeightTransferEngine[DeltaSyncInitInfo, DeltaSyncUpdateInfo]):
         self._base_fingerprint: str | None = None
         self.keeps_scratch = keep_scratch()
         """Whether this worker's malloc keeps an update's freed scratch memory for the next (:mod:`deltasync._heap`)."""
+        self.kernels = "numba" if warm_kernels() else "numpy"
+        """What decodes and proves an update before the pause: deltasync's compiled loops (compiled or loaded here,
+        at the start, not in the first update) or the numpy code (:mod:`deltasync._kernels`)."""
         if os.environ.get(MAP_AT_START_ENV, "1") != "0" and vllm_config.lora_config is None:
             self._map_at_start()
 
@@ -457,6 +461,7 @@ class EngineBase(WeightTransferEngine[DeltaSyncInitInfo, DeltaSyncUpdateInfo]):
             "allow_rollback": self.allow_rollback,
             "outcome": dict(self.outcome),
             "map": None if self._map is None else self._map.summary(),
+            "kernels": self.kernels,
             "map_error": self._map_failed,
             "decodes": self.decodes(),
             "adapter": None

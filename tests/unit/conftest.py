@@ -68,3 +68,15 @@ def probe_passes(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
     if request.param == "int16-halves-short":
         monkeypatch.setattr(patch_map, "_PERIOD", 61)
     return str(request.param)
+
+
+@pytest.fixture(params=["numba", "numpy"])
+def kernel_modes(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """A codec or sketch test twice: with deltasync's compiled loops (numba, which vLLM installs) and with the
+    numpy code they replace (``DELTASYNC_KERNELS=numpy``, what a host without numba runs)."""
+    from deltasync import _kernels
+
+    monkeypatch.setenv(_kernels.KERNELS_ENV, str(request.param))
+    if request.param == "numba" and _kernels.kernels() is None:
+        pytest.fail("numba is not importable here, so the compiled loops go untested: `make venv` installs it")
+    return str(request.param)

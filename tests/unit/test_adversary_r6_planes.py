@@ -11,6 +11,8 @@ import torch
 from deltasync import FormatError, TensorDelta, _codec, decode_shard, encode_shard, tensor_checksum
 from deltasync import format as fmt
 
+pytestmark = pytest.mark.usefixtures("kernel_modes")  # the compiled loops and the numpy code alike
+
 _U = [np.uint8, np.uint16, np.uint32, np.uint64]
 
 

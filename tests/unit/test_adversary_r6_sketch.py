@@ -16,6 +16,8 @@ import torch
 import deltasync.sketch as S
 from deltasync.sketch import add_sketches, sketch_at, sketch_change, sketch_range, sub_sketches
 
+pytestmark = pytest.mark.usefixtures("kernel_modes")  # the compiled loops and the numpy code alike
+
 _M = np.uint64
 
 

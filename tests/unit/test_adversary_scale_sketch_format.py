@@ -23,6 +23,8 @@ from deltasync.reader import decode_object
 from deltasync.sketch import add_sketches, sketch_at, sketch_change, sketch_range, sub_sketches
 from tests.conftest import assert_bit_equal
 
+pytestmark = pytest.mark.usefixtures("kernel_modes")  # the compiled loops and the numpy code alike
+
 _M64 = (1 << 64) - 1
 _CHUNK = 1 << 16
 

@@ -8,6 +8,8 @@ from hypothesis import strategies as st
 
 from deltasync import _codec
 
+pytestmark = pytest.mark.usefixtures("kernel_modes")  # the compiled loops and the numpy code alike
+
 
 def test_ordinal_is_a_monotonic_bijection_over_all_bf16_patterns() -> None:
     bits = np.arange(-(2**15), 2**15, dtype=np.int64).astype(np.int16)

@@ -19,6 +19,8 @@ from deltasync.sketch import (
     tensor_sketch,
 )
 
+pytestmark = pytest.mark.usefixtures("kernel_modes")  # the compiled loops and the numpy code alike
+
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
 _M64 = (1 << 64) - 1
 

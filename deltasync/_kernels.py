@@ -1,0 +1,167 @@
+"""Compiled loops for the engine's work before the pause, where numba is installed (vLLM depends on it).
+
+In numpy, the ordinal undo of a packed delta is about a dozen whole-array passes over the changed elements (the
+zigzag, the ordinal maps, the range check, the cast), the gap decode three more after the planes are joined, and
+the sketch of a change a float64 difference, a weighted histogram over 2**16 rows and a run sum; each pass writes
+and reads back a temporary. Each loop here does one of those jobs in one pass over its inputs, in integers, with
+the same results bit for bit (``tests/unit/test_kernels.py`` checks them against the numpy code on random and edge
+inputs; the codec and sketch tests run both ways).
+
+The loops are optional. Without numba, or with ``DELTASYNC_KERNELS=numpy``, :func:`kernels` is ``None`` and the
+callers run their numpy code. They are compiled on first use, with numba's on-disk cache (the engine warms them
+at its start, :func:`warm`), and release the GIL, so the decoder's threads can run them side by side.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from collections.abc import Callable
+from types import SimpleNamespace
+from typing import Any, cast
+
+import numpy as np
+
+Arr = np.ndarray[Any, Any]
+
+__all__ = ["KERNELS_ENV", "kernels", "warm"]
+
+logger = logging.getLogger(__name__)
+
+KERNELS_ENV = "DELTASYNC_KERNELS"
+"""``numpy`` runs the numpy code even where numba is installed; anything else (or unset) uses numba if it is."""
+
+_LOCK = threading.Lock()
+_LOADED: dict[str, Any] = {}
+
+
+def kernels() -> SimpleNamespace | None:
+    """The compiled loops (``undo_ordinal``, ``change_lanes``, ``change_rows``, ``join_gaps``), or ``None`` where
+    numba is missing or turned off. The first call imports numba and compiles or loads the loops (~0.5-1.5 s);
+    later calls cost a lookup."""
+    if os.environ.get(KERNELS_ENV, "").strip().lower() == "numpy":
+        return None
+    loaded = _LOADED.get("k", False)
+    if loaded is not False:
+        return loaded  # type: ignore[no-any-return]
+    with _LOCK:
+        if "k" not in _LOADED:
+            _LOADED["k"] = _compile()
+        return _LOADED["k"]  # type: ignore[no-any-return]
+
+
+def warm() -> bool:
+    """Compile (or load) the loops now, where a start can wait for them rather than the first update: whether they
+    are in use."""
+    return kernels() is not None
+
+
+def _compile() -> SimpleNamespace | None:
+    try:
+        import numba  # type: ignore[import-untyped]
+    except ImportError:
+        return None
+    try:
+        return _build(numba)
+    except Exception as exc:  # an incompatible numba (or numpy) must not take the engine down: numpy does the work
+        logger.warning("deltasync: numba %s cannot compile deltasync's loops (%s); using numpy", numba.__version__, exc)
+        return None
+
+
+def _build(numba: Any) -> SimpleNamespace:
+    njit = cast(Callable[..., Callable[[Callable[..., Any]], Any]], numba.njit)
+    opts = {"cache": True, "nogil": True, "boundscheck": False, "error_model": "numpy"}
+    top63 = np.int64(0x7FFFFFFFFFFFFFFF)
+
+    @njit(
+        [
+            "int64(int16[::1], uint32[::1], int16[::1], int64, int64, int64, int64)",
+            "int64(int32[::1], uint64[::1], int32[::1], int64, int64, int64, int64)",
+        ],
+        **opts,
+    )
+    def undo_ordinal(
+        base: Arr, coded: Arr, out: Arr, width_shift: int, magnitude: int, low: int, high: int
+    ) -> int:  # pragma: no cover - compiled
+        # out[i] = from_ordinal(to_ordinal(base[i]) + zigzag_decode(coded[i])); the index of the first result
+        # outside [low, high] (a corrupt shard), or -1
+        for i in range(coded.size):
+            b = np.int64(base[i])
+            ordinal = b ^ ((b >> width_shift) & magnitude)
+            c = np.int64(coded[i])  # uint64 reinterpreted: two's complement, the shift below is made logical
+            o = ordinal + (((c >> 1) & top63) ^ -(c & 1))  # wraps as numpy's int64 does
+            if o < low or o > high:
+                return i
+            out[i] = o ^ ((o >> width_shift) & magnitude)
+        return -1
+
+    @njit(
+        ["int64(int64[::1], uint16[::1], uint16[::1], int64[:, ::1], int64[:, ::1], int64, int64[::1])"],
+        **opts,
+    )
+    def change_lanes(
+        at: Arr, new: Arr, old: Arr, rows: Arr, chunks: Arr, first: int, lanes: Arr
+    ) -> int:  # pragma: no cover - compiled
+        # lanes[k] += (new[i] - old[i]) * (rows[at[i] mod 2**16, k] + chunks[at[i] // 2**16 - first, k]), mod 2**64
+        # (the words' weights); the index of the first word whose chunk falls outside ``chunks`` (nothing added
+        # for it or after it), or -1
+        a0 = lanes[0]
+        a1 = lanes[1]
+        a2 = lanes[2]
+        a3 = lanes[3]
+        bad = -1
+        for i in range(at.size):
+            j = at[i]
+            k = (j >> 16) - first
+            if k < 0 or k >= chunks.shape[0]:
+                bad = i
+                break
+            r = j & 0xFFFF
+            diff = np.int64(new[i]) - np.int64(old[i])
+            a0 += diff * (rows[r, 0] + chunks[k, 0])
+            a1 += diff * (rows[r, 1] + chunks[k, 1])
+            a2 += diff * (rows[r, 2] + chunks[k, 2])
+            a3 += diff * (rows[r, 3] + chunks[k, 3])
+        lanes[0] = a0
+        lanes[1] = a1
+        lanes[2] = a2
+        lanes[3] = a3
+        return bad
+
+    @njit(["int64(int64[::1], uint16[::1], uint16[::1], int64[::1], int64[::1], int64)"], **opts)
+    def change_rows(
+        at: Arr, new: Arr, old: Arr, rows: Arr, chunks: Arr, first: int
+    ) -> int:  # pragma: no cover - compiled
+        # the word differences new - old summed per weight row (at mod 2**16) and per chunk (at // 2**16 - first):
+        # a 512 KiB histogram stays in cache where the weights (2 MiB) do not; the index of the first word whose
+        # chunk falls outside ``chunks`` (nothing added for it or after it), or -1
+        for i in range(at.size):
+            j = at[i]
+            k = (j >> 16) - first
+            if k < 0 or k >= chunks.size:
+                return i
+            diff = np.int64(new[i]) - np.int64(old[i])
+            rows[j & 0xFFFF] += diff
+            chunks[k] += diff
+        return -1
+
+    t = numba.types
+    u8, u64 = t.Array(t.uint8, 1, "C"), t.Array(t.uint64, 1, "C")
+    u8_readonly = t.Array(t.uint8, 1, "C", readonly=True)  # np.frombuffer of bytes, as a shard's are decompressed
+
+    @njit([t.void(planes, t.int64, t.int64, u64) for planes in (u8, u8_readonly)], **opts)
+    def join_gaps(planes: Arr, n: int, count: int, out: Arr) -> None:  # pragma: no cover - compiled
+        # out[i] = sum(gap[0..i] + 1) - 1, the gaps joined from ``count`` byte planes of ``n`` bytes each (low
+        # plane first) as they are read: uint64, as numpy's cumsum of the joined gaps
+        acc = np.uint64(0)
+        for i in range(n):
+            gap = np.uint64(0)
+            for k in range(count - 1, -1, -1):
+                gap = (gap << np.uint64(8)) | np.uint64(planes[k * n + i])
+            acc += gap + np.uint64(1)
+            out[i] = acc - np.uint64(1)
+
+    return SimpleNamespace(
+        undo_ordinal=undo_ordinal, change_lanes=change_lanes, change_rows=change_rows, join_gaps=join_gaps
+    )
