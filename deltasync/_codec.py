@@ -180,6 +180,29 @@ def undo_ordinal_delta(base_bits: IntArray, coded: UIntArray) -> IntArray | None
     return out
 
 
+def undo_ordinal_planes(
+    base_bits: IntArray, buf: bytes, n: int, planes: int, unsigned: type[np.unsignedinteger[Any]]
+) -> IntArray | None:
+    """``undo_ordinal_delta(base_bits, join_planes(buf, n, planes, unsigned))``: where numba is installed, one
+    compiled pass that joins each coded value from its planes as it undoes it (no joined copy)."""
+    if base_bits.size != n:
+        raise ValueError(f"undo_ordinal_planes: {n} coded values for {base_bits.size} base values")
+    compiled = kernels()
+    coded = np.dtype(unsigned)
+    if compiled is None or not 0 < planes <= coded.itemsize or (base_bits.dtype, coded) not in _COMPILED_UNDO:
+        return undo_ordinal_delta(base_bits, join_planes(buf, n, planes, unsigned))
+    src = np.frombuffer(buf, dtype=np.uint8)
+    if src.size != n * planes:
+        raise ValueError(f"undo_ordinal_planes: {src.size} bytes for {n} values of {planes} planes")
+    width = base_bits.dtype.itemsize * 8
+    info = np.iinfo(base_bits.dtype)
+    result = np.empty(n, dtype=base_bits.dtype)
+    bad = compiled.undo_planes(
+        np.ascontiguousarray(base_bits), src, n, planes, result, width - 1, (1 << (width - 1)) - 1, info.min, info.max
+    )
+    return None if bad >= 0 else result
+
+
 def zstd_compress(data: bytes, level: int) -> bytes:
     """One zstd frame with its content size recorded."""
     return zstandard.ZstdCompressor(level=level, write_content_size=True).compress(data)

@@ -37,9 +37,9 @@ _LOADED: dict[str, Any] = {}
 
 
 def kernels() -> SimpleNamespace | None:
-    """The compiled loops (``undo_ordinal``, ``change_lanes``, ``change_rows``, ``join_gaps``), or ``None`` where
-    numba is missing or turned off. The first call imports numba and compiles or loads the loops (~0.5-1.5 s);
-    later calls cost a lookup."""
+    """The compiled loops (``undo_ordinal``, ``undo_planes``, ``change_lanes``, ``change_rows``, ``join_gaps``),
+    or ``None`` where numba is missing or turned off. The first call imports numba and compiles or loads the loops
+    (~0.5-1.5 s); later calls cost a lookup."""
     if os.environ.get(KERNELS_ENV, "").strip().lower() == "numpy":
         return None
     loaded = _LOADED.get("k", False)
@@ -162,6 +162,43 @@ def _build(numba: Any) -> SimpleNamespace:
             acc += gap + np.uint64(1)
             out[i] = acc - np.uint64(1)
 
+    i16, i32 = t.Array(t.int16, 1, "C"), t.Array(t.int32, 1, "C")
+    undo_signatures = [
+        t.int64(narrow, planes, t.int64, t.int64, narrow, t.int64, t.int64, t.int64, t.int64)
+        for narrow in (i16, i32)
+        for planes in (u8, u8_readonly)
+    ]
+
+    @njit(undo_signatures, **opts)
+    def undo_planes(
+        base: Arr,
+        planes: Arr,
+        n: int,
+        count: int,
+        out: Arr,
+        width_shift: int,
+        magnitude: int,
+        low: int,
+        high: int,
+    ) -> int:  # pragma: no cover - compiled
+        # undo_ordinal of the coded values as they are joined from ``count`` byte planes of ``n`` bytes each (low
+        # plane first): no joined copy of them
+        for i in range(n):
+            c = np.int64(0)
+            for k in range(count - 1, -1, -1):
+                c = (c << 8) | np.int64(planes[k * n + i])  # 8 planes: the uint64's bits, as undo_ordinal reads them
+            b = np.int64(base[i])
+            ordinal = b ^ ((b >> width_shift) & magnitude)
+            o = ordinal + (((c >> 1) & top63) ^ -(c & 1))
+            if o < low or o > high:
+                return i
+            out[i] = o ^ ((o >> width_shift) & magnitude)
+        return -1
+
     return SimpleNamespace(
-        undo_ordinal=undo_ordinal, change_lanes=change_lanes, change_rows=change_rows, join_gaps=join_gaps
+        undo_ordinal=undo_ordinal,
+        undo_planes=undo_planes,
+        change_lanes=change_lanes,
+        change_rows=change_rows,
+        join_gaps=join_gaps,
     )

@@ -507,9 +507,7 @@ def _decode_tensor(
             unsigned_bits = np.uint16 if ibits is np.int16 else np.uint32
             bits = _codec.join_planes(raw_vals, n, info.value_planes, unsigned_bits).view(ibits)
         else:
-            _, unsigned = wide_dtypes(info.dtype)
-            coded = _codec.join_planes(raw_vals, n, info.value_planes, unsigned)
-            bits, held = _undo_ordinal_delta(file, t, info, coded, against, indices)
+            bits, held = _undo_ordinal_delta(file, t, info, raw_vals, against, indices)
     shape = info.shape if info.layout == "dense" and info.span is None else (n,)
     values = torch.from_numpy(bits).view(DTYPES[info.dtype]).reshape(shape)
     if has_nan(values):
@@ -534,12 +532,14 @@ def _undo_ordinal_delta(
     file: str,
     t: str,
     info: TensorInfo,
-    coded: np.ndarray,
+    raw_vals: bytes,
     against: _Base,
     indices: np.ndarray | None,
 ) -> tuple[np.ndarray, torch.Tensor | None]:
-    """The new bits, and which of them were decoded (``None``: all; a :class:`PartialBaseValues` reader decodes
-    only the elements it holds, and the others are +0.0)."""
+    """The new bits from the coded values' byte planes (``raw_vals``), and which of them were decoded (``None``:
+    all; a :class:`PartialBaseValues` reader decodes only the elements it holds, and the others are +0.0)."""
+    _, unsigned = wide_dtypes(info.dtype)
+    n, planes = info.nnz, info.value_planes
     held: torch.Tensor | None = None
     base = against.reader
     if base is not None:
@@ -556,12 +556,13 @@ def _undo_ordinal_delta(
         base_bits = _bits_of(read, info.dtype)
         if held is not None:
             keep = held.numpy()
+            coded = _codec.join_planes(raw_vals, n, planes, unsigned)
             part = _codec.undo_ordinal_delta(base_bits, coded[keep])  # boolean indexing: a copy, the caller's
             if part is None:
                 raise _bad(
                     file, f"tensor {t!r}: a coded value falls outside the {info.dtype} range; the shard is corrupt"
                 )
-            whole = np.zeros(coded.size, dtype=part.dtype)  # +0.0 where another rank decodes
+            whole = np.zeros(n, dtype=part.dtype)  # +0.0 where another rank decodes
             whole[keep] = part
             return whole, held
     else:
@@ -579,9 +580,9 @@ def _undo_ordinal_delta(
         # np.take: ~1.2x numpy's fancy indexing on a large tensor
         bounds = info.bounds
         base_bits = np.take(held_bits, indices) if indices is not None else held_bits[bounds[0] : bounds[1]]
-    if base_bits.size != coded.size:
-        raise _bad(file, f"tensor {t!r}: {coded.size} coded values for {base_bits.size} base values")
-    out = _codec.undo_ordinal_delta(base_bits, coded)  # in coded's buffer: join_planes made it for this call
+    if base_bits.size != n:
+        raise _bad(file, f"tensor {t!r}: {n} coded values for {base_bits.size} base values")
+    out = _codec.undo_ordinal_planes(base_bits, raw_vals, n, planes, unsigned)
     if out is None:
         raise _bad(file, f"tensor {t!r}: a coded value falls outside the {info.dtype} range; the shard is corrupt")
     return out, held

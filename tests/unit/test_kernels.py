@@ -31,7 +31,7 @@ def test_the_loops_are_compiled_here_and_off_on_request(monkeypatch: pytest.Monk
     """vLLM installs numba, so the loops run in every engine; ``DELTASYNC_KERNELS=numpy`` turns them off."""
     monkeypatch.delenv(_kernels.KERNELS_ENV, raising=False)
     assert _kernels.warm() and _kernels.kernels() is not None
-    for name in ("undo_ordinal", "change_lanes", "change_rows", "join_gaps"):
+    for name in ("undo_ordinal", "undo_planes", "change_lanes", "change_rows", "join_gaps"):
         assert callable(getattr(_kernels.kernels(), name))
     monkeypatch.setenv(_kernels.KERNELS_ENV, " NumPy ")
     assert _kernels.kernels() is None and not _kernels.warm()
@@ -201,3 +201,36 @@ def test_a_whole_tensor_moved_by_its_change_is_its_new_sketch() -> None:
     slipped = new_full[at].clone()
     slipped.view(torch.int16)[1234] += 1
     assert add_sketches(sketch_range(old_full), sketch_change(slipped, old_full[at], at, increasing=True)) != moved
+
+
+@pytest.mark.parametrize(("narrow", "wide"), [(np.int16, np.uint32), (np.int32, np.uint64)])
+@pytest.mark.parametrize("spread", [3, 300, 1 << 20, 1 << 40])
+def test_undo_from_planes_equals_numpy(narrow: type, wide: type, spread: int, numpy_only) -> None:
+    """The coded values joined from their planes as they are undone: numpy's result for every plane count that
+    holds them (the widest one too), from a read-only frame or a writable one, and the same refusals."""
+    rng = np.random.default_rng(spread % 1000)
+    info = np.iinfo(narrow)
+    base = rng.integers(info.min, info.max, size=30_000, endpoint=True, dtype=np.int64).astype(narrow)
+    coded = (
+        _coded(rng, base, wide, min(spread, 1 << 30))
+        if spread < 1 << 31
+        else rng.integers(0, np.iinfo(wide).max, size=base.size, dtype=wide, endpoint=True)
+    )
+    least = _codec.planes_needed(coded)
+    for planes in range(least, np.dtype(wide).itemsize + 1):
+        buf = _codec.split_planes(coded, planes)
+        with numpy_only():
+            want = _codec.undo_ordinal_planes(base, buf, base.size, planes, wide)
+        assert want is None or np.array_equal(want, _codec.undo_ordinal_delta(base, coded.copy()))
+        for given_buf in (buf, bytearray(buf)):
+            got = _codec.undo_ordinal_planes(base, given_buf, base.size, planes, wide)
+            assert (got is None) == (want is None), planes
+            if want is not None:
+                assert got is not None and got.dtype == want.dtype and np.array_equal(got, want)
+
+
+def test_undo_from_planes_refuses_mismatched_sizes() -> None:
+    with pytest.raises(ValueError, match="4 coded values for 3 base values"):
+        _codec.undo_ordinal_planes(np.zeros(3, dtype=np.int16), bytes(8), 4, 2, np.uint32)
+    with pytest.raises(ValueError, match="7 bytes for 3 values of 2 planes"):
+        _codec.undo_ordinal_planes(np.zeros(3, dtype=np.int16), bytes(7), 3, 2, np.uint32)
