@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import operator
 import sys
 from typing import Any
 
@@ -57,6 +58,7 @@ def join_planes(buf: bytes, n: int, planes: int, dtype: type[np.unsignedinteger[
     """Inverse of :func:`split_planes`: rebuild ``n`` unsigned values of ``dtype`` in one buffer, Horner's way: the
     top plane widened, then shifted by a byte and or-ed with the next plane down, in place (~5x a widened
     temporary per plane)."""
+    n, planes = _counts(n, planes)
     src = np.frombuffer(buf, dtype=np.uint8).reshape(planes, n)
     if not planes:
         return np.zeros(n, dtype=dtype)
@@ -89,9 +91,28 @@ def decode_gaps(gaps: UIntArray) -> npt.NDArray[np.uint64]:
     return out
 
 
+def _counts(n: int, planes: int) -> tuple[int, int]:
+    """A value count and a plane count as ints, neither negative (a float or a negative count is a caller's bug,
+    refused the same way by the compiled loops and the numpy code)."""
+    n, planes = operator.index(n), operator.index(planes)
+    if n < 0 or planes < 0:
+        raise ValueError(f"{n} values of {planes} byte planes: counts cannot be negative")
+    return n, planes
+
+
+def _native(a: np.ndarray) -> np.ndarray:
+    """``a`` as a writable, C-contiguous, native-endian array: itself where it is one, else a copy (the compiled
+    loops take only those, and the numpy undo writes into its coded values)."""
+    if not a.dtype.isnative:
+        return np.ascontiguousarray(a, dtype=a.dtype.newbyteorder("="))
+    out = np.ascontiguousarray(a)
+    return out if out.flags.writeable else out.copy()
+
+
 def join_gaps(buf: bytes, n: int, planes: int) -> npt.NDArray[np.uint64]:
     """``decode_gaps(join_planes(buf, n, planes, np.uint64))``: where numba is installed, one compiled pass that
     joins each gap from its planes and adds it up as it goes (no joined copy read back three times)."""
+    n, planes = _counts(n, planes)
     compiled = kernels()
     if compiled is None or not 0 < planes <= 8:
         return decode_gaps(join_planes(buf, n, planes, np.uint64))
@@ -145,14 +166,15 @@ def undo_ordinal_delta(base_bits: IntArray, coded: UIntArray) -> IntArray | None
     result into a fresh array instead, and leaves ``coded`` as it was."""
     if base_bits.size != coded.size:
         raise ValueError(f"undo_ordinal_delta: {coded.size} coded values for {base_bits.size} base values")
+    base_bits, coded = _native(base_bits), _native(coded)  # a copy only of a read-only, strided or foreign array
     compiled = kernels()
     width = base_bits.dtype.itemsize * 8
     if compiled is not None and (base_bits.dtype, coded.dtype) in _COMPILED_UNDO:
         info = np.iinfo(base_bits.dtype)
         result = np.empty(coded.size, dtype=base_bits.dtype)
         bad = compiled.undo_ordinal(
-            np.ascontiguousarray(base_bits),
-            np.ascontiguousarray(coded),
+            base_bits,
+            coded,
             result,
             width - 1,
             (1 << (width - 1)) - 1,
@@ -185,8 +207,10 @@ def undo_ordinal_planes(
 ) -> IntArray | None:
     """``undo_ordinal_delta(base_bits, join_planes(buf, n, planes, unsigned))``: where numba is installed, one
     compiled pass that joins each coded value from its planes as it undoes it (no joined copy)."""
+    n, planes = _counts(n, planes)
     if base_bits.size != n:
         raise ValueError(f"undo_ordinal_planes: {n} coded values for {base_bits.size} base values")
+    base_bits = _native(base_bits)
     compiled = kernels()
     coded = np.dtype(unsigned)
     if compiled is None or not 0 < planes <= coded.itemsize or (base_bits.dtype, coded) not in _COMPILED_UNDO:
@@ -197,9 +221,7 @@ def undo_ordinal_planes(
     width = base_bits.dtype.itemsize * 8
     info = np.iinfo(base_bits.dtype)
     result = np.empty(n, dtype=base_bits.dtype)
-    bad = compiled.undo_planes(
-        np.ascontiguousarray(base_bits), src, n, planes, result, width - 1, (1 << (width - 1)) - 1, info.min, info.max
-    )
+    bad = compiled.undo_planes(base_bits, src, n, planes, result, width - 1, (1 << (width - 1)) - 1, info.min, info.max)
     return None if bad >= 0 else result
 
 

@@ -188,6 +188,9 @@ def _weighted(words: np.ndarray, idx: torch.Tensor, *, increasing: bool = False)
     if idx.numel() == 0:
         return ZERO
     at = idx.numpy()
+    lowest = int(at[0]) if increasing else int(at.min())
+    if lowest < 0:
+        raise ValueError(f"a sketch's flat indices cannot be negative, got {lowest}")
     if at.size <= _DIRECT_MAX:  # few words: their weights gathered, not two histograms over a whole chunk's rows
         first = int(at.min()) >> _CHUNK_BITS
         chunks = np.right_shift(at, _CHUNK_BITS) - first
@@ -236,7 +239,13 @@ def _change_compiled(new: np.ndarray, old: np.ndarray, at: np.ndarray, increasin
         return None
     for trusted in (increasing, False):  # a caller wrong about ``increasing`` gets the chunks of min and max
         first, last = (int(at[0]), int(at[-1])) if trusted else (int(at.min()), int(at.max()))
+        if first < 0:
+            if trusted:
+                continue
+            raise ValueError(f"a sketch's flat indices cannot be negative, got {first}")
         first, last = first >> _CHUNK_BITS, last >> _CHUNK_BITS
+        if last < first:
+            continue  # ``increasing`` was wrong: the untrusted pass
         if at.size < _CHUNK:  # each word's weights read where they are: no 2**16-row histogram to clear and sum
             lanes = np.zeros(LANES, dtype=np.int64)
             if compiled.change_lanes(at, new, old, _W_NP, _v_span(first, last + 1), first, lanes) < 0:
