@@ -109,6 +109,23 @@ def _native(a: np.ndarray) -> np.ndarray:
     return out if out.flags.writeable else out.copy()
 
 
+def _plane_bytes(buf: bytes, n: int, planes: int, what: str) -> np.ndarray:
+    """``buf`` as the bytes of ``planes`` planes of ``n`` values each, what a compiled loop reads (sized here: the
+    loops do not check their bounds)."""
+    src = np.frombuffer(buf, dtype=np.uint8)
+    if src.size != n * planes:
+        raise ValueError(f"{what}: {src.size} bytes for {n} values of {planes} planes")
+    return src
+
+
+def _undo_constants(dtype: np.dtype) -> tuple[int, int, int, int]:
+    """What the compiled undo takes for a base of ``dtype``: the sign's shift, the magnitude's mask, and the
+    dtype's least and largest values."""
+    width = dtype.itemsize * 8
+    info = np.iinfo(dtype)
+    return width - 1, (1 << (width - 1)) - 1, int(info.min), int(info.max)
+
+
 def join_gaps(buf: bytes, n: int, planes: int) -> npt.NDArray[np.uint64]:
     """``decode_gaps(join_planes(buf, n, planes, np.uint64))``: where numba is installed, one compiled pass that
     joins each gap from its planes and adds it up as it goes (no joined copy read back three times)."""
@@ -116,9 +133,7 @@ def join_gaps(buf: bytes, n: int, planes: int) -> npt.NDArray[np.uint64]:
     compiled = kernels()
     if compiled is None or not 0 < planes <= 8:
         return decode_gaps(join_planes(buf, n, planes, np.uint64))
-    src = np.frombuffer(buf, dtype=np.uint8)
-    if src.size != n * planes:
-        raise ValueError(f"join_gaps: {src.size} bytes for {n} values of {planes} planes")
+    src = _plane_bytes(buf, n, planes, "join_gaps")  # sized before anything is allocated
     out = np.empty(n, dtype=np.uint64)
     compiled.join_gaps(src, n, planes, out)
     return out
@@ -168,19 +183,9 @@ def undo_ordinal_delta(base_bits: IntArray, coded: UIntArray) -> IntArray | None
         raise ValueError(f"undo_ordinal_delta: {coded.size} coded values for {base_bits.size} base values")
     base_bits, coded = _native(base_bits), _native(coded)  # a copy only of a read-only, strided or foreign array
     compiled = kernels()
-    width = base_bits.dtype.itemsize * 8
     if compiled is not None and (base_bits.dtype, coded.dtype) in _COMPILED_UNDO:
-        info = np.iinfo(base_bits.dtype)
         result = np.empty(coded.size, dtype=base_bits.dtype)
-        bad = compiled.undo_ordinal(
-            base_bits,
-            coded,
-            result,
-            width - 1,
-            (1 << (width - 1)) - 1,
-            info.min,
-            info.max,
-        )
+        bad = compiled.undo_ordinal(base_bits, coded, result, *_undo_constants(base_bits.dtype))
         return None if bad >= 0 else result
     signed = np.dtype(f"i{coded.dtype.itemsize}")
     d: IntArray = coded.view(signed)
@@ -196,6 +201,7 @@ def undo_ordinal_delta(base_bits: IntArray, coded: UIntArray) -> IntArray | None
     if d.size and (int(d.min()) < info.min or int(d.max()) > info.max):
         return None
     out: IntArray = d.astype(base_bits.dtype)
+    width = out.dtype.itemsize * 8
     flip = np.right_shift(out, width - 1)  # from_ordinal, in place: one narrow temporary
     np.bitwise_and(flip, np.array((1 << (width - 1)) - 1, dtype=out.dtype), out=flip)
     np.bitwise_xor(out, flip, out=out)
@@ -215,13 +221,9 @@ def undo_ordinal_planes(
     coded = np.dtype(unsigned)
     if compiled is None or not 0 < planes <= coded.itemsize or (base_bits.dtype, coded) not in _COMPILED_UNDO:
         return undo_ordinal_delta(base_bits, join_planes(buf, n, planes, unsigned))
-    src = np.frombuffer(buf, dtype=np.uint8)
-    if src.size != n * planes:
-        raise ValueError(f"undo_ordinal_planes: {src.size} bytes for {n} values of {planes} planes")
-    width = base_bits.dtype.itemsize * 8
-    info = np.iinfo(base_bits.dtype)
+    src = _plane_bytes(buf, n, planes, "undo_ordinal_planes")
     result = np.empty(n, dtype=base_bits.dtype)
-    bad = compiled.undo_planes(base_bits, src, n, planes, result, width - 1, (1 << (width - 1)) - 1, info.min, info.max)
+    bad = compiled.undo_planes(base_bits, src, n, planes, result, *_undo_constants(base_bits.dtype))
     return None if bad >= 0 else result
 
 

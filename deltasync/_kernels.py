@@ -74,6 +74,14 @@ def _build(numba: Any) -> SimpleNamespace:
     opts = {"cache": True, "nogil": True, "boundscheck": False, "error_model": "numpy"}
     top63 = np.int64(0x7FFFFFFFFFFFFFFF)
 
+    @njit(inline="always", **opts)  # no signature: specialised inside each loop that calls it
+    def ordinal_sum(base: int, coded: int, width_shift: int, magnitude: int) -> np.int64:  # pragma: no cover
+        # to_ordinal(base) + zigzag_decode(coded) in int64, wrapping as numpy's int64 does; ``coded`` is
+        # reinterpreted as two's complement (a uint64's bits), so its shift is made logical
+        b = np.int64(base)
+        c = np.int64(coded)
+        return (b ^ ((b >> width_shift) & magnitude)) + (((c >> 1) & top63) ^ -(c & 1))
+
     @njit(
         [
             "int64(int16[::1], uint32[::1], int16[::1], int64, int64, int64, int64)",
@@ -87,10 +95,7 @@ def _build(numba: Any) -> SimpleNamespace:
         # out[i] = from_ordinal(to_ordinal(base[i]) + zigzag_decode(coded[i])); the index of the first result
         # outside [low, high] (a corrupt shard), or -1
         for i in range(coded.size):
-            b = np.int64(base[i])
-            ordinal = b ^ ((b >> width_shift) & magnitude)
-            c = np.int64(coded[i])  # uint64 reinterpreted: two's complement, the shift below is made logical
-            o = ordinal + (((c >> 1) & top63) ^ -(c & 1))  # wraps as numpy's int64 does
+            o = ordinal_sum(base[i], coded[i], width_shift, magnitude)
             if o < low or o > high:
                 return i
             out[i] = o ^ ((o >> width_shift) & magnitude)
@@ -187,9 +192,7 @@ def _build(numba: Any) -> SimpleNamespace:
             c = np.int64(0)
             for k in range(count - 1, -1, -1):
                 c = (c << 8) | np.int64(planes[k * n + i])  # 8 planes: the uint64's bits, as undo_ordinal reads them
-            b = np.int64(base[i])
-            ordinal = b ^ ((b >> width_shift) & magnitude)
-            o = ordinal + (((c >> 1) & top63) ^ -(c & 1))
+            o = ordinal_sum(base[i], c, width_shift, magnitude)
             if o < low or o > high:
                 return i
             out[i] = o ^ ((o >> width_shift) & magnitude)

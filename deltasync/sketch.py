@@ -192,7 +192,7 @@ def _weighted(words: np.ndarray, idx: torch.Tensor, *, increasing: bool = False)
     if lowest < 0:
         raise ValueError(f"a sketch's flat indices cannot be negative, got {lowest}")
     if at.size <= _DIRECT_MAX:  # few words: their weights gathered, not two histograms over a whole chunk's rows
-        first = int(at.min()) >> _CHUNK_BITS
+        first = (int(at.min()) if increasing else lowest) >> _CHUNK_BITS
         chunks = np.right_shift(at, _CHUNK_BITS) - first
         weights = _W_NP[np.bitwise_and(at, _CHUNK - 1)] + _v_span(first, first + int(chunks.max()) + 1)[chunks]
         with np.errstate(over="ignore"):  # int64: wraps mod 2**64, as the lanes do
