@@ -134,20 +134,21 @@ def _build(numba: Any) -> SimpleNamespace:
         lanes[3] = a3
         return bad
 
-    @njit(["int64(int64[::1], uint16[::1], uint16[::1], int64[::1], int64[::1], int64)"], **opts)
+    @njit(["int64(int64[::1], uint16[::1], uint16[::1], int64[::1], int64[::1], int64, int64)"], **opts)
     def change_rows(
-        at: Arr, new: Arr, old: Arr, rows: Arr, chunks: Arr, first: int
+        at: Arr, new: Arr, old: Arr, rows: Arr, chunks: Arr, first: int, factor: int
     ) -> int:  # pragma: no cover - compiled
-        # the word differences new - old summed per weight row (at mod 2**16) and per chunk (at // 2**16 - first):
-        # a 512 KiB histogram stays in cache where the weights (2 MiB) do not; the index of the first word whose
-        # chunk falls outside ``chunks`` (nothing added for it or after it), or -1
+        # the word differences new - old summed per weight row (at mod 2**16; each times ``factor``, mod 2**64)
+        # and per chunk (at // 2**16 - first): a 512 KiB histogram stays in cache where the weights (2 MiB) do
+        # not; the index of the first word whose chunk falls outside ``chunks`` (nothing added for it or after
+        # it), or -1
         for i in range(at.size):
             j = at[i]
             k = (j >> 16) - first
             if k < 0 or k >= chunks.size:
                 return i
             diff = np.int64(new[i]) - np.int64(old[i])
-            rows[j & 0xFFFF] += diff
+            rows[j & 0xFFFF] += diff * factor
             chunks[k] += diff
         return -1
 
@@ -158,8 +159,20 @@ def _build(numba: Any) -> SimpleNamespace:
     @njit([t.void(planes, t.int64, t.int64, u64) for planes in (u8, u8_readonly)], **opts)
     def join_gaps(planes: Arr, n: int, count: int, out: Arr) -> None:  # pragma: no cover - compiled
         # out[i] = sum(gap[0..i] + 1) - 1, the gaps joined from ``count`` byte planes of ``n`` bytes each (low
-        # plane first) as they are read: uint64, as numpy's cumsum of the joined gaps
+        # plane first) as they are read: uint64, as numpy's cumsum of the joined gaps. One or two planes (most
+        # deltas' gaps): the bytes joined with no inner loop (~3x)
         acc = np.uint64(0)
+        one = np.uint64(1)
+        if count == 1:
+            for i in range(n):
+                acc += np.uint64(planes[i]) + one
+                out[i] = acc - one
+            return
+        if count == 2:
+            for i in range(n):
+                acc += (np.uint64(planes[i]) | (np.uint64(planes[n + i]) << np.uint64(8))) + one
+                out[i] = acc - one
+            return
         for i in range(n):
             gap = np.uint64(0)
             for k in range(count - 1, -1, -1):
@@ -187,7 +200,25 @@ def _build(numba: Any) -> SimpleNamespace:
         high: int,
     ) -> int:  # pragma: no cover - compiled
         # undo_ordinal of the coded values as they are joined from ``count`` byte planes of ``n`` bytes each (low
-        # plane first): no joined copy of them
+        # plane first): no joined copy of them. One or two planes (most of a step's values): a loop with no
+        # branch, which the compiler vectorizes (~10x); a result outside [low, high] is then found by the
+        # general loop, which stops at it
+        if count == 1 or count == 2:
+            bad = False
+            if count == 1:
+                for i in range(n):
+                    o = ordinal_sum(base[i], planes[i], width_shift, magnitude)
+                    bad |= (o < low) | (o > high)
+                    out[i] = o ^ ((o >> width_shift) & magnitude)
+            else:
+                for i in range(n):
+                    o = ordinal_sum(
+                        base[i], np.int64(planes[i]) | (np.int64(planes[n + i]) << 8), width_shift, magnitude
+                    )
+                    bad |= (o < low) | (o > high)
+                    out[i] = o ^ ((o >> width_shift) & magnitude)
+            if not bad:
+                return -1
         for i in range(n):
             c = np.int64(0)
             for k in range(count - 1, -1, -1):

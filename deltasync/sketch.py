@@ -32,6 +32,7 @@ Pure: torch and numpy; where numba is installed, a change's sketch is one compil
 
 from __future__ import annotations
 
+import secrets
 import threading
 from collections.abc import Iterable
 
@@ -42,6 +43,7 @@ from ._kernels import kernels
 
 __all__ = [
     "LANES",
+    "ChangeProof",
     "SKETCH_PREFIX",
     "ZERO",
     "Sketch",
@@ -229,11 +231,20 @@ def _sum_rows(rows: np.ndarray, per_chunk: np.ndarray, first: int) -> Sketch:
     return _lanes(lanes.tolist())
 
 
-def _change_compiled(new: np.ndarray, old: np.ndarray, at: np.ndarray, increasing: bool) -> Sketch | None:
+def _change_compiled(
+    new: np.ndarray,
+    old: np.ndarray,
+    at: np.ndarray,
+    increasing: bool,
+    rows: np.ndarray | None = None,
+    factor: int = 1,
+) -> Sketch | None:
     """:func:`sketch_change` of 16-bit words in one compiled pass (:mod:`deltasync._kernels`), with no temporary
     per element: below 2**16 words each difference times its word's four weights, added up as it is read (int64,
     wrapping mod 2**64 as the lanes do); above, the differences summed per weight row and per chunk, then two
-    small products as :func:`_weighted` makes. ``None`` without numba."""
+    small products as :func:`_weighted` makes. With ``rows`` (a caller's int64 histogram of 2**16 rows,
+    :class:`ChangeProof`), the differences times ``factor`` (an int64) are added to it, whatever their number, and
+    only the chunks' part of the lanes is returned. ``None`` without numba."""
     compiled = kernels()
     if compiled is None:
         return None
@@ -246,15 +257,22 @@ def _change_compiled(new: np.ndarray, old: np.ndarray, at: np.ndarray, increasin
         first, last = first >> _CHUNK_BITS, last >> _CHUNK_BITS
         if last < first:
             continue  # ``increasing`` was wrong: the untrusted pass
-        if at.size < _CHUNK:  # each word's weights read where they are: no 2**16-row histogram to clear and sum
+        if rows is None and at.size < _CHUNK:  # each word's weights read where they are: no 2**16-row histogram
             lanes = np.zeros(LANES, dtype=np.int64)
             if compiled.change_lanes(at, new, old, _W_NP, _v_span(first, last + 1), first, lanes) < 0:
                 return _lanes(lanes.tolist())
-        else:  # per row and per chunk, then two small products (a histogram in cache beats the weights' table)
-            rows = np.zeros(_CHUNK, dtype=np.int64)
-            per_chunk = np.zeros(last - first + 1, dtype=np.int64)
-            if compiled.change_rows(at, new, old, rows, per_chunk, first) < 0:
-                return _sum_rows(rows, per_chunk, first)
+            continue
+        # per row and per chunk, then two small products (a histogram in cache beats the weights' table)
+        hist = np.zeros(_CHUNK, dtype=np.int64) if rows is None else rows
+        per_chunk = np.zeros(last - first + 1, dtype=np.int64)
+        stop = compiled.change_rows(at, new, old, hist, per_chunk, first, factor)
+        if stop < 0:
+            if rows is None:
+                return _sum_rows(hist, per_chunk, first)
+            with np.errstate(over="ignore"):  # int64: wraps mod 2**64, as the lanes do
+                return _lanes((per_chunk @ _v_span(first, first + per_chunk.size)).tolist())
+        if rows is not None:  # take back what the stopped pass added to the caller's histogram (all in its chunks)
+            compiled.change_rows(at[:stop], new[:stop], old[:stop], rows, per_chunk, first, -factor)
     raise AssertionError("sketch_change: a word's chunk fell outside the chunks of its indices' min and max")
 
 
@@ -270,26 +288,102 @@ def sketch_at(values: torch.Tensor, indices: torch.Tensor) -> Sketch:
     return _weighted(words.numpy().astype(np.float64), _word_indices(indices, per))
 
 
+def _change_inputs(new: torch.Tensor, old: torch.Tensor, indices: torch.Tensor, what: str) -> int:
+    """Words per element of a change (1: 16-bit elements), its three tensors checked against each other."""
+    if new.dtype != old.dtype or new.numel() != old.numel() or new.numel() != indices.numel():
+        raise ValueError(
+            f"{what}: {new.numel()} new {new.dtype} values, {old.numel()} old {old.dtype}, {indices.numel()} indices"
+        )
+    return new.element_size() // 2
+
+
+def _flat_indices(indices: torch.Tensor) -> np.ndarray:
+    return indices.detach().reshape(-1).to(device="cpu", dtype=torch.int64).contiguous().numpy()
+
+
 def sketch_change(new: torch.Tensor, old: torch.Tensor, indices: torch.Tensor, *, increasing: bool = False) -> Sketch:
     """How a tensor's sketch moves when the elements at flat ``indices`` (no repeats) go from ``old`` to ``new``:
     ``sketch_at(new, indices) - sketch_at(old, indices)`` in one pass over the changed elements (an engine
     proves an update from what it changes, against the version it serves: :func:`add_sketches` of the served
     sketch and this one must be the published sketch). ``increasing``: ``indices`` are known to be strictly
     increasing (a decoded delta's are checked so), which saves a pass over them."""
-    if new.dtype != old.dtype or new.numel() != old.numel() or new.numel() != indices.numel():
-        raise ValueError(
-            f"sketch_change: {new.numel()} new {new.dtype} values, {old.numel()} old {old.dtype}, "
-            f"{indices.numel()} indices"
-        )
-    per = new.element_size() // 2
+    per = _change_inputs(new, old, indices, "sketch_change")
     if per == 1 and indices.numel():
-        at = indices.detach().reshape(-1).to(device="cpu", dtype=torch.int64).contiguous().numpy()
-        done = _change_compiled(_words(new).numpy(), _words(old).numpy(), at, increasing)
+        done = _change_compiled(_words(new).numpy(), _words(old).numpy(), _flat_indices(indices), increasing)
         if done is not None:
             return done
     # the differences straight into float64 (exact: |new - old| < 2**16), the histograms' own type: one pass
     diff = np.subtract(_words(new).numpy(), _words(old).numpy(), dtype=np.float64)
     return _weighted(diff, _word_indices(indices, per), increasing=increasing)
+
+
+class ChangeProof:
+    """Whether many tensors' changes each move the tensor's served sketch to its published one, proven at once:
+    ``served_t + sketch_change_t == published_t`` for every tensor ``t``.
+
+    Each tensor's terms are multiplied by a random odd 64-bit factor of its own (drawn from the OS for each proof,
+    after the changes exist) and added up mod 2**64. Where numba is installed, the word differences of all
+    tensors go into one histogram of 2**16 weight rows (512 KiB, in cache), multiplied by the weights once, in
+    :meth:`holds`; a proof per tensor reads the weights (2 MiB) once per tensor, or a row of them per changed
+    word. The sum is 0 when every tensor's sketch matches. When some do not, it is 0 only if the factors cancel
+    their errors, about 2**-63 for errors that do not depend on the factors: a swap of two tensors' changes, which
+    a plain sum of their sketches would not see, is caught as any other error is. :meth:`holds` says only whether
+    all hold: the caller proves each tensor alone (:func:`sketch_change`) to name those that do not.
+    """
+
+    def __init__(self) -> None:
+        self._factors: dict[str, int] = {}
+        self._expected: set[str] = set()
+        self._sum = [0] * LANES
+        self._rows: np.ndarray | None = None
+
+    def _factor(self, name: str) -> int:
+        factor = self._factors.get(name)
+        if factor is None:
+            factor = self._factors[name] = secrets.randbits(64) | 1
+        return factor
+
+    def _add(self, factor: int, lanes: Sketch) -> None:
+        self._sum = [(a + factor * b) & _MASK64 for a, b in zip(self._sum, lanes, strict=True)]
+
+    def expect(self, name: str, served: Sketch, published: Sketch) -> None:
+        """Tensor ``name`` serves ``served`` and its changes must give ``published``.
+
+        Raises:
+            ValueError: ``name`` was expected already.
+        """
+        if name in self._expected:
+            raise ValueError(f"ChangeProof: tensor {name!r} is already expected")
+        self._expected.add(name)
+        self._add(self._factor(name), sub_sketches(served, published))
+
+    def add(
+        self, name: str, new: torch.Tensor, old: torch.Tensor, indices: torch.Tensor, *, increasing: bool = False
+    ) -> None:
+        """Tensor ``name``'s elements at flat ``indices`` go from ``old`` to ``new`` (as :func:`sketch_change`; a
+        tensor's changes may come in disjoint parts)."""
+        per = _change_inputs(new, old, indices, f"ChangeProof.add({name!r})")
+        factor = self._factor(name)
+        if per == 1 and indices.numel():
+            if self._rows is None:
+                self._rows = np.zeros(_CHUNK, dtype=np.int64)
+            signed = factor - (1 << 64) if factor >> 63 else factor  # the kernel's int64
+            at = _flat_indices(indices)
+            part = _change_compiled(_words(new).numpy(), _words(old).numpy(), at, increasing, self._rows, signed)
+            if part is not None:
+                self._add(factor, part)
+                return
+        self._add(factor, sketch_change(new, old, indices, increasing=increasing))
+
+    def holds(self) -> bool:
+        """Whether every tensor added gives its expected sketch (a tensor with changes and no :meth:`expect` does
+        not, unless its changes sum to nothing)."""
+        lanes = self._sum
+        if self._rows is not None:
+            with np.errstate(over="ignore"):  # int64: wraps mod 2**64, as the lanes do
+                by_rows = (self._rows @ _W_NP).tolist()
+            lanes = [a + b for a, b in zip(lanes, by_rows, strict=True)]
+        return all(x & _MASK64 == 0 for x in lanes)
 
 
 def add_sketches(*sketches: Sketch) -> Sketch:

@@ -14,6 +14,7 @@ What each proves (:class:`ProvingEngine`; the engine is :class:`~deltasync.vllm.
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -21,7 +22,7 @@ import torch
 from ..errors import ApplyError, RefusalReason, UpdateRefused
 from ..format import TensorDelta, tensor_checksum
 from ..manifest import DeltaManifest, TensorEntry
-from ..sketch import ZERO, add_sketches, format_sketch, parse_sketch, sketch_change
+from ..sketch import ZERO, ChangeProof, add_sketches, format_sketch, parse_sketch, sketch_change
 from ..vocab import DTYPES
 from .base import EngineBase, logger
 from .patch_map import PatchMap
@@ -31,7 +32,7 @@ from .served import merge_changes
 __all__ = ["ProvingEngine"]
 
 _BLOCK = 1 << 20
-"""Changed elements proven at a time (:meth:`ProvingEngine._prove_change`)."""
+"""Changed elements proven at a time (:meth:`ProvingEngine._changes`)."""
 
 
 def _read_for(parts: list[tuple[torch.Tensor, torch.Tensor]] | None, ds: list[TensorDelta]) -> torch.Tensor | None:
@@ -61,7 +62,9 @@ class ProvingEngine(EngineBase):
         only sparse deltas change is proven **from its changed elements**: its served sketch
         (the served version's manifest) moved by ``sketch_change(new, old)`` over the composed changes, the old
         values read from the live parameters, must be the published sketch of the last object that changed
-        it; the cost follows the delta, not the model. Anything else (an anchor or dense span in the update, a
+        it; the cost follows the delta, not the model. All such tensors are proven in one sum
+        (:class:`~deltasync.sketch.ChangeProof`: one histogram of the changes, one product with the weights), and
+        each alone only when the sum fails, to name them. Anything else (an anchor or dense span in the update, a
         served version without sketches) is proven whole: the planned writes applied to copies of the live
         parameters holding it, checksummed against the published checksums. A forged or swapped staged file, a
         wrong base or a stale map is refused here and never reaches the live weights. Sparse changes to tensors
@@ -82,6 +85,8 @@ class ProvingEngine(EngineBase):
         reads, self._served_reads = self._served_reads, {}
         bad: list[str] = []
         whole: list[str] = []
+        proof = ChangeProof()  # every sparse change held whole, proven in one sum (checked after the loop)
+        proving: dict[str, tuple[list[TensorDelta], str, TensorEntry, torch.Tensor | None]] = {}
         self.change_parts = {}
         for name, ds in changes.items():
             entry = last[name].tensors[name]
@@ -105,11 +110,17 @@ class ProvingEngine(EngineBase):
             if before is None or before.sketch is None or entry.sketch is None or any(d.indices is None for d in ds):
                 whole.append(name)
                 continue
-            proven = self._prove_change(pm, name, ds, before.sketch, entry, _read_for(reads.get(name), ds))
-            if proven is None:
+            if not pm.holds_whole(name, entry.numel):
                 whole.append(name)
-            elif not proven:
-                bad.append(name)
+                continue
+            read = _read_for(reads.get(name), ds)
+            proof.expect(name, parse_sketch(before.sketch), parse_sketch(entry.sketch))
+            for new, old, at in self._changes(pm, name, ds, DTYPES[entry.dtype], read):
+                proof.add(name, new, old, at, increasing=True)
+            proving[name] = (ds, before.sketch, entry, read)
+        if not proof.holds():  # some tensor's sketch does not match: prove each alone to name them
+            failed = [n for n, (ds, b, e, r) in proving.items() if not self._prove_change(pm, n, ds, b, e, r)]
+            bad += failed or sorted(proving)
         bad += self._prove_whole(pm, whole, last, ops)
         if bad:
             raise UpdateRefused(
@@ -150,34 +161,42 @@ class ProvingEngine(EngineBase):
         return [[param, format_sketch(sk), count] for param, sk, count in out.values()]
 
     @staticmethod
+    def _changes(
+        pm: PatchMap, name: str, ds: list[TensorDelta], dtype: torch.dtype, read: torch.Tensor | None
+    ) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+        """The sparse changes ``ds`` (in order) of tensor ``name``, held whole on this rank, composed (a catch-up:
+        the last write of each element wins), block by block: ``(new, old, flat indices)``, strictly increasing
+        (decoded indices are, the decoder checks; a catch-up's are sorted and deduplicated). ``read``: the live
+        values at the changed elements, read already (by the decoder); else read here, a block at a time."""
+        idx, new = ds[0].indices, ds[0].values
+        for d in ds[1:]:
+            assert idx is not None and d.indices is not None
+            idx, new = merge_changes((idx, new), (d.indices, d.values))
+        assert idx is not None
+        new = new.reshape(-1).to(dtype)
+        # block by block (the sketch adds up over any partition): the temporaries stay in memory the allocator
+        # reuses, where one pass over tens of millions of changes would fault in fresh pages for each of them
+        for a in range(0, idx.numel(), _BLOCK):
+            at = idx[a : a + _BLOCK]
+            old = (read[a : a + _BLOCK] if read is not None else pm.gather(name, at)).to(dtype)
+            yield new[a : a + _BLOCK], old, at
+
+    @classmethod
     def _prove_change(
+        cls,
         pm: PatchMap,
         name: str,
         ds: list[TensorDelta],
         served: str,
         entry: TensorEntry,
         read: torch.Tensor | None = None,
-    ) -> bool | None:
-        """Whether the sparse changes ``ds`` (in order) move the served sketch to the published one; ``None`` if
-        this rank does not hold the tensor whole (proven after the pause instead). ``read``: the live values at
-        the changed elements, read already (by the decoder)."""
-        if not pm.holds_whole(name, entry.numel):
-            return None
-        idx, new = ds[0].indices, ds[0].values
-        for d in ds[1:]:  # a catch-up: the last write of each element wins
-            assert idx is not None and d.indices is not None
-            idx, new = merge_changes((idx, new), (d.indices, d.values))
-        assert idx is not None
-        dtype = DTYPES[entry.dtype]
-        new = new.reshape(-1).to(dtype)
+    ) -> bool:
+        """Whether the sparse changes ``ds`` (in order) of a tensor held whole move its served sketch to the
+        published one, proven for this tensor alone (:class:`~deltasync.sketch.ChangeProof` proves them all at
+        once; this names the tensors that fail)."""
         moved = parse_sketch(served)
-        # block by block (the sketch adds up over any partition): the temporaries stay in memory the allocator
-        # reuses, where one pass over tens of millions of changes would fault in fresh pages for each of them
-        for a in range(0, idx.numel(), _BLOCK):
-            at = idx[a : a + _BLOCK]
-            old = (read[a : a + _BLOCK] if read is not None else pm.gather(name, at)).to(dtype)
-            # decoded indices are strictly increasing (the decoder checks); a catch-up's were sorted and deduplicated
-            moved = add_sketches(moved, sketch_change(new[a : a + _BLOCK], old, at, increasing=True))
+        for new, old, at in cls._changes(pm, name, ds, DTYPES[entry.dtype], read):
+            moved = add_sketches(moved, sketch_change(new, old, at, increasing=True))
         return format_sketch(moved) == entry.sketch
 
     @staticmethod

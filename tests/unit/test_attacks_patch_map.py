@@ -280,6 +280,7 @@ def test_the_proof_covers_a_tensor_held_whole_across_two_parameters() -> None:
                 patch_map=lambda pm=pm: pm,
                 _manifest=served_manifest,
                 _prove_change=DeltaSyncWeightTransferEngine._prove_change,
+                _changes=DeltaSyncWeightTransferEngine._changes,
                 _prove_whole=DeltaSyncWeightTransferEngine._prove_whole,
                 _served_reads={},
             )
@@ -349,6 +350,7 @@ def test_the_proof_from_changed_elements_block_by_block_catches_a_wrong_value_in
         patch_map=lambda: pm,
         _manifest=types.SimpleNamespace(tensors={"w": types.SimpleNamespace(sketch=tensor_sketch(served))}),
         _prove_change=DeltaSyncWeightTransferEngine._prove_change,
+        _changes=DeltaSyncWeightTransferEngine._changes,
         _prove_whole=DeltaSyncWeightTransferEngine._prove_whole,
         _served_reads={},
     )
@@ -363,3 +365,78 @@ def test_the_proof_from_changed_elements_block_by_block_catches_a_wrong_value_in
         with pytest.raises(UpdateRefused, match="differ from the published checksums"):
             prove()
     assert torch.equal(m.w.data, served)  # proving writes nothing
+
+
+@pytest.mark.parametrize("wrong", [None, "a", "c", "swap"])
+def test_the_proof_of_many_tensors_in_one_sum_names_each_wrong_tensor(wrong: str | None) -> None:
+    """The engine proves all sparse changes in one sum (``ChangeProof``): three tensors whose changes are right
+    pass; one wrong value in one tensor is refused and named; the same changes staged under swapped names (each
+    right for the other tensor, same indices) are refused too, though the plain sum of the sketches would not
+    move. Nothing is written either way."""
+    pytest.importorskip("vllm")
+    from deltasync.errors import UpdateRefused
+    from deltasync.vllm.engine import DeltaSyncWeightTransferEngine
+
+    class Three(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b, self.c = _p(8, 16), _p(8, 16), _p(8, 16)
+
+        def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+            for n, t in weights:
+                getattr(self, n).data.copy_(t)
+
+    g = torch.Generator().manual_seed(11)
+    served = {n: torch.randn(8, 16, generator=g).to(torch.bfloat16) for n in "abc"}
+    m = Three()
+    m.load_weights(list(served.items()))
+    pm: PatchMap = build_map(m, {n: ("BF16", (8, 16)) for n in "abc"}, m.load_weights)
+    idx = torch.arange(0, 128, 5)
+    target = {n: t.clone() for n, t in served.items()}
+    for k, n in enumerate("abc"):
+        target[n].view(-1)[idx] += k + 1
+    staged = {n: target[n].view(-1)[idx].clone() for n in "abc"}
+    if wrong in ("a", "c"):
+        staged[wrong][3] += 4
+    if wrong == "swap":
+        staged["a"], staged["b"] = staged["b"], staged["a"]
+    deltas = [
+        TensorDelta(ckpt_name=n, shape=(8, 16), dtype=torch.bfloat16, indices=idx, values=staged[n]) for n in "abc"
+    ]
+    entries = {
+        n: types.SimpleNamespace(
+            numel=128,
+            shape=(8, 16),
+            dtype="BF16",
+            checksums=[(0, 128, tensor_checksum(target[n]))],
+            sketch=tensor_sketch(target[n]),
+        )
+        for n in "abc"
+    }
+    engine = types.SimpleNamespace(
+        patch_map=lambda: pm,
+        _manifest=types.SimpleNamespace(
+            tensors={n: types.SimpleNamespace(sketch=tensor_sketch(t)) for n, t in served.items()}
+        ),
+        _prove_change=DeltaSyncWeightTransferEngine._prove_change,
+        _changes=DeltaSyncWeightTransferEngine._changes,
+        _prove_whole=DeltaSyncWeightTransferEngine._prove_whole,
+        _served_reads={},
+    )
+
+    def prove() -> None:
+        DeltaSyncWeightTransferEngine._prove(
+            engine,  # type: ignore[arg-type]
+            [(types.SimpleNamespace(tensors=entries), deltas)],  # type: ignore[list-item]
+            [pm.plan(deltas)],
+        )
+
+    if wrong is None:
+        prove()
+    else:
+        named = {"a": "1 tensors", "c": "1 tensors", "swap": "2 tensors"}[wrong]
+        first = "a" if wrong == "swap" else wrong
+        with pytest.raises(UpdateRefused, match=f"would give {named} .*e.g. {first}\\)"):
+            prove()
+    for n in "abc":
+        assert torch.equal(getattr(m, n).data, served[n])  # proving writes nothing
