@@ -128,6 +128,8 @@ def _words(values: torch.Tensor) -> torch.Tensor:
         flat = flat.cpu()
     if flat.element_size() % 2:
         raise ValueError(f"the sketch takes 16-bit, 32-bit or 64-bit elements, got {flat.dtype}")
+    if flat.numel() <= 1 and flat.stride(-1) != 1:  # torch calls such a tensor contiguous, and .view refuses it
+        flat = torch.empty_like(flat, memory_format=torch.contiguous_format).copy_(flat)
     return flat.contiguous().view(torch.uint16)
 
 
@@ -326,9 +328,15 @@ class ChangeProof:
     tensors go into one histogram of 2**16 weight rows (512 KiB, in cache), multiplied by the weights once, in
     :meth:`holds`; a proof per tensor reads the weights (2 MiB) once per tensor, or a row of them per changed
     word. The sum is 0 when every tensor's sketch matches. When some do not, it is 0 only if the factors cancel
-    their errors, about 2**-63 for errors that do not depend on the factors: a swap of two tensors' changes, which
-    a plain sum of their sketches would not see, is caught as any other error is. :meth:`holds` says only whether
-    all hold: the caller proves each tensor alone (:func:`sketch_change`) to name those that do not.
+    their errors: for errors that do not depend on the factors, all multiples of ``2**v`` in every lane, about
+    ``2**-(63 - v)``. A wrong value moves each lane by its word difference (below ``2**16``) times an odd weight,
+    so errors in what would be written have a small ``v`` in all four lanes at once, and a swap of two tensors'
+    changes, which a plain sum of their sketches would not see, is caught as any other error is. Errors of
+    ``2**63`` in the same lane of an even number of tensors cancel for any odd factors: only wrong sketch strings
+    (their top bit lost) make such errors, and then the values written are the published ones, and the
+    whole-state proof, tensor by tensor against the published sketches, reports the version as drift.
+    :meth:`holds` says only whether all hold: the caller proves each tensor alone (:func:`sketch_change`) to name
+    those that do not.
     """
 
     def __init__(self) -> None:
