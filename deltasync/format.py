@@ -14,17 +14,16 @@ from __future__ import annotations
 
 import json
 import math
-import os
-from collections.abc import Callable, Iterable, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any, Literal, Protocol, TypeVar, runtime_checkable
+from typing import Any, Literal, Protocol, runtime_checkable
 
 import numpy as np
 import torch
 import xxhash
 
 from . import _codec
+from ._cpus import parallel_map
 from ._safetensors import SafetensorsEntry, SafetensorsFile, safetensors_parts
 from ._shard_header import ShardHeader, TensorInfo, info_to_json, parse_shard, read_shard_header
 from .errors import FormatError
@@ -150,24 +149,6 @@ class TensorDelta:
         if self.span is not None:
             return self.span
         return (0, math.prod(self.shape))
-
-
-_T = TypeVar("_T")
-_R = TypeVar("_R")
-
-
-_PARALLEL_MIN_ELEMENTS = 1 << 18
-"""Below this many stored elements a shard is coded serially: a thread pool costs more than it saves."""
-
-
-def _parallel_map(fn: Callable[[_T], _R], items: Sequence[_T], elements: int = _PARALLEL_MIN_ELEMENTS) -> list[_R]:
-    # zstd and numpy's large kernels release the GIL: two cores give close to 2x on big shards. Only the cores this
-    # process may run on count: a vLLM CPU worker is pinned to its own (more threads there only take turns).
-    workers = min(len(items), len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
-    if workers <= 1 or elements < _PARALLEL_MIN_ELEMENTS:
-        return [fn(item) for item in items]
-    with ThreadPoolExecutor(max_workers=workers) as pool:
-        return list(pool.map(fn, items))
 
 
 def _bits_of(t: torch.Tensor, dtype_name: str) -> np.ndarray:
@@ -342,7 +323,7 @@ def encode_shard_parts(
             return _encode_raw(items[i], dtype_names[i])
         return _encode_packed(items[i], dtype_names[i], zstd_level)
 
-    encoded = _parallel_map(encode_one, range(len(items)), sum(d.nnz for d in items))
+    encoded = parallel_map(encode_one, range(len(items)), sum(d.nnz for d in items), cost=lambda i: items[i].nnz)
     tensors_json = {d.ckpt_name: info_to_json(info) for d, (info, _) in zip(items, encoded, strict=True)}
     metadata = {
         META_PREFIX + "format_version": FORMAT_VERSION,
@@ -444,7 +425,8 @@ def decode_shard(
                 "before fetching) or read it on a host with more memory"
             ) from None
 
-    decoded = _parallel_map(decode_one, list(header.tensors), sum(i.nnz for i in header.tensors.values()))
+    infos = header.tensors
+    decoded = parallel_map(decode_one, list(infos), sum(i.nnz for i in infos.values()), cost=lambda t: infos[t].nnz)
     return header, {d.ckpt_name: d for d in decoded}
 
 

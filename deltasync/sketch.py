@@ -340,19 +340,31 @@ class ChangeProof:
     """
 
     def __init__(self) -> None:
+        self._lock = threading.Lock()
         self._factors: dict[str, int] = {}
         self._expected: set[str] = set()
         self._sum = [0] * LANES
-        self._rows: np.ndarray | None = None
+        self._rows: dict[int, np.ndarray] = {}
+        """One histogram per thread that adds (threads add different tensors at once, each to its own)."""
 
     def _factor(self, name: str) -> int:
-        factor = self._factors.get(name)
-        if factor is None:
-            factor = self._factors[name] = secrets.randbits(64) | 1
-        return factor
+        with self._lock:
+            factor = self._factors.get(name)
+            if factor is None:
+                factor = self._factors[name] = secrets.randbits(64) | 1
+            return factor
 
     def _add(self, factor: int, lanes: Sketch) -> None:
-        self._sum = [(a + factor * b) & _MASK64 for a, b in zip(self._sum, lanes, strict=True)]
+        with self._lock:
+            self._sum = [(a + factor * b) & _MASK64 for a, b in zip(self._sum, lanes, strict=True)]
+
+    def _thread_rows(self) -> np.ndarray:
+        rows = self._rows.get(threading.get_ident())
+        if rows is None:
+            rows = np.zeros(_CHUNK, dtype=np.int64)
+            with self._lock:
+                self._rows[threading.get_ident()] = rows
+        return rows
 
     def expect(self, name: str, served: Sketch, published: Sketch) -> None:
         """Tensor ``name`` serves ``served`` and its changes must give ``published``.
@@ -360,24 +372,25 @@ class ChangeProof:
         Raises:
             ValueError: ``name`` was expected already.
         """
-        if name in self._expected:
-            raise ValueError(f"ChangeProof: tensor {name!r} is already expected")
-        self._expected.add(name)
+        with self._lock:
+            if name in self._expected:
+                raise ValueError(f"ChangeProof: tensor {name!r} is already expected")
+            self._expected.add(name)
         self._add(self._factor(name), sub_sketches(served, published))
 
     def add(
         self, name: str, new: torch.Tensor, old: torch.Tensor, indices: torch.Tensor, *, increasing: bool = False
     ) -> None:
         """Tensor ``name``'s elements at flat ``indices`` go from ``old`` to ``new`` (as :func:`sketch_change`; a
-        tensor's changes may come in disjoint parts)."""
+        tensor's changes may come in disjoint parts). Threads may add at once (different tensors, or disjoint
+        parts of one)."""
         per = _change_inputs(new, old, indices, f"ChangeProof.add({name!r})")
         factor = self._factor(name)
         if per == 1 and indices.numel():
-            if self._rows is None:
-                self._rows = np.zeros(_CHUNK, dtype=np.int64)
             signed = factor - (1 << 64) if factor >> 63 else factor  # the kernel's int64
             at = _flat_indices(indices)
-            part = _change_compiled(_words(new).numpy(), _words(old).numpy(), at, increasing, self._rows, signed)
+            rows = self._thread_rows()
+            part = _change_compiled(_words(new).numpy(), _words(old).numpy(), at, increasing, rows, signed)
             if part is not None:
                 self._add(factor, part)
                 return
@@ -386,10 +399,12 @@ class ChangeProof:
     def holds(self) -> bool:
         """Whether every tensor added gives its expected sketch (a tensor with changes and no :meth:`expect` does
         not, unless its changes sum to nothing)."""
-        lanes = self._sum
-        if self._rows is not None:
+        with self._lock:
+            lanes, histograms = self._sum, list(self._rows.values())
+        if histograms:
             with np.errstate(over="ignore"):  # int64: wraps mod 2**64, as the lanes do
-                by_rows = (self._rows @ _W_NP).tolist()
+                rows = histograms[0] if len(histograms) == 1 else np.sum(histograms, axis=0, dtype=np.int64)
+                by_rows = (rows @ _W_NP).tolist()
             lanes = [a + b for a, b in zip(lanes, by_rows, strict=True)]
         return all(x & _MASK64 == 0 for x in lanes)
 

@@ -21,6 +21,7 @@ from vllm.distributed.weight_transfer.base import (
 )
 
 from .. import apply
+from .._cpus import format_cpu_list, work_cpus
 from .._heap import keep_scratch
 from .._kernels import warm as warm_kernels
 from ..errors import ApplyError, RefusalReason
@@ -166,6 +167,9 @@ class EngineBase(WeightTransferEngine[DeltaSyncInitInfo, DeltaSyncUpdateInfo]):
         self.kernels = "numba" if warm_kernels() else "numpy"
         """What decodes and proves an update before the pause: deltasync's compiled loops (compiled or loaded here,
         at the start, not in the first update) or the numpy code (:mod:`deltasync._kernels`)."""
+        self.cpus = format_cpu_list(work_cpus())
+        """The cores the decode's and the proof's threads run on (:mod:`deltasync._cpus`); a bad
+        ``DELTASYNC_CPUS`` stops the start here, not the first update."""
         if os.environ.get(MAP_AT_START_ENV, "1") != "0" and vllm_config.lora_config is None:
             self._map_at_start()
 
@@ -462,6 +466,7 @@ class EngineBase(WeightTransferEngine[DeltaSyncInitInfo, DeltaSyncUpdateInfo]):
             "outcome": dict(self.outcome),
             "map": None if self._map is None else self._map.summary(),
             "kernels": self.kernels,
+            "cpus": self.cpus,
             "map_error": self._map_failed,
             "decodes": self.decodes(),
             "adapter": None

@@ -27,6 +27,14 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+try:
+    from .._cpus import parallel_map
+except ImportError:  # loaded alone (benchmarks/gpu/bench_scatter.py, on a host with torch only): one thread
+
+    def parallel_map(fn: Callable[[Any], Any], items: Any, elements: int = 0, cost: Any = None) -> list[Any]:  # type: ignore[misc]
+        return [fn(item) for item in items]
+
+
 if TYPE_CHECKING:
     from ..sketch import Sketch
 
@@ -106,6 +114,11 @@ class Blocks:
     src: list[int]
     length: list[int]
     values: torch.Tensor
+
+
+def _size(op: Scatter | Blocks) -> int:
+    """The elements an op writes."""
+    return op.index.numel() if isinstance(op, Scatter) else sum(op.length)
 
 
 class PatchMap:
@@ -206,40 +219,53 @@ class PatchMap:
 
     def write(self, ops: Iterable[Scatter | Blocks], into: Mapping[str, torch.Tensor] | None = None) -> int:
         """Write into the live parameters (or, with ``into``, into these flat stand-ins of some of them, for a
-        dry run: ops on other parameters are skipped); returns the elements written."""
-        n = 0
-        with torch.no_grad():
-            for op in ops:
-                if into is not None:
-                    if op.param not in into:
-                        continue
-                    flat = into[op.param]
-                else:
-                    flat = self.param(op.param).data.view(-1)
+        dry run: ops on other parameters are skipped); returns the elements written. The ops of one plan write
+        disjoint elements (each parameter element is one checkpoint element's, the map says which): they run on
+        several threads."""
+
+        def one(op: Scatter | Blocks) -> int:
+            if into is not None:
+                if op.param not in into:
+                    return 0
+                flat = into[op.param]
+            else:
+                flat = self.param(op.param).data.view(-1)
+            with torch.no_grad():  # grad mode is per thread
                 if isinstance(op, Scatter):
                     flat.index_copy_(0, op.index, op.values)  # ~20% faster than index_put_ on CPU
-                    n += op.index.numel()
-                else:
-                    for dst, src, length in zip(op.dst, op.src, op.length, strict=True):
-                        flat[dst : dst + length] = op.values[src : src + length]
-                        n += length
-        return n
+                    return op.index.numel()
+                for dst, src, length in zip(op.dst, op.src, op.length, strict=True):
+                    flat[dst : dst + length] = op.values[src : src + length]
+                return sum(op.length)
+
+        ops = list(ops)
+        if into is None and not all(self.param(op.param).device.type == "cpu" for op in ops):
+            return sum(one(op) for op in ops)  # a GPU's copies queue on one stream: threads add nothing
+        return sum(parallel_map(one, ops, sum(_size(op) for op in ops), cost=_size))
 
     def check_written(self, ops: Iterable[Scatter | Blocks]) -> list[str]:
-        """Read the written elements back from the live parameters: the parameters whose bits differ."""
-        bad = []
-        with torch.no_grad():
-            for op in ops:
-                flat = self.param(op.param).data.view(-1)
+        """Read the written elements back from the live parameters: the parameters whose bits differ (on
+        several threads, as :meth:`write`)."""
+
+        def ok(op: Scatter | Blocks) -> bool:
+            flat = self.param(op.param).data.view(-1)
+            with torch.no_grad():
                 if isinstance(op, Scatter):  # index_select: ~2x indexing's speed on CPU
-                    ok = torch.equal(_bits(flat.index_select(0, op.index)), _bits(op.values))
-                else:
-                    ok = all(
-                        torch.equal(_bits(flat[d : d + n]), _bits(op.values[s : s + n]))
-                        for d, s, n in zip(op.dst, op.src, op.length, strict=True)
-                    )
-                if not ok and op.param not in bad:
-                    bad.append(op.param)
+                    return torch.equal(_bits(flat.index_select(0, op.index)), _bits(op.values))
+                return all(
+                    torch.equal(_bits(flat[d : d + n]), _bits(op.values[s : s + n]))
+                    for d, s, n in zip(op.dst, op.src, op.length, strict=True)
+                )
+
+        ops = list(ops)
+        if all(self.param(op.param).device.type == "cpu" for op in ops):
+            checked = parallel_map(ok, ops, sum(_size(op) for op in ops), cost=_size)
+        else:
+            checked = [ok(op) for op in ops]
+        bad: list[str] = []
+        for op, good in zip(ops, checked, strict=True):
+            if not good and op.param not in bad:
+                bad.append(op.param)
         return bad
 
     def read_whole(self, name: str, source: Mapping[str, torch.Tensor] | None = None) -> torch.Tensor | None:

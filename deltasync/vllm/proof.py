@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from .._cpus import parallel_map
 from ..errors import ApplyError, RefusalReason, UpdateRefused
 from ..format import TensorDelta, tensor_checksum
 from ..manifest import DeltaManifest, TensorEntry
@@ -115,9 +116,18 @@ class ProvingEngine(EngineBase):
                 continue
             read = _read_for(reads.get(name), ds)
             proof.expect(name, parse_sketch(before.sketch), parse_sketch(entry.sketch))
+            proving[name] = (ds, before.sketch, entry, read)
+
+        def add(name: str) -> None:
+            ds, _, entry, read = proving[name]
             for new, old, at in self._changes(pm, name, ds, DTYPES[entry.dtype], read):
                 proof.add(name, new, old, at, increasing=True)
-            proving[name] = (ds, before.sketch, entry, read)
+
+        def size(name: str) -> int:
+            return sum(d.nnz for d in proving[name][0])
+
+        names = list(proving)  # on the decoder's threads: each adds to its own histogram
+        parallel_map(add, names, sum(size(n) for n in names), cost=size)
         if not proof.holds():  # some tensor's sketch does not match: prove each alone to name them
             failed = [n for n, (ds, b, e, r) in proving.items() if not self._prove_change(pm, n, ds, b, e, r)]
             bad += failed or sorted(proving)

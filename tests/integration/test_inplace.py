@@ -19,6 +19,7 @@ from deltasync_coordinator.app import create_app
 from safetensors.torch import load_file, save_file
 
 from deltasync import ApplyError, LocalStore, RefusalReason, UpdateRefused
+from deltasync._cpus import format_cpu_list
 from deltasync.agent import Agent
 from deltasync.client import CoordinatorClient
 from deltasync.config import AgentConfig
@@ -149,6 +150,8 @@ def test_inplace_through_the_map_is_bit_exact_against_a_fresh_engine(
                 assert st["map"]["unmapped_count"] == 0 and st["map"]["mapped"] == len(publisher.truth[0]), st["map"]
                 assert bool(st["map"]["split"]) == split, st["map"]
                 assert st["kernels"] == "numba", st  # decoded and proven by the compiled loops (vLLM installs numba)
+                # on every core the worker had before vLLM pinned its main thread to one (one per rank at TP=2)
+                assert st["cpus"] == format_cpu_list(os.sched_getaffinity(0)), st
             for step in range(4):
                 publisher.step(anchor=step == 2)
                 result = agent.sync()

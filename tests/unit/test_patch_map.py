@@ -195,3 +195,61 @@ def test_parameters_are_resolved_by_name_as_get_parameter_does_even_after_a_rere
     del outer.inner  # gone: the lookup fails as get_parameter does, naming what is missing
     with pytest.raises(AttributeError, match="inner"):
         pm.param("inner.qkv")
+
+
+class Wide(torch.nn.Module):
+    """q, k, v fused into one parameter, large enough that a plan's writes and read-back run on threads."""
+
+    ROWS, COLS = 256, 512
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.qkv = torch.nn.Parameter(torch.zeros(3 * self.ROWS, self.COLS, dtype=torch.bfloat16), requires_grad=False)
+        self.o = torch.nn.Parameter(torch.zeros(self.COLS, self.ROWS, dtype=torch.bfloat16), requires_grad=False)
+
+    def load_weights(self, weights):
+        for name, w in weights:
+            if name == "o":
+                self.o.data.copy_(w)
+            else:
+                row = {"q": 0, "k": 1, "v": 2}[name] * self.ROWS
+                self.qkv.data[row : row + self.ROWS].copy_(w)
+
+
+def test_a_large_plan_is_written_and_read_back_on_several_threads(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Several ops into one fused parameter and another, written at once: exactly what the loader gives; the
+    read-back passes, then names the one parameter with one wrong element."""
+    from deltasync._cpus import PARALLEL_MIN_ELEMENTS
+    from deltasync.vllm import patch_map
+
+    spec = {n: ("BF16", (Wide.ROWS, Wide.COLS)) for n in "qkv"} | {"o": ("BF16", (Wide.COLS, Wide.ROWS))}
+    model, reference = Wide(), Wide()
+    pm = build_map(model, spec, model.load_weights)
+    g = torch.Generator().manual_seed(5)
+    truth = {n: torch.randn(shape, generator=g).to(torch.bfloat16) for n, (_, shape) in spec.items()}
+    model.load_weights(truth.items())
+    new = {n: t.clone() for n, t in truth.items()}
+    for t in new.values():
+        t.view(-1)[torch.randperm(t.numel(), generator=g)[: t.numel() * 3 // 4]] += 1
+    reference.load_weights(new.items())
+    sparse = []
+    for n in spec:
+        idx = torch.nonzero(new[n].view(-1).view(torch.int16) != truth[n].view(-1).view(torch.int16)).squeeze(1)
+        sparse.append(_delta(n, new[n], idx, new[n].view(-1)[idx]))
+    jobs: list[int] = []
+    real = patch_map.parallel_map
+
+    def spy(fn, items, elements=0, cost=None):  # type: ignore[no-untyped-def]
+        jobs.append(elements)
+        return real(fn, items, elements, cost)
+
+    monkeypatch.setattr(patch_map, "parallel_map", spy)
+    ops = pm.plan(sparse)
+    assert len(ops) == 4 and pm.write(ops) == sum(d.nnz for d in sparse)
+    for name, p in model.named_parameters():
+        assert torch.equal(p.view(torch.int16), dict(reference.named_parameters())[name].view(torch.int16)), name
+    assert pm.check_written(ops) == []
+    assert jobs and min(jobs) >= PARALLEL_MIN_ELEMENTS  # both went to the threads
+    at = int(sparse[1].indices[len(sparse[1].indices) // 2]) + Wide.ROWS * Wide.COLS  # an element k wrote
+    model.qkv.data.view(-1)[at] += 1
+    assert pm.check_written(ops) == ["qkv"]

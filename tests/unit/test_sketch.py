@@ -347,3 +347,40 @@ def test_change_proof_decides_as_each_tensor_alone_for_errors_of_two_to_the_63()
         proof.expect(name, sketch_range(served), wrong)  # type: ignore[arg-type]
         proof.add(name, published[at], served[at], at, increasing=True)
     assert not proof.holds()
+
+
+def test_change_proof_takes_adds_from_many_threads_at_once() -> None:
+    """Threads add different tensors (and disjoint parts of one) at the same time, each to its own histogram:
+    the proof decides exactly as one thread's does, holding when all match and failing on one wrong value."""
+    import threading
+
+    sizes = [(300_000, 70_000), (3 << 17, 90_000), (5000, 70), (200_000, 100_000)]
+    tensors = {f"t{k}": _changed(numel, n, torch.bfloat16, seed=10 + k) for k, (numel, n) in enumerate(sizes)}
+    for wrong_in in (None, "t1", "t3"):
+        proof = ChangeProof()
+        jobs = []
+        for name, (served, published, at) in tensors.items():
+            proof.expect(name, sketch_range(served), sketch_range(published))
+            new = published.clone()
+            if name == wrong_in:
+                new[at[-1]] = (new[at[-1]].float() * 2 + 1).to(torch.bfloat16)
+            jobs += [(name, new, served, part) for part in at.tensor_split(2)]
+        start = threading.Barrier(len(jobs))
+
+        def add(
+            name: str,
+            new: torch.Tensor,
+            served: torch.Tensor,
+            part: torch.Tensor,
+            proof: ChangeProof = proof,
+            start: threading.Barrier = start,
+        ) -> None:
+            start.wait()  # every thread adds at once
+            proof.add(name, new[part], served[part], part, increasing=True)
+
+        threads = [threading.Thread(target=add, args=job) for job in jobs]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert proof.holds() is (wrong_in is None), wrong_in

@@ -1,0 +1,135 @@
+"""deltasync's threads run on the cores the process could use at import (or ``DELTASYNC_CPUS``), not on the one
+core vLLM's CPU worker pins its main thread to; a job's items come back in order, errors and all."""
+
+from __future__ import annotations
+
+import os
+import threading
+
+import pytest
+
+from deltasync import _cpus
+from deltasync._cpus import CPUS_ENV, PARALLEL_MIN_ELEMENTS, parallel_map, parse_cpu_list, work_cpus
+
+BIG = PARALLEL_MIN_ELEMENTS
+
+needs_two = pytest.mark.skipif(
+    len(os.sched_getaffinity(0)) < 2 if hasattr(os, "sched_getaffinity") else True,
+    reason="needs two cores this process may use (Linux)",
+)
+
+
+@pytest.mark.parametrize(
+    ("text", "cpus"), [("0", {0}), ("0-3", {0, 1, 2, 3}), ("1,3-4", {1, 3, 4}), (" 2 , 0 ", {0, 2}), ("5-5", {5})]
+)
+def test_cpu_lists_parse(text: str, cpus: set[int]) -> None:
+    assert parse_cpu_list(text) == cpus
+
+
+@pytest.mark.parametrize("text", ["", "a", "1-", "-1", "3-1", "1,,2", "0x1", "1.5"])
+def test_bad_cpu_lists_name_the_setting(text: str) -> None:
+    with pytest.raises(ValueError, match=f"{CPUS_ENV}=.*expected a CPU list"):
+        parse_cpu_list(text)
+
+
+def _on_one_core(job):  # type: ignore[no-untyped-def]
+    """``job()`` run on a thread pinned to core 0, as vLLM's CPU worker pins its main thread."""
+    out: dict[str, object] = {}
+
+    def run() -> None:
+        os.sched_setaffinity(0, {0})
+        try:
+            out["result"] = job()
+        except BaseException as exc:  # noqa: BLE001 - handed back to the test
+            out["error"] = exc
+
+    t = threading.Thread(target=run)
+    t.start()
+    t.join()
+    if "error" in out:
+        raise out["error"]  # type: ignore[misc]
+    return out["result"]
+
+
+def _where() -> tuple[frozenset[int], int]:
+    return frozenset(os.sched_getaffinity(0)), threading.get_ident()
+
+
+@needs_two
+def test_a_pinned_caller_still_spreads_the_work_over_the_cores_it_had_at_import(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """The bug this fixes: the pool sized itself by the calling thread's affinity, one core in vLLM's CPU worker,
+    and so decoded and proved serially there."""
+    monkeypatch.delenv(CPUS_ENV, raising=False)
+    start = threading.Barrier(2, timeout=10)
+
+    def job(i: int) -> tuple[frozenset[int], int]:
+        if i < 2:
+            start.wait()  # two items at once: two threads
+        return _where()
+
+    seen = _on_one_core(lambda: parallel_map(job, range(6), BIG))
+    assert {cpus for cpus, _ in seen} == {work_cpus()} and len(work_cpus()) >= 2
+    assert len({ident for _, ident in seen}) >= 2
+    assert os.sched_getaffinity(0) == set(work_cpus())  # the pool's threads pinned themselves, not the caller
+
+
+@needs_two
+def test_the_setting_moves_the_work_off_the_callers_core(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    monkeypatch.setenv(CPUS_ENV, "1")
+    seen = _on_one_core(lambda: parallel_map(lambda i: _where(), range(3), BIG))
+    assert {cpus for cpus, _ in seen} == {frozenset({1})}
+    caller = _on_one_core(lambda: threading.get_ident())
+    assert caller not in {ident for _, ident in seen}
+
+
+def test_small_jobs_run_on_the_caller(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    monkeypatch.delenv(CPUS_ENV, raising=False)
+    here = threading.get_ident()
+    assert {ident for _, ident in parallel_map(lambda i: _where(), range(4), BIG - 1)} == {here}
+
+
+def test_results_come_back_in_order_whatever_runs_first(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    monkeypatch.delenv(CPUS_ENV, raising=False)
+    items = [3, 1, 4, 1, 5, 9, 2, 6]
+    assert parallel_map(lambda x: x * 10, items, BIG, cost=lambda x: x) == [x * 10 for x in items]
+    assert parallel_map(lambda x: x * 10, items, BIG) == [x * 10 for x in items]
+
+
+def test_the_largest_item_starts_first(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    monkeypatch.setenv(CPUS_ENV, "0")  # one thread: the order of starts is the order of submission
+    started: list[int] = []
+    parallel_map(started.append, [2, 7, 1, 7, 3], BIG, cost=lambda x: x)
+    assert started == [7, 7, 3, 2, 1]
+
+
+def test_an_error_in_one_item_reaches_the_caller(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    monkeypatch.delenv(CPUS_ENV, raising=False)
+
+    def job(i: int) -> int:
+        if i == 3:
+            raise ValueError("item 3 is bad")
+        return i
+
+    with pytest.raises(ValueError, match="item 3 is bad"):
+        parallel_map(job, range(8), BIG)
+
+
+def test_a_bad_setting_is_a_clear_error(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    monkeypatch.setenv(CPUS_ENV, "all")
+    with pytest.raises(ValueError, match=f"{CPUS_ENV}='all'"):
+        parallel_map(lambda i: i, range(4), BIG)
+
+
+def test_cores_it_may_not_use_leave_the_inherited_pin(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """A core this process may not run on (a cpuset narrowed, a core offline): the threads keep what they
+    inherited rather than fail the job."""
+    monkeypatch.setenv(CPUS_ENV, "4095")
+    assert parallel_map(lambda i: i + 1, range(3), BIG) == [1, 2, 3]
+    assert _cpus.work_cpus() == {4095}
+
+
+@pytest.mark.parametrize("cpus", [{0}, {0, 1, 2, 5}, {3, 4, 7, 8, 9, 12}, set(range(64))])
+def test_cpu_lists_round_trip(cpus: set[int]) -> None:
+    text = _cpus.format_cpu_list(cpus)
+    assert parse_cpu_list(text) == cpus and " " not in text
+    assert _cpus.format_cpu_list({0, 1, 2, 5}) == "0-2,5"
