@@ -111,6 +111,8 @@ class Bench:
         self.first = profiled(llm, self.agent.sync)
         first = {k: round(v, 2) for k, v in self.first.timings.items()}
         print(f"{label}: first sync of the fresh engine ({anchor_encoding} anchor v0): {first}", flush=True)
+        engine = llm.collective_rpc("deltasync_status")[0]
+        print(f"{label}: engine worker decodes with {engine.get('kernels')} on cores {engine.get('cpus')}", flush=True)
         model_mib = sum(t.numel() * t.element_size() for t in self.curr.values()) / 2**20
         largest = max(t.numel() * t.element_size() for t in self.curr.values()) / 2**20
         self.first_memory = {

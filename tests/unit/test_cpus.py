@@ -1,9 +1,11 @@
-"""deltasync's threads run on the cores the process could use at import (or ``DELTASYNC_CPUS``), not on the one
-core vLLM's CPU worker pins its main thread to; a job's items come back in order, errors and all."""
+"""deltasync's threads run on the cores the process was started with (or ``DELTASYNC_CPUS``), not on the one core
+the OpenMP runtime pins vLLM's CPU worker's main thread to; a job's items come back in order, errors and all."""
 
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import threading
 
 import pytest
@@ -53,6 +55,39 @@ def _on_one_core(job):  # type: ignore[no-untyped-def]
 
 def _where() -> tuple[frozenset[int], int]:
     return frozenset(os.sched_getaffinity(0)), threading.get_ident()
+
+
+_REPORT = "from deltasync._cpus import format_cpu_list, work_cpus; print(format_cpu_list(work_cpus()))"
+
+
+def _child(script: str, **env: str) -> str:
+    """What a fresh interpreter prints, started with this process's cores and ``env`` on top of its environment."""
+    base = {k: v for k, v in os.environ.items() if k not in (CPUS_ENV, "OMP_PLACES", "OMP_PROC_BIND")}
+    done = subprocess.run(
+        [sys.executable, "-c", script], env={**base, **env}, capture_output=True, text=True, timeout=120, check=False
+    )
+    assert done.returncode == 0, done.stderr
+    return done.stdout.strip().splitlines()[-1]
+
+
+@needs_two
+def test_a_worker_that_openmp_pinned_at_torch_import_works_on_the_cores_it_was_started_with() -> None:
+    """The bug the first cut had: vLLM starts a CPU worker with ``OMP_PLACES``/``OMP_PROC_BIND`` set, and the
+    OpenMP runtime pins the main thread when torch loads, before deltasync is first imported: the cores read at
+    import were that one core, and every update's work ran there."""
+    script = f"import os, torch; print(sorted(os.sched_getaffinity(0)))\n{_REPORT}"
+    pinned = _child(script.replace(_REPORT, ""), OMP_PLACES="{0}", OMP_PROC_BIND="true")
+    assert pinned == "[0]"  # the runtime did pin the main thread: the case is real
+    assert _child(script, OMP_PLACES="{0}", OMP_PROC_BIND="true") == _cpus.format_cpu_list(os.sched_getaffinity(0))
+    assert _child(script, OMP_PLACES="{0}", OMP_PROC_BIND="true", **{CPUS_ENV: "1"}) == "1"
+
+
+@needs_two
+def test_a_process_started_on_fewer_cores_keeps_them() -> None:
+    """A ``taskset`` (or a process that pins itself) without OpenMP's bind: the narrower set is the operator's
+    choice, not a runtime's pin."""
+    assert _child(f"import os; os.sched_setaffinity(0, {{1}})\n{_REPORT}") == "1"
+    assert _child(f"import os, torch; os.sched_setaffinity(0, {{0}})\n{_REPORT}", OMP_PROC_BIND="false") == "0"
 
 
 @needs_two
@@ -133,3 +168,38 @@ def test_cpu_lists_round_trip(cpus: set[int]) -> None:
     text = _cpus.format_cpu_list(cpus)
     assert parse_cpu_list(text) == cpus and " " not in text
     assert _cpus.format_cpu_list({0, 1, 2, 5}) == "0-2,5"
+
+
+@needs_two
+def test_the_same_threads_serve_every_job(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """Updates reuse the threads (and the glibc arenas they allocated from) instead of starting new ones."""
+    monkeypatch.delenv(CPUS_ENV, raising=False)
+    threads = min(len(work_cpus()), _cpus.MAX_DEFAULT_THREADS)
+    start = threading.Barrier(threads, timeout=10)
+
+    def job(i: int) -> int:
+        if i < threads:
+            start.wait()  # the first job keeps every thread of the pool busy at once
+        return threading.get_ident()
+
+    first = set(parallel_map(job, range(16), BIG))
+    assert len(first) == threads and threading.get_ident() not in first
+    for _ in range(5):
+        start.reset()
+        assert set(parallel_map(job, range(16), BIG)) == first  # no new thread for later jobs
+
+
+def test_a_job_started_on_a_pool_thread_runs_there(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """A job that maps again from inside the pool runs its inner items on its own thread: a pool that waited on
+    itself would hang once every thread waited."""
+    monkeypatch.setenv(CPUS_ENV, "0")  # one thread: an inner job queued behind its caller would never run
+
+    def outer(i: int) -> list[int]:
+        me = threading.get_ident()
+        return parallel_map(lambda j: int(threading.get_ident() == me), range(4), BIG)
+
+    done: list[list[list[int]]] = []
+    t = threading.Thread(target=lambda: done.append(parallel_map(outer, range(3), BIG)), daemon=True)
+    t.start()
+    t.join(timeout=30)
+    assert done == [[[1, 1, 1, 1]] * 3]
