@@ -6,17 +6,19 @@ plugin runs; every thread the worker starts later inherits the pin (one core per
 the rest for its scheduler). An engine that decodes and proves an update on those threads alone gets that one core,
 however many the host gives the engine. The threads here run on the cores of the process that started this one
 when OpenMP was told to bind this one and its main thread's cores are a strict subset of the parent's (the pin
-came from OpenMP, not from the launcher), else on this process's own (a ``taskset`` stands), or on
-``DELTASYNC_CPUS``: a deployment that serves from the CPU and wants the update's work off its inference cores names
-the others there.
+came from OpenMP, not from the launcher), else on this process's own (a ``taskset`` stands; under an OpenMP bind
+it reads as the bind), or on ``DELTASYNC_CPUS``: a deployment that serves from the CPU and wants the update's work
+off its inference cores names the others there.
 """
 
 from __future__ import annotations
 
+import functools
 import os
+import re
 import threading
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor, wait
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import TypeVar
 
 __all__ = [
@@ -57,12 +59,17 @@ _OPENMP_BIND_ENV = ("OMP_PLACES", "OMP_PROC_BIND", "GOMP_CPU_AFFINITY", "KMP_AFF
 def _launch_cpus() -> frozenset[int]:
     """The cores this process was started with: its parent's when OpenMP binds this process's threads and its main
     thread's cores are a strict subset of the parent's (pinned by the OpenMP runtime since its start), else its
-    own. A parent that is gone (this process re-parented) or unreadable leaves this process's own."""
+    own. A parent that is gone (this process re-parented to init) or unreadable leaves this process's own. Under
+    an OpenMP bind, a ``taskset`` narrower than the parent's cores cannot be told from the bind: name the cores
+    with ``DELTASYNC_CPUS`` there."""
     own = _affinity(os.getpid())
     if not any(os.environ.get(name, "").strip().lower() not in ("", "false") for name in _OPENMP_BIND_ENV):
         return own
+    ppid = os.getppid()
+    if ppid <= 1:  # re-parented to init (or a reaper that is): not the process that started this one
+        return own
     try:
-        parent = _affinity(os.getppid())
+        parent = _affinity(ppid)
     except OSError:
         return own
     return parent if own < parent else own
@@ -71,19 +78,38 @@ def _launch_cpus() -> frozenset[int]:
 _LAUNCH: dict[int, frozenset[int]] = {}  # per process id: a forked child asks again
 
 
+MAX_CPU_ID = (1 << 16) - 1
+"""The largest core id a CPU list may name (Linux builds for at most 8,192): a larger one is a typo, and a range up
+to it would be a set of billions."""
+
+
 def parse_cpu_list(text: str, *, what: str = CPUS_ENV) -> frozenset[int]:
     """The cores of a Linux CPU list (``"0-3,8"``, as ``taskset -c`` and cpusets write them).
 
     Raises:
-        ValueError: not a CPU list, or empty.
+        ValueError: not a CPU list (ASCII digits, ascending ranges), empty, or a core id over :data:`MAX_CPU_ID`.
     """
     cpus: set[int] = set()
     for part in text.replace(" ", "").split(","):
         lo, sep, hi = part.partition("-")
-        if not lo.isdigit() or (sep and not hi.isdigit()) or (sep and int(hi) < int(lo)):
+        ends = (lo, hi) if sep else (lo,)
+        if not all(_DIGITS.fullmatch(e) for e in ends):
             raise ValueError(f"{what}={text!r}: expected a CPU list such as '0-3,8' (ascending ranges of core ids)")
-        cpus.update(range(int(lo), int(hi if sep else lo) + 1))
+        first, last = (int(e) if len(e) <= 9 else MAX_CPU_ID + 1 for e in (lo, ends[-1]))
+        if last > MAX_CPU_ID:
+            raise ValueError(f"{what}={text!r}: core {ends[-1]} is over {MAX_CPU_ID}; name cores the host has")
+        if last < first:
+            raise ValueError(f"{what}={text!r}: expected a CPU list such as '0-3,8' (ascending ranges of core ids)")
+        cpus.update(range(first, last + 1))
     return frozenset(cpus)
+
+
+_DIGITS = re.compile(r"[0-9]+")
+
+
+@functools.lru_cache(maxsize=4)
+def _setting(text: str) -> frozenset[int]:
+    return parse_cpu_list(text)
 
 
 def format_cpu_list(cpus: frozenset[int] | set[int]) -> str:
@@ -106,15 +132,16 @@ def work_cpus() -> frozenset[int]:
     """
     text = os.environ.get(CPUS_ENV, "").strip()
     if text:
-        return parse_cpu_list(text)
+        return _setting(text)
     pid = os.getpid()
     if pid not in _LAUNCH:
         _LAUNCH[pid] = _launch_cpus()
     return _LAUNCH[pid]
 
 
-_POOLS: dict[tuple[int, frozenset[int], int], ThreadPoolExecutor] = {}
-_POOLS_LOCK = threading.Lock()
+_IDLE: list[tuple[tuple[int, frozenset[int], int], ThreadPoolExecutor]] = []  # the most recently used last
+_IDLE_LOCK = threading.Lock()
+_MAX_IDLE = 2
 _IN_POOL = threading.local()
 
 
@@ -122,22 +149,31 @@ def _pin(cpus: frozenset[int]) -> None:
     _IN_POOL.active = True
     try:  # Linux: pid 0 is the calling thread, not the process
         os.sched_setaffinity(0, cpus)
-    except (AttributeError, OSError):  # not Linux, or cores this process may no longer use: the inherited pin stands
+    except (AttributeError, OSError, OverflowError, ValueError):  # not Linux, or cores it may not use: the pin stands
         pass
 
 
-def _pool(workers: int, cpus: frozenset[int]) -> ThreadPoolExecutor:
-    """One pool per thread count and core set, kept for the process's life: the same threads serve every update,
-    each with the glibc arena it allocated from before (a new thread's arena faults its pages in afresh, which
-    cost more than the work in the first updates after it: measured 0.5-0.6 s against 0.2 s)."""
-    key = (os.getpid(), cpus, workers)  # a forked child starts with none of its parent's threads
-    with _POOLS_LOCK:
-        pool = _POOLS.get(key)
-        if pool is None:
-            pool = _POOLS[key] = ThreadPoolExecutor(
-                max_workers=workers, thread_name_prefix="deltasync", initializer=_pin, initargs=(cpus,)
-            )
-        return pool
+def _take(key: tuple[int, frozenset[int], int]) -> ThreadPoolExecutor:
+    """An idle pool for ``key`` (process, cores, threads), else a new one. A pool serves one job at a time: two
+    callers never queue behind each other's items (one job's items may wait on another's; a job that waits on a
+    thread it started, which runs a job of its own, would otherwise wait on itself)."""
+    with _IDLE_LOCK:
+        for i in range(len(_IDLE) - 1, -1, -1):
+            if _IDLE[i][0] == key:
+                return _IDLE.pop(i)[1]
+    return ThreadPoolExecutor(max_workers=key[2], thread_name_prefix="deltasync", initializer=_pin, initargs=(key[1],))
+
+
+def _give_back(key: tuple[int, frozenset[int], int], pool: ThreadPoolExecutor) -> None:
+    """Keep the pool for the next job: the same threads serve every update, each with the glibc arena it allocated
+    from before (a new thread's arena faults its pages in afresh, which cost more than the work in the first
+    updates after it: measured 0.5-0.6 s against 0.2 s). At most :data:`_MAX_IDLE` are kept, the oldest let go."""
+    with _IDLE_LOCK:
+        _IDLE.append((key, pool))
+        gone = [p for _, p in _IDLE[:-_MAX_IDLE]]
+        del _IDLE[:-_MAX_IDLE]
+    for p in gone:
+        p.shutdown(wait=False)  # its threads end once idle (a forked child's copies of a parent's have none)
 
 
 def parallel_map(
@@ -152,14 +188,24 @@ def parallel_map(
     itself). ``cost``: each item's share, the largest started first, so that one big tensor does not start last
     and finish alone."""
     cpus = work_cpus()
-    limit = len(cpus) if os.environ.get(CPUS_ENV, "").strip() else min(len(cpus), MAX_DEFAULT_THREADS)
+    cap = (os.cpu_count() or 1) if os.environ.get(CPUS_ENV, "").strip() else MAX_DEFAULT_THREADS
+    limit = max(min(len(cpus), cap), 1)
     workers = min(len(items), limit)
     if elements < PARALLEL_MIN_ELEMENTS or getattr(_IN_POOL, "active", False) or (workers <= 1 and _affinity() <= cpus):
         return [fn(item) for item in items]
     order = sorted(range(len(items)), key=lambda i: -cost(items[i])) if cost is not None else range(len(items))
-    pool = _pool(max(limit, 1), cpus)
-    futures = {i: pool.submit(fn, items[i]) for i in order}
+    key = (os.getpid(), cpus, limit)
+    pool = _take(key)
+    futures: dict[int, Future[_R]] = {}
+    try:
+        for i in order:
+            futures[i] = pool.submit(fn, items[i])
+    except RuntimeError:  # the interpreter is shutting down (an atexit hook): no new threads, run here
+        wait(futures.values())
+        pool.shutdown(wait=False)
+        return [futures[i].result() if i in futures else fn(items[i]) for i in range(len(items))]
     try:
         return [futures[i].result() for i in range(len(items))]
     finally:  # an error returns only once every item has finished: none still runs on the caller's buffers
         wait(futures.values())
+        _give_back(key, pool)

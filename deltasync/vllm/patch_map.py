@@ -132,6 +132,7 @@ class PatchMap:
         build_s: float,
         model: torch.nn.Module | None = None,
     ) -> None:
+        _check_disjoint(runs)
         self.runs, self.unmapped, self.build_s = runs, unmapped, build_s
         self.layers: dict[str, int] = {}
         """How many layers were probed tensor by tensor and how many derived from their kind's first layer."""
@@ -173,8 +174,12 @@ class PatchMap:
         of their indices), contiguous block copies for the dense ones (anchors). Runs before the pause (nothing is
         read during it). Raises KeyError for a tensor the map does not hold."""
         out: list[Scatter | Blocks] = []
+        spans: dict[str, list[tuple[int, int]]] = {}
         for d in deltas:
             runs = self.runs[d.ckpt_name]
+            bounds = getattr(d, "bounds", None)  # benchmarks/gpu's light entries have none (one per tensor)
+            if bounds is not None:
+                spans.setdefault(d.ckpt_name, []).append(tuple(bounds))
             held_here = getattr(d, "held", None)  # benchmarks/gpu plans its own light entries
             if d.indices is not None or held_here is not None:
                 indices = d.indices if d.indices is not None else torch.arange(*d.bounds, dtype=torch.int64)
@@ -214,6 +219,14 @@ class PatchMap:
                             (hi - lo)[keep].tolist(),
                             moved[(p.device, p.dtype)],
                         )
+                    )
+        for name, bounds in spans.items():  # the writes run on threads: two over one element would race
+            bounds.sort()
+            for (_, stop), (start, _) in zip(bounds, bounds[1:], strict=False):
+                if start < stop:
+                    raise ValueError(
+                        f"patch map: the update's entries for {name!r} overlap ({bounds[:4]}); an update writes "
+                        "each element once (a decoder's bug: nothing was written)"
                     )
         return out
 
@@ -370,6 +383,35 @@ class PatchMap:
             "layers": self.layers,
             "split": self.split,
         }
+
+
+def _check_disjoint(runs: Mapping[str, list[Runs]]) -> None:
+    """Each live parameter element is at most one checkpoint element's: the plan's writes never overlap, and may
+    run on threads (the map's build refuses aliasing loaders; a map built another way is checked here).
+
+    Raises:
+        ValueError: naming the parameter and the two checkpoint tensors.
+    """
+    by_param: dict[str, list[tuple[torch.Tensor, torch.Tensor, str]]] = {}
+    for name, rs in runs.items():
+        for r in rs:
+            by_param.setdefault(r.param, []).append((r.param_start, r.length, name))
+    for param, parts in by_param.items():
+        start = torch.cat([p for p, _, _ in parts])
+        stop = start + torch.cat([n for _, n, _ in parts])
+        owner = torch.cat([torch.full((p.numel(),), i) for i, (p, _, _) in enumerate(parts)])
+        order = torch.argsort(start)
+        start, stop, owner = start[order], stop[order], owner[order]
+        if start.numel() > 1:
+            hit = torch.nonzero(start[1:] < torch.cummax(stop, 0).values[:-1])
+            if hit.numel():
+                i = int(hit[0]) + 1
+                first = int(torch.nonzero(stop[:i] > start[i])[0])
+                a, b = parts[int(owner[first])][2], parts[int(owner[i])][2]
+                raise ValueError(
+                    f"patch map: {a!r} and {b!r} both land on elements from {int(start[i])} of parameter {param!r}; "
+                    "a map places each parameter element once (an aliasing loader: serve it in reload mode)"
+                )
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:

@@ -203,3 +203,109 @@ def test_a_job_started_on_a_pool_thread_runs_there(monkeypatch) -> None:  # type
     t.start()
     t.join(timeout=30)
     assert done == [[[1, 1, 1, 1]] * 3]
+
+
+# Round-11 review (an adversary on the threaded apply): each of these hung, crashed or misread before its fix.
+
+
+@pytest.mark.parametrize("text", ["²", "0-²", "¹,0", "٣", "99999999999", "0-100000000", "0-" + "9" * 5000])
+def test_hostile_settings_are_refused_at_once_naming_the_setting(monkeypatch, text: str) -> None:  # type: ignore[no-untyped-def]
+    """Non-ASCII digits (``int`` takes Arabic-Indic ones, ``isdigit`` superscripts it then rejects), a core id
+    past any kernel's (the pool's threads failed to pin, and every later job raised ``BrokenThreadPool``), a range
+    of a hundred million cores (a set of GBs, parsed again on every job)."""
+    monkeypatch.setenv(CPUS_ENV, text)
+    with pytest.raises(ValueError, match=f"{CPUS_ENV}="):
+        parallel_map(lambda i: i, range(4), BIG)
+    with pytest.raises(ValueError, match=f"{CPUS_ENV}="):
+        parse_cpu_list(text)
+
+
+def test_the_largest_core_id_still_parses(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    monkeypatch.setenv(CPUS_ENV, f"0,{_cpus.MAX_CPU_ID}")
+    assert parallel_map(lambda i: i * 3, range(5), BIG) == [0, 3, 6, 9, 12]  # the big core cannot be pinned: kept
+
+
+def _finishes(script: str, timeout: float = 60) -> str:
+    """Run ``script`` in a fresh interpreter that must exit by itself within ``timeout`` (a hang fails the test,
+    not the suite)."""
+    try:
+        return _child(script)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"hung: {script}")
+
+
+def test_two_callers_whose_items_wait_on_each_other_both_finish() -> None:
+    """A job's items wait on another caller's items. With one pool shared by every caller, the first job filled
+    its threads and the second queued behind them for ever; a pool now serves one job at a time."""
+    out = _finishes(
+        f"""
+import threading, time
+from deltasync._cpus import parallel_map
+ev = threading.Event(); out = {{}}
+a = threading.Thread(target=lambda: out.setdefault("a", parallel_map(lambda i: ev.wait(20), range(8), {BIG})))
+a.start(); time.sleep(0.3)
+b = threading.Thread(target=lambda: out.setdefault("b", parallel_map(lambda i: ev.set(), range(2), {BIG})))
+b.start(); a.join(); b.join()
+print(sorted(out), out["a"])
+"""
+    )
+    assert out == "['a', 'b'] [True, True, True, True, True, True, True, True]"
+
+
+def test_an_item_that_waits_on_its_own_thread_running_a_job_finishes() -> None:
+    """An item starts a plain thread that runs a job and joins it: the thread is no pool thread, so it did not
+    run its job serially, and queued it behind the items that waited on it."""
+    out = _finishes(
+        f"""
+import threading
+from deltasync._cpus import parallel_map
+def fn(x):
+    got = []
+    t = threading.Thread(target=lambda: got.append(parallel_map(lambda y: y + x, [1, 2], {BIG})))
+    t.start(); t.join(20)
+    return got[0]
+print(parallel_map(fn, list(range(4)), {BIG}))
+"""
+    )
+    assert out == "[[1, 2], [2, 3], [3, 4], [4, 5]]"
+
+
+def test_a_job_in_an_atexit_hook_runs() -> None:
+    """At interpreter exit no new thread may start (``submit`` raises): the job runs on the caller instead."""
+    out = _finishes(
+        f"""
+import atexit
+from deltasync._cpus import parallel_map
+parallel_map(lambda i: i, range(4), {BIG})  # a pool kept from before
+atexit.register(lambda: print("at exit", parallel_map(lambda i: i * 2, range(4), {BIG}), flush=True))
+"""
+    )
+    assert out == "at exit [0, 2, 4, 6]"
+
+
+@needs_two
+def test_a_reparented_process_keeps_its_own_cores(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """Under an OpenMP bind, a process whose parent is gone (re-parented to init) read init's cores as the ones
+    it was started with."""
+    out = tmp_path / "out.txt"
+    script = (
+        "import os, time; time.sleep(1.0); from deltasync._cpus import format_cpu_list, work_cpus; "
+        f"open({str(out)!r}, 'w').write(str(os.getppid()) + ' ' + format_cpu_list(work_cpus()))"
+    )
+    env = {k: v for k, v in os.environ.items() if k != CPUS_ENV}
+    subprocess.run(  # sh starts the pinned child in the background and exits: the child is re-parented
+        ["sh", "-c", f'taskset -c 0 {sys.executable} -c "{script}" &'], env={**env, "OMP_PROC_BIND": "true"}, check=True
+    )
+    for _ in range(300):
+        if out.exists() and out.read_text():
+            break
+        threading.Event().wait(0.1)
+    ppid, cores = out.read_text().split()
+    assert cores == "0", ppid
+
+
+def test_idle_pools_are_bounded_however_many_core_sets_are_used(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    for text in ["0", "0-1", "1", "0,1", "0-3", "2", "0-7"]:
+        monkeypatch.setenv(CPUS_ENV, text)
+        assert parallel_map(lambda i: i, range(3), BIG) == [0, 1, 2]
+    assert len(_cpus._IDLE) <= _cpus._MAX_IDLE

@@ -3,6 +3,8 @@ vLLM's do; the real vLLM models are in tests/integration/test_inplace.py."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 
@@ -253,3 +255,45 @@ def test_a_large_plan_is_written_and_read_back_on_several_threads(monkeypatch: p
     at = int(sparse[1].indices[len(sparse[1].indices) // 2]) + Wide.ROWS * Wide.COLS  # an element k wrote
     model.qkv.data.view(-1)[at] += 1
     assert pm.check_written(ops) == ["qkv"]
+
+
+# Round-11 review: the pause's writes run on threads, so two writes over one element would race (found by an
+# adversary: an aliasing map and an update with overlapping entries for one tensor were both written, racing).
+
+
+def _one_run(param: str, param_start: int, n: int) -> list[Any]:
+    from deltasync.vllm.patch_map import Runs
+
+    return [Runs(param, torch.tensor([0]), torch.tensor([param_start]), torch.tensor([n]))]
+
+
+def test_a_map_that_lands_two_tensors_on_one_element_is_refused() -> None:
+    from deltasync.vllm.patch_map import PatchMap
+
+    w = torch.nn.Parameter(torch.zeros(100, dtype=torch.bfloat16), requires_grad=False)
+    PatchMap({"a": _one_run("w", 0, 50), "b": _one_run("w", 50, 50)}, {}, {"w": w}, 0.0)  # side by side: fine
+    for b_start in (0, 49, 10):
+        with pytest.raises(ValueError, match=r"'a' and 'b' both land on elements from \d+ of parameter 'w'"):
+            PatchMap({"a": _one_run("w", 0, 50), "b": _one_run("w", b_start, 20)}, {}, {"w": w}, 0.0)
+    with pytest.raises(ValueError, match="'b' and 'c' both land"):  # the overlap past a long run is found
+        PatchMap({"a": _one_run("w", 0, 10), "b": _one_run("w", 20, 60), "c": _one_run("w", 70, 5)}, {}, {"w": w}, 0.0)
+
+
+def test_an_update_with_overlapping_entries_for_one_tensor_is_refused_before_any_write() -> None:
+    from deltasync.vllm.patch_map import PatchMap
+
+    n = 1 << 19
+    w = torch.nn.Parameter(torch.zeros(n, dtype=torch.float32), requires_grad=False)
+    pm = PatchMap({"a": _one_run("w", 0, n)}, {}, {"w": w}, 0.0)
+    half = TensorDelta(
+        ckpt_name="a", shape=(n,), dtype=torch.float32, indices=torch.arange(0, n, 2), values=torch.full((n // 2,), 3.0)
+    )
+    whole = TensorDelta(ckpt_name="a", shape=(n,), dtype=torch.float32, indices=None, values=torch.full((n,), 5.0))
+    with pytest.raises(ValueError, match="entries for 'a' overlap"):
+        pm.plan([half, whole])
+    assert not bool(w.data.any())  # nothing written
+    lo = TensorDelta(ckpt_name="a", shape=(n,), dtype=torch.float32, indices=None, values=torch.ones(10), span=(0, 10))
+    hi = TensorDelta(
+        ckpt_name="a", shape=(n,), dtype=torch.float32, indices=None, values=torch.ones(n - 10), span=(10, n)
+    )
+    assert pm.write(pm.plan([hi, lo])) == n and bool((w.data == 1).all())  # an anchor's spans, side by side
