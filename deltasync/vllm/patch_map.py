@@ -230,11 +230,13 @@ class PatchMap:
                     )
         return out
 
-    def write(self, ops: Iterable[Scatter | Blocks], into: Mapping[str, torch.Tensor] | None = None) -> int:
+    def write(
+        self, ops: Iterable[Scatter | Blocks], into: Mapping[str, torch.Tensor] | None = None, *, threads: bool = True
+    ) -> int:
         """Write into the live parameters (or, with ``into``, into these flat stand-ins of some of them, for a
         dry run: ops on other parameters are skipped); returns the elements written. The ops of one plan write
         disjoint elements (each parameter element is one checkpoint element's, the map says which): they run on
-        several threads."""
+        several threads, unless ``threads`` is false (the pause: see the engine)."""
 
         def one(op: Scatter | Blocks) -> int:
             if into is not None:
@@ -252,7 +254,7 @@ class PatchMap:
                 return sum(op.length)
 
         ops = list(ops)
-        if into is None and not all(self.param(op.param).device.type == "cpu" for op in ops):
+        if into is None and not (threads and all(self.param(op.param).device.type == "cpu" for op in ops)):
             return sum(one(op) for op in ops)  # a GPU's copies queue on one stream: threads add nothing
         return sum(parallel_map(one, ops, sum(_size(op) for op in ops), cost=_size))
 
