@@ -30,6 +30,7 @@ __all__ = [
     "Holding",
     "admit",
     "check_decoded",
+    "overlapping",
     "refuse_claim",
     "spec_of",
     "verify",
@@ -267,6 +268,12 @@ def refuse_claim(
     return None
 
 
+def overlapping(spans: list[tuple[int, int]]) -> bool:
+    """Whether two of the half-open ``spans`` share an element (sorts ``spans`` in place)."""
+    spans.sort()
+    return any(start < stop for (_, stop), (start, _) in zip(spans, spans[1:], strict=False))
+
+
 def check_decoded(manifest: DeltaManifest, deltas: Sequence[TensorDelta], *, where: str) -> None:
     """The decoded entries of an object agree with its manifest: each names a tensor the manifest lists with
     the same dtype and shape, spans of one tensor do not overlap, counts add up to the manifest's ``nnz``,
@@ -287,10 +294,8 @@ def check_decoded(manifest: DeltaManifest, deltas: Sequence[TensorDelta], *, whe
         covered.setdefault(d.ckpt_name, []).append(d.bounds)
         nnz[d.ckpt_name] = nnz.get(d.ckpt_name, 0) + d.nnz
     for name, spans in covered.items():
-        spans.sort()
-        for (_, stop), (start, _) in zip(spans, spans[1:], strict=False):
-            if start < stop:
-                raise FormatError(f"{where}: tensor {name!r} has overlapping entries ({spans[:4]})")
+        if overlapping(spans):
+            raise FormatError(f"{where}: tensor {name!r} has overlapping entries ({spans[:4]})")
     for name, e in manifest.tensors.items():
         if nnz.get(name, 0) != e.nnz:
             raise FormatError(

@@ -392,8 +392,9 @@ class DeltaSyncWeightTransferEngine(ProvingEngine):
         pm = self.patch_map()
         written = 0
         for i, ((manifest, deltas), object_ops) in enumerate(zip(checked, ops, strict=True)):
-            # on the calling thread: in the pause, vLLM's engine process spins on the other cores waiting for this
-            # RPC, and a write shared with it took 0.5 s instead of 0.06-0.1 s in two of three benchmark runs
+            # on the calling thread: with the writes on threads over the worker's cores, one pause step took ~0.5 s
+            # instead of 0.06-0.1 s in two of three benchmark runs (likely: vLLM's engine process busy-waits on the
+            # other core for this RPC; not measured)
             written += pm.write(object_ops, threads=False)
             if i < len(ops) - 1:  # a later object overwrites some of these elements: read them back now
                 bad = pm.check_written(object_ops)

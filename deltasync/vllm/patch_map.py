@@ -220,10 +220,11 @@ class PatchMap:
                             moved[(p.device, p.dtype)],
                         )
                     )
-        for name, bounds in spans.items():  # the writes run on threads: two over one element would race
-            bounds.sort()
-            for (_, stop), (start, _) in zip(bounds, bounds[1:], strict=False):
-                if start < stop:
+        if spans:  # the writes may run on threads: two over one element would race (imported here: see bench_scatter)
+            from ..apply import overlapping
+
+            for name, bounds in spans.items():
+                if overlapping(bounds):
                     raise ValueError(
                         f"patch map: the update's entries for {name!r} overlap ({bounds[:4]}); an update writes "
                         "each element once (a decoder's bug: nothing was written)"
@@ -659,33 +660,7 @@ def _draw_real_values(
 
     gen = torch.Generator().manual_seed(_seed())
     values = {n: _real_values(spec[n][1], DTYPES[spec[n][0]], gen) for n in names}
-    _distinct_at_each_place(values, gen)
     return values, {n: tensor_checksum(v) for n, v in values.items()}
-
-
-def _distinct_at_each_place(values: Mapping[str, torch.Tensor], gen: torch.Generator) -> None:
-    """Redraw, in place, every value that has the same bits as another tensor's of the group at the same flat
-    place (tensors of one size and width): a loader's stray write of one tensor's element over another's at that
-    place is then never the bits already there. Two tensors held the same bits at a place about once in 600
-    (bf16 ``randn`` values coincide about once in 1,100, and the edge values repeat every 7th place with one of
-    15), and a derived layer's proof, whose probes go in the order that covers such a stray, missed a
-    one-element one as often (adversarial review, round 11: found as a flaky test)."""
-    sizes: dict[tuple[int, int], list[torch.Tensor]] = {}
-    for v in values.values():
-        if v.numel() and v.dtype.is_floating_point:
-            sizes.setdefault((v.numel(), v.element_size()), []).append(v)
-    for group in sizes.values():
-        for k in range(1, len(group)):
-            mine = _bits(group[k]).view(-1)
-            for _ in range(64):  # each round redraws the clashes; a clash again is ~1/1,000 of them
-                clash = torch.zeros(mine.numel(), dtype=torch.bool)
-                for other in group[:k]:
-                    clash |= mine == _bits(other).view(-1)
-                where = clash.nonzero().view(-1)
-                if where.numel() == 0:
-                    break
-                fresh = torch.randn(where.numel(), generator=gen).to(group[k].dtype)
-                mine[where] = _bits(fresh)
 
 
 def _verify_group(
