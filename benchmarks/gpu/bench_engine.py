@@ -31,8 +31,10 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import cProfile
 import json
 import os
+import pstats
 import sys
 import time
 import traceback
@@ -217,20 +219,22 @@ def trainer_step(weights: dict[str, torch.Tensor], fraction: float, gen: torch.G
         flip = torch.rand(t.shape, generator=gen, device=t.device) < fraction
         step = torch.randint(-2, 3, t.shape, generator=gen, device=t.device, dtype=torch.int16)
         step = torch.where(step == 0, torch.ones_like(step), step)
-        new = torch.where(flip, bits + step, bits)
-        out[name] = new.view(torch.bfloat16)
+        magnitude = (bits & 0x7FFF) + step  # the sign kept; finite and nonzero (never NaN, which is refused)
+        moved = (bits & -0x8000) | magnitude.clamp(1, 0x7F7F)
+        out[name] = torch.where(flip, moved, bits).view(torch.bfloat16)
     return out
 
 
 def publish_delta(
     old: dict[str, torch.Tensor], new: dict[str, torch.Tensor], version: int
-) -> tuple[bytes, dict[str, str], int]:
-    """What the publisher writes for ``old -> new``: one ``packed`` shard, the published sketches, and the changed
-    elements. The diff runs on the device (a trainer's weights live there); the encoding on the host."""
-    deltas, sketches, nnz = [], {}, 0
+) -> tuple[bytes, dict[str, str], int, dict[str, torch.Tensor]]:
+    """What the publisher writes for ``old -> new``: one ``packed`` shard, the published sketches, the changed
+    elements, and the new weights on the host. The diff runs on the device (a trainer's weights live there); the
+    encoding on the host."""
+    deltas, sketches, nnz, hosts = [], {}, 0, {}
     for name, t in new.items():
         idx = torch.nonzero(old[name].reshape(-1).view(torch.int16) != t.reshape(-1).view(torch.int16)).squeeze(1)
-        host = t.cpu()
+        host = hosts[name] = t.cpu()
         sketches[name] = tensor_sketch(host)
         if idx.numel() == 0:
             continue
@@ -247,7 +251,7 @@ def publish_delta(
             )
         )
     blob = encode_shard(deltas, kind="delta", encoding="packed", target_version=version, base_version=version - 1)
-    return blob, sketches, nnz
+    return blob, sketches, nnz, hosts
 
 
 def exact(pm: PatchMap, weights: dict[str, torch.Tensor]) -> bool:
@@ -267,6 +271,7 @@ def prove(
     served_sketch: dict[str, str],
     published: dict[str, str],
     forge: str | None = None,
+    reread: list[str] | None = None,
 ) -> bool:
     """The engine's proof before the pause (``ProvingEngine._prove`` for sparse changes to tensors held whole): the
     old values the decoder read at the changed elements (or read again through the map), every tensor's change
@@ -281,7 +286,12 @@ def prove(
         assert d.indices is not None
         parts = served.served.get(name)
         same = parts is not None and len(parts) == 1 and parts[0][0].data_ptr() == d.indices.data_ptr()
-        old = parts[0][1] if same and parts is not None else pm.gather(name, d.indices)
+        if same and parts is not None:
+            old = parts[0][1]
+        else:
+            old = pm.gather(name, d.indices)
+            if reread is not None:
+                reread.append(name)
         new = d.values.reshape(-1).to(old.dtype)
         if name == forge:
             new = new.clone()
@@ -293,18 +303,28 @@ def prove(
     return proof.holds()
 
 
-def run_case(name: str, c: dict[str, Any], device: torch.device, steps: int, fraction: float) -> dict[str, Any]:
+def run_case(
+    name: str, c: dict[str, Any], device: torch.device, steps: int, fraction: float, out: dict[str, Any]
+) -> None:
+    """Fills ``out`` as it goes (what was measured stands if a later step fails)."""
     shapes = checkpoint_shapes(c)
     spec = {n: ("BF16", s) for n, s in shapes.items()}
     model = FusedLM(c, device)
     params = dict(model.named_parameters())
     model_bytes = sum(p.numel() * p.element_size() for p in params.values())
     numel = sum(torch.Size(s).numel() for s in shapes.values())
-    out: dict[str, Any] = {"case": name, "device": str(device), "elements": numel, "model_gb": model_bytes / 1e9}
+    out |= {"case": name, "device": str(device), "elements": numel, "model_gb": model_bytes / 1e9}
 
     try:
+        profile = cProfile.Profile() if os.environ.get("DELTASYNC_BENCH_PROFILE") == "1" else None
         with timed(device, out, "map_s"):
+            if profile is not None:
+                profile.enable()
             pm = build_map(model, spec, model.load_weights)
+            if profile is not None:
+                profile.disable()
+        if profile is not None:
+            pstats.Stats(profile).sort_stats("tottime").print_stats(14)
         out["map_layers"], out["unmapped"] = dict(getattr(pm, "layers", {})), sorted(pm.unmapped)
     except Exception as exc:  # noqa: BLE001 - a finding: said, and the rest measured through the written-down map
         traceback.print_exc()
@@ -363,10 +383,11 @@ def run_case(name: str, c: dict[str, Any], device: torch.device, steps: int, fra
         return pm.gather(name, indices)  # the engine's _served_values, in place
 
     gen = torch.Generator(device=device).manual_seed(1)
-    steady = []
+    steady: list[dict[str, Any]] = []
+    out["steps"] = steady
     for version in range(1, steps + 1):
         new = trainer_step(weights, fraction, gen)
-        blob, published, nnz = publish_delta(weights, new, version)
+        blob, published, nnz, new_host = publish_delta(weights, new, version)
         buf = bytearray(blob)
         del blob
         step: dict[str, Any] = {"version": version, "changed": nnz, "shard_mb": len(buf) / 1e6}
@@ -379,8 +400,12 @@ def run_case(name: str, c: dict[str, Any], device: torch.device, steps: int, fra
             _, decoded = decode_shard(buf, name=f"v{version}", base=served)
         with timed(device, step, "plan_s"):
             ops = pm.plan(decoded.values())
+        reread: list[str] = []
         with timed(device, step, "prove_s"):
-            holds = prove(decoded, served, pm, sketches, published)
+            holds = prove(decoded, served, pm, sketches, published, reread=reread)
+        step["prove_reread"] = len(reread)
+        with timed(device, step, "read_host_base_s"):  # the same decode against a host copy: no device reads
+            decode_shard(buf, name=f"v{version}", base=host)
         forged = next(iter(decoded))
         step["forgery_caught"] = not prove(decoded, served, pm, sketches, published, forge=forged)
         step["before_pause_s"] = step["read_s"] + step["plan_s"] + step["prove_s"]
@@ -404,11 +429,13 @@ def run_case(name: str, c: dict[str, Any], device: torch.device, steps: int, fra
             on_device.copy_(staged, non_blocking=True)
         del staged, on_device, ops, decoded, served, buf
         steady.append(step)
-        weights, sketches = new, published
+        weights, sketches, host = new, published, new_host
         print(
             f"{name}: v{version} {nnz / 1e6:.1f}M changed ({nnz / numel:.2%}): read {step['read_s'] * 1e3:.0f} "
-            f"plan {step['plan_s'] * 1e3:.0f} prove {step['prove_s'] * 1e3:.0f} ms = before the pause "
-            f"{step['before_pause_s'] * 1e3:.0f} ms ({step['ns_per_changed']:.1f} ns/changed); pause "
+            f"plan {step['plan_s'] * 1e3:.0f} prove {step['prove_s'] * 1e3:.0f} (re-read {step['prove_reread']}) ms = "
+            f"before the pause "
+            f"{step['before_pause_s'] * 1e3:.0f} ms ({step['ns_per_changed']:.1f} ns/changed; read against a host copy "
+            f"{step['read_host_base_s'] * 1e3:.0f} ms); pause "
             f"{step['pause_s'] * 1e3:.1f} ms (scatter floor {step['floor_scatter_s'] * 1e3:.1f}), audit "
             f"{step['audit_s'] * 1e3:.1f} ms, H2D floor {step['floor_h2d_s'] * 1e3:.1f} ms; peak +"
             f"{step.get('engine_extra_peak_mb', float('nan')):.0f} MB (decoded {step['decoded_mb']:.0f} MB); "
@@ -416,7 +443,6 @@ def run_case(name: str, c: dict[str, Any], device: torch.device, steps: int, fra
             flush=True,
         )
     out["steps"] = steady
-    return out
 
 
 def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
@@ -437,11 +463,14 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     )
     results = []
     for name, config in cases.items():
+        result: dict[str, Any] = {"case": name}
+        results.append(result)
         try:
-            results.append(run_case(name, config, device, args.steps, args.fraction))
+            run_case(name, config, device, args.steps, args.fraction, result)
         except Exception as exc:  # noqa: BLE001 - one device run: the other cases still report
             traceback.print_exc()
-            results.append({"case": name, "error": f"{type(exc).__name__}: {exc}"})
+            result["error"] = f"{type(exc).__name__}: {exc}"
+        print(json.dumps(result), flush=True)  # each case as it ends (a run cut short keeps the others)
         if device.type == "cuda":
             torch.cuda.empty_cache()
     print(json.dumps({"torch": torch.__version__, "cpus": os.cpu_count(), "results": results}))
