@@ -334,6 +334,8 @@ def run_case(
         for p in params.values():
             p.data.clone()
     print(f"{name}: map {out['map_s']:.2f} s ({out['map_layers']}), whole-model clone {out['floor_clone_s']:.3f} s")
+    if steps < 0:  # the map alone
+        return
 
     weights = served_weights(pm, shapes, device)  # the trainer's copy
     sketches = {n: tensor_sketch(t.cpu()) for n, t in weights.items()}
@@ -449,7 +451,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--cases", nargs="+", default=["0.6B", "70B-2", "70B-4"], choices=sorted(CASES))
-    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=3, help="steady deltas per case (-1: the map build alone)")
     parser.add_argument("--fraction", type=float, default=0.025)
     parser.add_argument("--quick", action="store_true", help="tiny shapes only (the CI run of the CPU fallback)")
     args = parser.parse_args(argv)
