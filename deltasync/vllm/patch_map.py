@@ -276,8 +276,8 @@ class PatchMap:
         ops = list(ops)
         if all(self.param(op.param).device.type == "cpu" for op in ops):
             checked = parallel_map(ok, ops, sum(_size(op) for op in ops), cost=_size)
-        else:  # an accelerator: every comparison queued, one wait for all (not one per op)
-            checked = _all_equal_on_device([self.param(op.param).data.view(-1) for op in ops], ops)
+        else:
+            checked = [ok(op) for op in ops]
         bad: list[str] = []
         for op, good in zip(ops, checked, strict=True):
             if not good and op.param not in bad:
@@ -386,34 +386,6 @@ class PatchMap:
             "layers": self.layers,
             "split": self.split,
         }
-
-
-def _all_equal_on_device(flats: list[torch.Tensor], ops: list[Scatter | Blocks]) -> list[bool]:
-    """For each op, whether ``flats`` (its parameter, flat) holds its values bit for bit: the mismatch counts are
-    computed on the parameters' devices and read back at once."""
-    counts: list[torch.Tensor] = []
-    with torch.no_grad():
-        for flat, op in zip(flats, ops, strict=True):
-            if isinstance(op, Scatter):
-                pairs = [(flat.index_select(0, op.index), op.values)]
-            else:
-                pairs = [(flat[d : d + n], op.values[s : s + n]) for d, s, n in zip(op.dst, op.src, op.length)]
-            n_bad = torch.zeros((), dtype=torch.int64, device=flat.device)
-            for held, want in pairs:
-                if held.shape != want.shape or held.dtype != want.dtype:
-                    n_bad = n_bad + 1
-                else:
-                    n_bad = n_bad + torch.count_nonzero(_bits(held) != _bits(want))
-            counts.append(n_bad)
-    by_device: dict[torch.device, list[int]] = {}
-    for i, c in enumerate(counts):
-        by_device.setdefault(c.device, []).append(i)
-    ok = [False] * len(ops)
-    for positions in by_device.values():
-        values = torch.stack([counts[i] for i in positions]).cpu().tolist()
-        for i, v in zip(positions, values, strict=True):
-            ok[i] = v == 0
-    return ok
 
 
 def _check_disjoint(runs: Mapping[str, list[Runs]]) -> None:

@@ -297,35 +297,3 @@ def test_an_update_with_overlapping_entries_for_one_tensor_is_refused_before_any
         ckpt_name="a", shape=(n,), dtype=torch.float32, indices=None, values=torch.ones(n - 10), span=(10, n)
     )
     assert pm.write(pm.plan([hi, lo])) == n and bool((w.data == 1).all())  # an anchor's spans, side by side
-
-
-def test_the_accelerator_read_back_names_the_same_ops_as_the_threaded_one() -> None:
-    """On an accelerator the read-back queues every comparison and waits once (``_all_equal_on_device``); its
-    verdicts, run here on CPU tensors, are the threaded path's: every op of an exact write passes, and after one
-    wrong element (a sparse op) and one wrong dense block only those two ops fail."""
-    from deltasync.vllm.patch_map import Blocks, Scatter, _all_equal_on_device
-
-    spec = {n: ("BF16", (Wide.ROWS, Wide.COLS)) for n in "qkv"} | {"o": ("BF16", (Wide.COLS, Wide.ROWS))}
-    model = Wide()
-    pm = build_map(model, spec, model.load_weights)
-    g = torch.Generator().manual_seed(6)
-    new = {n: torch.randn(shape, generator=g).to(torch.bfloat16) for n, (_, shape) in spec.items()}
-    idx = torch.arange(0, Wide.ROWS * Wide.COLS, 3)
-    entries = [_delta(n, new[n], idx, new[n].view(-1)[idx]) for n in "qk"]
-    entries += [
-        TensorDelta(ckpt_name=n, shape=new[n].shape, dtype=new[n].dtype, indices=None, values=new[n]) for n in "vo"
-    ]
-    ops = pm.plan(entries)
-    assert {type(op) for op in ops} == {Scatter, Blocks}
-    pm.write(ops)
-
-    def verdicts() -> list[bool]:
-        return _all_equal_on_device([pm.param(op.param).data.view(-1) for op in ops], ops)
-
-    assert verdicts() == [True] * len(ops)
-    k_op = next(i for i, op in enumerate(ops) if isinstance(op, Scatter) and int(op.index[0]) >= Wide.ROWS * Wide.COLS)
-    model.qkv.data.view(-1)[int(ops[k_op].index[-1])] += 1  # k's last written element
-    o_op = next(i for i, op in enumerate(ops) if op.param == "o")
-    model.o.data.view(-1)[-1] += 1  # the last element of o's dense block
-    assert [i for i, ok in enumerate(verdicts()) if not ok] == sorted([k_op, o_op])
-    assert pm.check_written(ops) == [ops[min(k_op, o_op)].param, ops[max(k_op, o_op)].param]
