@@ -855,12 +855,12 @@ def _prove_derived(
     load: Callable[[Iterable[tuple[str, torch.Tensor]]], Any],
     learned: _Learned,
 ) -> str | None:
-    """Prove a derived layer's map with one loader call: every mapped tensor of the layer is loaded at once as
-    a probe of values unique across the layer (tensor k: ``offset_k + 1 + flat index``), then each parameter
-    must hold exactly the values the derived runs put there and no other non-zero. ``None`` if it does, else
-    what differs. The parameters are swapped for zeroed integer stand-ins meanwhile and restored, as in
-    probing. A write one tensor makes into another's place, covered up by the later one, is invisible here: the
-    real values' check loads them in the reverse order.
+    """Prove a derived layer's map with two loader calls: every mapped tensor of the layer is loaded at once as
+    a probe of values unique across the layer (tensor k: ``offset_k + 1 + flat index``), in reverse checkpoint
+    order, then each parameter must hold exactly the values the derived runs put there and no other non-zero;
+    then loaded again in checkpoint order (:func:`_prove_in_checkpoint_order`), where a write one tensor made
+    into another's place and the later one covered up lands after its victim. ``None`` if both hold, else what
+    differs. The parameters are swapped for zeroed integer stand-ins meanwhile and restored, as in probing.
     """
     if learned.probe is None:  # one probe range per kind, sliced per tensor: no arange per layer
         total = 0
@@ -901,11 +901,47 @@ def _prove_derived(
             written = sum(int(torch.count_nonzero(flat[lo : lo + _CHUNK])) for lo in range(0, flat.numel(), _CHUNK))
             if written != expected.get(q, 0):
                 return f"{q} holds {written} written elements, its kind's first layer puts {expected.get(q, 0)}"
-        return None
+        return _prove_in_checkpoint_order(model, params, probed, derived, offsets, load, weights[::-1])
     finally:
         for q, data in originals.items():
             params[q].data = data
             params[q].requires_grad_(grads[q])
+
+
+def _prove_in_checkpoint_order(
+    model: torch.nn.Module,
+    params: Mapping[str, torch.nn.Parameter],
+    probed: list[str],
+    derived: Mapping[str, list[Runs]],
+    offsets: Mapping[str, int],
+    load: Callable[[Iterable[tuple[str, torch.Tensor]]], Any],
+    weights: list[tuple[str, torch.Tensor]],
+) -> str | None:
+    """The derived layer's probes loaded again, in checkpoint order, over the first load: a stray write that a
+    tensor loaded later covered up in the reverse order lands after its victim here, and every run must still
+    hold its probe values, computed afresh (not read from the probe the loader was given, which it may have
+    changed: then this fails and the layer is probed). Deterministic where the real values' check in checkpoint
+    order is not: two tensors' real values hold the same bits at a stray's place about once in 600 builds
+    (a flaky test found it)."""
+    try:
+        replaced = _load_swapped(model, params, probed, load, weights)
+    except Exception as exc:  # noqa: BLE001 - probed one by one instead
+        return f"the loader refused the layer's probes in checkpoint order ({type(exc).__name__}: {exc})"
+    if replaced:
+        return _REPLACED
+    want: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}  # one buffer, refilled (no fresh pages)
+    for n, rs in derived.items():
+        for r in rs:
+            flat = params[r.param].data.view(-1)
+            buf = want.setdefault((flat.dtype, flat.device), torch.empty(_CHUNK, dtype=flat.dtype, device=flat.device))
+            for c, p, length in zip(r.ckpt_start.tolist(), r.param_start.tolist(), r.length.tolist(), strict=True):
+                first = offsets[n] + c + 1  # probe values are 1-based
+                for lo in range(0, length, _CHUNK):
+                    hi = min(length, lo + _CHUNK)
+                    expected = torch.arange(first + lo, first + hi, dtype=flat.dtype, out=buf[: hi - lo])
+                    if not torch.equal(flat[p + lo : p + hi], expected):
+                        return f"{n} does not land in {r.param} where its kind's first layer says (checkpoint order)"
+    return None
 
 
 def build_map(
@@ -1045,9 +1081,9 @@ def _take_derived(
     digests = {n: learned.digests[_template(n)] for n in d_runs}
     originals = {q: params[q].data for q in probed}
     grads = {q: params[q].requires_grad for q in probed}
-    # the probes went in reverse checkpoint order, the real values go in checkpoint order: a stray write that a
-    # later tensor of one load covered up lands after its victim in the other, and shows (a stray into no
-    # tensor's place shows in the counts); a stray only real values make shows in the order a checkpoint loads
+    # the probes went in both orders (_prove_derived): a stray write that a later tensor of one load covered up
+    # lands after its victim in the other, and shows (a stray into no tensor's place shows in the counts); the
+    # real values go in checkpoint order, where a stray only real values make shows as a checkpoint loads
     checked = dict(d_runs)
     try:
         for q in probed:
