@@ -101,6 +101,8 @@ def tensor_checksum(tensor: torch.Tensor, span: tuple[int, int] | None = None) -
     flat = tensor.detach().reshape(-1)
     if span is not None:
         flat = flat[span[0] : span[1]]
+    if flat.numel() == 0:  # no bytes (torch cannot view an empty tensor of another width as bytes)
+        return "xxh3_128:" + xxhash.xxh3_128_hexdigest(b"")
     data = flat.contiguous().view(torch.uint8).numpy()
     return "xxh3_128:" + xxhash.xxh3_128_hexdigest(data.data)
 

@@ -820,6 +820,8 @@ class _Learned:
     """Checkpoint template -> the digest of :attr:`values` when drawn (a loader must leave them as they are)."""
     probe: torch.Tensor | None = None
     """The derived layers' probe values, all tensors of a layer in one integer range (made once per kind)."""
+    probe_digest: str = ""
+    """The digest of :attr:`probe` when made (a loader must leave it as it is)."""
     offsets: dict[str, int] = dataclasses.field(default_factory=dict)
     """Checkpoint template -> where its probe starts in :attr:`probe`."""
     scratch: dict[tuple[str, bool], torch.Tensor] = dataclasses.field(default_factory=dict)
@@ -869,6 +871,9 @@ def _prove_derived(
             total += _numel(spec[n][1])
         wide = total >= 2**31 - 1 or any(params[q].numel() >= 2**31 - 1 for q in probed)
         learned.probe = _arange(total, torch.int64 if wide else torch.int32)
+        from ..format import tensor_checksum
+
+        learned.probe_digest = tensor_checksum(learned.probe)
     probe = learned.probe
     offsets = {n: learned.offsets[_template(n)] for n in derived}
     originals = {q: params[q].data for q in probed}
@@ -901,7 +906,7 @@ def _prove_derived(
             written = sum(int(torch.count_nonzero(flat[lo : lo + _CHUNK])) for lo in range(0, flat.numel(), _CHUNK))
             if written != expected.get(q, 0):
                 return f"{q} holds {written} written elements, its kind's first layer puts {expected.get(q, 0)}"
-        return _prove_in_checkpoint_order(model, params, probed, derived, offsets, load, weights[::-1])
+        return _prove_in_checkpoint_order(model, params, probed, derived, offsets, load, weights[::-1], learned)
     finally:
         for q, data in originals.items():
             params[q].data = data
@@ -916,31 +921,33 @@ def _prove_in_checkpoint_order(
     offsets: Mapping[str, int],
     load: Callable[[Iterable[tuple[str, torch.Tensor]]], Any],
     weights: list[tuple[str, torch.Tensor]],
+    learned: _Learned,
 ) -> str | None:
     """The derived layer's probes loaded again, in checkpoint order, over the first load: a stray write that a
     tensor loaded later covered up in the reverse order lands after its victim here, and every run must still
-    hold its probe values, computed afresh (not read from the probe the loader was given, which it may have
-    changed: then this fails and the layer is probed). Deterministic where the real values' check in checkpoint
-    order is not: two tensors' real values hold the same bits at a stray's place about once in 600 builds
-    (a flaky test found it)."""
+    hold its probe values, and the probe must still be what it was made (its digest: a loader that changed the
+    probe it was given would make both sides of the comparison agree; then the layer is probed). Deterministic
+    where the real values' check in checkpoint order is not: two tensors' real values hold the same bits at a
+    stray's place about once in 600 builds (a flaky test found it)."""
+    from ..format import tensor_checksum
+
+    probe = learned.probe
+    assert probe is not None
     try:
         replaced = _load_swapped(model, params, probed, load, weights)
     except Exception as exc:  # noqa: BLE001 - probed one by one instead
         return f"the loader refused the layer's probes in checkpoint order ({type(exc).__name__}: {exc})"
     if replaced:
         return _REPLACED
-    want: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}  # one buffer, refilled (no fresh pages)
     for n, rs in derived.items():
         for r in rs:
             flat = params[r.param].data.view(-1)
-            buf = want.setdefault((flat.dtype, flat.device), torch.empty(_CHUNK, dtype=flat.dtype, device=flat.device))
             for c, p, length in zip(r.ckpt_start.tolist(), r.param_start.tolist(), r.length.tolist(), strict=True):
-                first = offsets[n] + c + 1  # probe values are 1-based
-                for lo in range(0, length, _CHUNK):
-                    hi = min(length, lo + _CHUNK)
-                    expected = torch.arange(first + lo, first + hi, dtype=flat.dtype, out=buf[: hi - lo])
-                    if not torch.equal(flat[p + lo : p + hi], expected):
-                        return f"{n} does not land in {r.param} where its kind's first layer says (checkpoint order)"
+                first = offsets[n] + c
+                if not torch.equal(flat[p : p + length], probe[first : first + length]):
+                    return f"{n} does not land in {r.param} where its kind's first layer says (checkpoint order)"
+    if tensor_checksum(probe) != learned.probe_digest:  # after the comparisons: they read what it holds now
+        return "the loader changed the probe values it was given"
     return None
 
 

@@ -668,3 +668,14 @@ def test_fuzz_mutated_shards(which: int, edits: list[tuple[int, int]], cut: int)
         decode_shard(bytes(data), name="fuzz", base=base)
     except FormatError:
         pass
+
+
+def test_the_checksum_of_no_elements_is_the_digest_of_no_bytes() -> None:
+    """An empty tensor (or span) of any dtype hashes as zero bytes; torch cannot view it as bytes, which raised."""
+    import xxhash
+
+    empty = "xxh3_128:" + xxhash.xxh3_128_hexdigest(b"")
+    for dtype in (torch.int32, torch.bfloat16, torch.float32, torch.int64):
+        assert tensor_checksum(torch.zeros(0, dtype=dtype)) == empty
+        assert tensor_checksum(torch.ones(3, 4, dtype=dtype), (5, 5)) == empty
+    assert tensor_checksum(torch.ones(3, dtype=torch.int32)) != empty
