@@ -1,7 +1,7 @@
 """Adversarial review r12 of the patch map's derived-layer proof (the second probe load in checkpoint order and
 the probe digest). Each test fails if the promise breaks: writes through the map differ from a whole reload, or
-the build changed weights. Toy loaders, torch only. The four ``xfail(strict=True)`` tests are holes found in round
-12 and left open (docs/RELIABILITY.md, twelfth round): when one is fixed its test passes, and the strict marker
+the build changed weights. Toy loaders, torch only. The ``xfail(strict=True)`` tests are holes found in round 12 and
+left open (docs/RELIABILITY.md, twelfth round): when one is fixed its test passes, and the strict marker
 then fails the run until it is removed."""
 
 from __future__ import annotations
@@ -76,10 +76,6 @@ class DedupByStorage(QKVStack):
         super().load_weights(fresh)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="open (RELIABILITY, round 12): the checkpoint-order load hands the loader the same probe tensors as the first; a loader that skips tensors it was given before re-reads the first load's result",
-)
 def test_r12_a_loader_that_skips_tensors_it_was_given_before_makes_the_checkpoint_order_load_vacuous(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
