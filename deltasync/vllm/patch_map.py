@@ -663,6 +663,69 @@ def _draw_real_values(
     return values, {n: tensor_checksum(v) for n, v in values.items()}
 
 
+_BG_PERIOD = 1_048_573
+"""The background's period (a prime: it falls across rows of any width, and no row repeats the one above it)."""
+
+
+class _Background:
+    """What the stand-ins of a real-values check hold before the load: random values with the edge cases among
+    them (:func:`_real_values`, one block per dtype and build, new per build) repeating with period
+    :data:`_BG_PERIOD`, from a random place per parameter and check. Zeroed stand-ins hid a loader whose writes
+    depend on what the parameter held (one that copies into all-zero rows and adds into the others) and a write
+    of zeros into another tensor's place (adversarial review, round 12); this one looks like loaded weights."""
+
+    def __init__(self) -> None:
+        self._gen = torch.Generator().manual_seed(_seed())
+        self._blocks: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
+        self._start: dict[str, int] = {}
+
+    def draw(self, n: int) -> int:
+        """A random integer in ``[0, n)`` (0 if ``n`` is 0) from this build's generator."""
+        return int(torch.randint(0, n, (1,), generator=self._gen)) if n > 0 else 0
+
+    def fill(self, param: str, t: torch.Tensor, again: bool = False) -> None:
+        """Fill stand-in ``t`` (contiguous) of ``param`` from a new random place (``again``: the last one)."""
+        if not again or param not in self._start:
+            self._start[param] = self.draw(_BG_PERIOD)
+        flat = _bits(t.view(-1))
+        for lo, block in self._pieces(param, flat, 0, flat.numel()):
+            flat[lo : lo + block.numel()].copy_(block)
+
+    def differing(self, param: str, t: torch.Tensor, p: int = 0, n: int = -1) -> int:
+        """How many of stand-in ``t``'s flat elements ``p .. p + n`` (``n < 0``: to the end) hold other bits than
+        its background."""
+        flat = _bits(t.view(-1))
+        n = flat.numel() - p if n < 0 else n
+        return sum(
+            int(torch.count_nonzero(flat[p + lo : p + lo + b.numel()] != b))
+            for lo, b in self._pieces(param, flat, p, n)
+        )
+
+    def changed(self, param: str, t: torch.Tensor, p: int, n: int) -> torch.Tensor:
+        """Which of stand-in ``t``'s flat elements ``p .. p + n`` hold other bits than its background (a mask)."""
+        flat = _bits(t.view(-1))
+        parts = [flat[p + lo : p + lo + b.numel()] != b for lo, b in self._pieces(param, flat, p, n)]
+        return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.bool, device=flat.device)
+
+    def _pieces(self, param: str, flat: torch.Tensor, p: int, n: int) -> Iterable[tuple[int, torch.Tensor]]:
+        """``(offset from p, the background there)`` covering ``flat[p : p + n]``, one period at most each."""
+        key = (flat.dtype, flat.device)
+        block = self._blocks.get(key)
+        if block is None:
+            dtype = {torch.int16: torch.bfloat16, torch.int32: torch.float32, torch.int64: torch.float64}.get(
+                flat.dtype, flat.dtype
+            )
+            block = _bits(_real_values((_BG_PERIOD,), dtype, self._gen))
+            block[block == 0] = 1  # no zero in it: a write of zeros shows (:func:`_written_outside`)
+            block = block.to(flat.device)
+            self._blocks[key] = block
+        lo, at = 0, (p + self._start[param]) % _BG_PERIOD
+        while lo < n:
+            m = min(_BG_PERIOD - at, n - lo)
+            yield lo, block[at : at + m]
+            lo, at = lo + m, 0
+
+
 def _verify_group(
     model: torch.nn.Module,
     params: Mapping[str, torch.nn.Parameter],
@@ -673,21 +736,20 @@ def _verify_group(
     load: Callable[[Iterable[tuple[str, torch.Tensor]]], Any],
     unmapped: dict[str, str],
     runs: dict[str, list[Runs]],
-    scratch: Mapping[str, torch.Tensor] | None = None,
+    scratch: Mapping[str, torch.Tensor],
+    bg: _Background,
 ) -> None:
     """Load random real values (``values``, by checkpoint name) through the loader and check they land where the
     map says, bit for bit (a loader that scales or offsets values would map integer probes to wrong places);
     mismatching tensors leave the map. The values must still be what was drawn (``digests``, taken then): a
     loader that writes into the tensors it is given, now or later, would make both sides of the comparison
-    agree. The parameters are swapped meanwhile for zeroed stand-ins (``scratch``, by parameter, when given;
-    else new ones)."""
+    agree. The parameters are swapped meanwhile for stand-ins (``scratch``, by parameter) holding the
+    background ``bg``: nothing outside the runs may differ from it afterwards."""
     if not group_runs:
         return
-    for q, data in originals.items():
-        if scratch is not None:
-            params[q].data = scratch[q]
-        else:
-            params[q].data = _zeros(data.shape, data.dtype, data.device)
+    for q in originals:
+        params[q].data = scratch[q]
+        bg.fill(q, scratch[q])
     try:
         if _load_swapped(model, params, originals, load, [(n, values[n]) for n in group_runs]):
             raise ValueError(_REPLACED)
@@ -710,9 +772,9 @@ def _verify_group(
             runs.pop(n, None)
     # nothing may land outside the runs (a write into padding, or into no tensor's place, for real values only);
     # and where one tensor's place was wrong, another may have written there: each is then loaded alone
-    if failed or _written_outside(params, originals, group_runs, values):
+    if failed or _written_outside(params, originals, group_runs, bg):
         alone = {n: group_runs[n] for n in group_runs if n in runs}
-        _load_alone(model, params, originals, alone, values, load, unmapped, runs)
+        _load_alone(model, params, originals, alone, group_runs, values, load, unmapped, runs, bg)
 
 
 def _misplaced(params: Mapping[str, torch.nn.Parameter], rs: list[Runs], values: torch.Tensor) -> str | None:
@@ -730,24 +792,56 @@ def _misplaced(params: Mapping[str, torch.nn.Parameter], rs: list[Runs], values:
     return None
 
 
-def _nonzero_words(t: torch.Tensor) -> int:
-    return int(torch.count_nonzero(_bits(t)))
-
-
 def _written_outside(
     params: Mapping[str, torch.nn.Parameter],
     originals: Mapping[str, torch.Tensor],
     group_runs: Mapping[str, list[Runs]],
-    values: Mapping[str, torch.Tensor],
+    bg: _Background,
+    own: Iterable[str] | None = None,
 ) -> bool:
-    """Whether the zeroed stand-ins of a group hold more non-zero words than the runs' real values put there."""
-    expected = dict.fromkeys(originals, 0)
-    for n, rs in group_runs.items():
-        src = values[n].reshape(-1)
-        for param, c, _, length in _segments(rs):
-            written = src[c : c + length].to(params[param].dtype)  # as the map writes them (_misplaced)
-            expected[param] = expected.get(param, 0) + _nonzero_words(written)
-    return any(_nonzero_words(params[q].data) != count for q, count in expected.items())
+    """Whether a load wrote a group's stand-ins outside the runs of the tensors it loaded (``own``, names in
+    ``group_runs``; default all of them; called once those hold their values, :func:`_misplaced`): another
+    mapped tensor's place must still hold its background, and elsewhere (no mapped tensor's place) only zeros
+    may differ from it: vLLM's embedding loader zero-fills the padded vocabulary rows, whatever the values, and
+    a reload writes the same zeros again."""
+    own = set(group_runs if own is None else own)
+    spans: dict[str, list[tuple[int, int]]] = {q: [] for q in originals}
+    for n in own:
+        for param, _, p, length in _segments(group_runs[n]):
+            spans.setdefault(param, []).append((p, length))
+    changed: dict[str, int] = {}
+    zeros: dict[str, int] = {}
+    mine: dict[str, torch.Tensor] = {}  # where the loaded tensors' runs lie, by parameter (when others are given)
+    for param, where in spans.items():
+        t = params[param].data
+        where.sort()
+        if sum(length for _, length in where) == t.numel() and all(
+            a + la <= b for (a, la), (b, _) in zip(where, where[1:], strict=False)
+        ):
+            continue  # the loaded runs tile it: there is no outside (most of a model: nothing to scan)
+        changed[param] = sum(bg.differing(param, t, p, length) for p, length in where)
+        zeros[param] = sum(length - _nonzero_words(t.view(-1)[p : p + length]) for p, length in where)
+        if len(own) < len(group_runs):
+            mine[param] = torch.zeros(t.numel(), dtype=torch.bool, device=t.device)
+            for p, length in where:
+                mine[param][p : p + length] = True
+    for n in group_runs.keys() - own:  # another tensor's place, outside the loaded ones' own (which may overlap it)
+        for param, _, p, length in _segments(group_runs[n]):
+            if param not in changed:
+                continue  # tiled by the loaded tensors' runs: any place of another lies inside them
+            diff = bg.changed(param, params[param].data, p, length)
+            if param in mine:
+                diff &= ~mine[param][p : p + length]
+            if bool(diff.any()):
+                return True
+    return any(
+        bg.differing(q, params[q].data) - changed[q] != params[q].numel() - _nonzero_words(params[q].data) - zeros[q]
+        for q in changed
+    )
+
+
+def _nonzero_words(t: torch.Tensor) -> int:
+    return int(torch.count_nonzero(_bits(t)))
 
 
 def _load_alone(
@@ -755,25 +849,27 @@ def _load_alone(
     params: Mapping[str, torch.nn.Parameter],
     originals: Mapping[str, torch.Tensor],
     group_runs: Mapping[str, list[Runs]],
+    places: Mapping[str, list[Runs]],
     values: Mapping[str, torch.Tensor],
     load: Callable[[Iterable[tuple[str, torch.Tensor]]], Any],
     unmapped: dict[str, str],
     runs: dict[str, list[Runs]],
+    bg: _Background,
 ) -> None:
-    """Load each of ``group_runs``' tensors alone on the (swapped-in) zeroed stand-ins; those that do not land
-    exactly in their runs, and nowhere else, leave the map."""
+    """Load each of ``group_runs``' tensors alone on the (swapped-in) stand-ins, refilled with their background;
+    those that do not land exactly in their runs, and nowhere else (``places``: every tensor's runs, mapped or
+    not), leave the map. Each loads its values rotated
+    (:func:`_rotated`): content the loader never saw, as every update's is (a loader that strays on new content
+    only would not stray on a replay; adversarial review, round 12)."""
     for n, rs in group_runs.items():
         for q in originals:
-            params[q].data.zero_()
+            bg.fill(q, params[q].data, again=True)
+        fresh = _rotated(values[n], bg)
         try:
-            ok = not _load_swapped(model, params, originals, load, [(n, values[n])])
+            ok = not _load_swapped(model, params, originals, load, [(n, fresh)])
         except Exception:  # noqa: BLE001 - it loaded with the group: alone it must too
             ok = False
-        if (
-            not ok
-            or _misplaced(params, rs, values[n]) is not None
-            or _written_outside(params, originals, {n: rs}, values)
-        ):
+        if not ok or _misplaced(params, rs, fresh) is not None or _written_outside(params, originals, places, bg, [n]):
             unmapped[n] = "loaded alone, its real values land outside its own place (another tensor's, padding)"
             runs.pop(n, None)
 
@@ -815,17 +911,15 @@ class _Learned:
     unmapped: dict[str, str]
     """Checkpoint template -> why the first layer left it out."""
     values: dict[str, torch.Tensor]
-    """Checkpoint template -> the real values its check loaded (reused: one draw per kind of layer)."""
-    digests: dict[str, str]
-    """Checkpoint template -> the digest of :attr:`values` when drawn (a loader must leave them as they are)."""
+    """Checkpoint template -> a copy of the real values its check loaded (one draw per kind of layer; each
+    derived layer loads them rotated, :func:`_rotated`)."""
     probe: torch.Tensor | None = None
     """The derived layers' probe values, all tensors of a layer in one integer range (made once per kind)."""
-    probe_digest: str = ""
-    """The digest of :attr:`probe` when made (a loader must leave it as it is)."""
     second: torch.Tensor | None = None
     """The second load's probe: :attr:`probe` plus its length (other values, other memory: a loader that skips
     what it was given before, by storage or by content, still loads it)."""
     second_digest: str = ""
+    """The digest of :attr:`second` when made (a loader must leave it as it is)."""
     offsets: dict[str, int] = dataclasses.field(default_factory=dict)
     """Checkpoint template -> where its probe starts in :attr:`probe`."""
     scratch: dict[tuple[str, bool], torch.Tensor] = dataclasses.field(default_factory=dict)
@@ -833,14 +927,15 @@ class _Learned:
     fresh allocation, no page faults)."""
 
     def stand_in(self, param: str, like: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
-        """A zeroed stand-in for parameter ``param`` shaped like ``like`` (of ``dtype``, default ``like``'s)."""
+        """A stand-in for parameter ``param`` shaped like ``like``: zeroed, of integer ``dtype`` (the probes'),
+        or else ``like``'s dtype, as it is (the real values' check fills it with its background)."""
         key = (_template(param), dtype is not None)
         buf = self.scratch.get(key)
         if buf is None:
             device = torch.device("cpu") if dtype is not None else like.device
             buf = self.scratch[key] = _zeros(like.shape, dtype or like.dtype, device)
             return buf
-        return buf.zero_()
+        return buf.zero_() if dtype is not None else buf
 
 
 def _derive(learned: _Learned, index: str) -> tuple[dict[str, list[Runs]], dict[str, str]]:
@@ -878,7 +973,6 @@ def _prove_derived(
         learned.second = learned.probe + total
         from ..format import tensor_checksum
 
-        learned.probe_digest = tensor_checksum(learned.probe)
         learned.second_digest = tensor_checksum(learned.second)
     probe = learned.probe
     offsets = {n: learned.offsets[_template(n)] for n in derived}
@@ -896,15 +990,13 @@ def _prove_derived(
             return f"the loader refused the layer's probes together ({type(exc).__name__}: {exc})"
         if replaced:
             return _REPLACED
+        why = _runs_hold(params, derived, offsets, probe)
+        if why is not None:
+            return why
         expected: dict[str, int] = {}
-        for n, rs in derived.items():
+        for rs in derived.values():
             for r in rs:
                 expected[r.param] = expected.get(r.param, 0) + r.numel
-                flat = params[r.param].data.view(-1)
-                for c, p, length in zip(r.ckpt_start.tolist(), r.param_start.tolist(), r.length.tolist(), strict=True):
-                    first = offsets[n] + c
-                    if not torch.equal(flat[p : p + length], probe[first : first + length]):
-                        return f"{n} does not land in {r.param} where its kind's first layer says"
         # counted even where the runs tile a parameter: a loader that zeroed the shared probe it was given earlier
         # makes every compare above zeros against zeros, and only the count shows it (adversarial review, round 7)
         for q in probed:
@@ -917,6 +1009,24 @@ def _prove_derived(
         for q, data in originals.items():
             params[q].data = data
             params[q].requires_grad_(grads[q])
+
+
+def _runs_hold(
+    params: Mapping[str, torch.nn.Parameter],
+    derived: Mapping[str, list[Runs]],
+    offsets: Mapping[str, int],
+    probe: torch.Tensor,
+) -> str | None:
+    """``None`` if every derived run holds its stretch of ``probe`` (tensor ``n``'s from ``offsets[n]``), else
+    which tensor does not."""
+    for n, rs in derived.items():
+        for r in rs:
+            flat = params[r.param].data.view(-1)
+            for c, p, length in zip(r.ckpt_start.tolist(), r.param_start.tolist(), r.length.tolist(), strict=True):
+                first = offsets[n] + c
+                if not torch.equal(flat[p : p + length], probe[first : first + length]):
+                    return f"{n} does not land in {r.param} where its kind's first layer says"
+    return None
 
 
 def _prove_in_checkpoint_order(
@@ -934,9 +1044,9 @@ def _prove_in_checkpoint_order(
     (:attr:`_Learned.second`: other values in other memory, so a loader that skips what it was given before, by
     storage or content, still loads it; adversarial review, round 12); every run must hold its values, and it must
     still be what it was made (its digest: a loader that changed the probe it was given would make both sides of
-    the comparison agree; then the layer is probed). Deterministic
-    where the real values' check in checkpoint order is not: two tensors' real values hold the same bits at a
-    stray's place about once in 600 builds (a flaky test found it)."""
+    the comparison agree; then the layer is probed). Deterministic where the real values' check in checkpoint
+    order is not: two tensors' real values hold the same bits at a stray's place about once in 600 builds (a
+    flaky test found it)."""
     from ..format import tensor_checksum
 
     probe = learned.second
@@ -948,13 +1058,9 @@ def _prove_in_checkpoint_order(
         return f"the loader refused the layer's probes in checkpoint order ({type(exc).__name__}: {exc})"
     if replaced:
         return _REPLACED
-    for n, rs in derived.items():
-        for r in rs:
-            flat = params[r.param].data.view(-1)
-            for c, p, length in zip(r.ckpt_start.tolist(), r.param_start.tolist(), r.length.tolist(), strict=True):
-                first = offsets[n] + c
-                if not torch.equal(flat[p : p + length], probe[first : first + length]):
-                    return f"{n} does not land in {r.param} where its kind's first layer says (checkpoint order)"
+    why = _runs_hold(params, derived, offsets, probe)
+    if why is not None:
+        return f"{why} (checkpoint order)"
     if tensor_checksum(probe) != learned.second_digest:  # after the comparisons: they read what it holds now
         return "the loader changed the probe values it was given"
     return None
@@ -1045,19 +1151,20 @@ def _build_groups(
     split: list[str],
 ) -> None:
     """:func:`build_map`'s work, group by group: probed, or derived from the first layer of its kind."""
+    bg = _Background()
     for group, names in sorted(by_group.items()):
         probed = param_groups.get(group, [])
         if group == "" or not probed:  # outside the layers, names can go anywhere outside them
             probed = [q for g, qs in param_groups.items() if g == "" or g not in by_group for q in qs]
         kind = _layer_kind(model, names, probed, params, spec) if group and group in param_groups else None
         if kind is not None and kind in learned:
-            why = _take_derived(model, params, probed, learned[kind], group, spec, load, untrusted, runs, unmapped)
+            why = _take_derived(model, params, probed, learned[kind], group, spec, load, untrusted, runs, unmapped, bg)
             if why is None:
                 counts["derived"] += 1
                 continue
             logger.info("deltasync: patch map: %s probed in full (%s)", group, why)
         counts["probed"] += 1
-        values, digests, halves = _probe_group(model, params, names, probed, spec, load, untrusted, runs, unmapped)
+        values, halves = _probe_group(model, params, names, probed, spec, load, untrusted, runs, unmapped, bg)
         if halves:
             split.append(group)
         if kind is not None and kind not in learned:
@@ -1068,8 +1175,8 @@ def _build_groups(
                     if n in runs
                 },
                 unmapped={_template(n): unmapped[n] for n in names if n in unmapped},
-                values={_template(n): values[n] for n in names if n in runs},
-                digests={_template(n): digests[n] for n in names if n in runs},
+                # private copies: a loader that kept the tensors it was given cannot change what later layers get
+                values={_template(n): values[n].clone() for n in names if n in runs},
             )
 
 
@@ -1084,17 +1191,21 @@ def _take_derived(
     untrusted: Callable[[str], str | None],
     runs: dict[str, list[Runs]],
     unmapped: dict[str, str],
+    bg: _Background,
 ) -> str | None:
     """Give ``group`` its kind's map if both proofs pass (then ``None``), else say why it must be probed."""
+    from ..format import tensor_checksum
+
     d_runs, d_unmapped = _derive(learned, group.rsplit(".", 1)[1])
     why = next((w for w in (untrusted(r.param) for rs in d_runs.values() for r in rs) if w), None)
     why = why or _prove_derived(model, params, probed, d_runs, spec, load, learned)
     if why is not None:
         return why
-    # this layer's own copies: a loader that recognises tensors it was given before (a cache keyed by storage)
-    # never replays another layer's result here
-    values = {n: learned.values[_template(n)].clone() for n in d_runs}
-    digests = {n: learned.digests[_template(n)] for n in d_runs}
+    # this layer's own values, its kind's rotated by a random amount: a loader that recognises what it was given
+    # before, by storage (a cache) or by content (one that skips or strays on values it never saw), never replays
+    # another layer's result here (adversarial review, round 12)
+    values = {n: _rotated(learned.values[_template(n)], bg) for n in d_runs}
+    digests = {n: tensor_checksum(v) for n, v in values.items()}
     originals = {q: params[q].data for q in probed}
     grads = {q: params[q].requires_grad for q in probed}
     # the probes went in both orders (_prove_derived): a stray write that a later tensor of one load covered up
@@ -1105,7 +1216,7 @@ def _take_derived(
         for q in probed:
             params[q].requires_grad_(False)
         scratch = {q: learned.stand_in(q, originals[q]) for q in probed}
-        _verify_group(model, params, originals, d_runs, values, digests, load, d_unmapped, checked, scratch)
+        _verify_group(model, params, originals, d_runs, values, digests, load, d_unmapped, checked, scratch, bg)
     finally:
         for q, data in originals.items():
             params[q].data = data
@@ -1115,6 +1226,18 @@ def _take_derived(
     runs.update(d_runs)
     unmapped.update(d_unmapped)
     return None
+
+
+def _rotated(values: torch.Tensor, bg: _Background) -> torch.Tensor:
+    """A new tensor of ``values``' shape holding its flat elements rotated by a random amount (new memory: one
+    copy, no draw)."""
+    flat = values.reshape(-1)
+    n = flat.numel()
+    shift = bg.draw(n)
+    out = torch.empty_like(flat)
+    out[: n - shift] = flat[shift:]
+    out[n - shift :] = flat[:shift]
+    return out.view(values.shape)
 
 
 _SAME_SIZE_INT = {1: np.int8, 2: np.int16, 4: np.int32, 8: np.int64}
@@ -1136,12 +1259,12 @@ def _arange(n: int, dtype: torch.dtype) -> torch.Tensor:
 
 
 def _reuse(buf: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-    """A zeroed stand-in shaped like ``like`` in ``buf``'s memory when it fits (an int32 probe stand-in holds a
-    bf16 or fp32 parameter), else a new one."""
+    """A stand-in shaped like ``like`` in ``buf``'s memory when it fits (an int32 probe stand-in holds a bf16 or
+    fp32 parameter), else a new one; what it holds is left to the caller (:class:`_Background`)."""
     nbytes = like.numel() * like.element_size()
     if buf.device != like.device or not buf.is_contiguous() or buf.numel() * buf.element_size() < nbytes:
         return _zeros(like.shape, like.dtype, like.device)
-    return buf.view(-1).view(torch.uint8)[:nbytes].view(like.dtype).view(like.shape).zero_()
+    return buf.view(-1).view(torch.uint8)[:nbytes].view(like.dtype).view(like.shape)
 
 
 def _probe_group(
@@ -1154,9 +1277,10 @@ def _probe_group(
     untrusted: Callable[[str], str | None],
     runs: dict[str, list[Runs]],
     unmapped: dict[str, str],
-) -> tuple[dict[str, torch.Tensor], dict[str, str], bool]:
+    bg: _Background,
+) -> tuple[dict[str, torch.Tensor], bool]:
     """Probe a group's checkpoint tensors one at a time, then check the group with real values
-    (:func:`_draw_real_values`); returns those values, their digests and whether the probes went in two int16
+    (:func:`_draw_real_values`); returns those values and whether the probes went in two int16
     passes (:func:`_probe_split`: a group whose largest tensor has :data:`SPLIT_AT_ENV` elements or more)."""
     from ..vocab import DTYPES
 
@@ -1203,12 +1327,12 @@ def _probe_group(
         values, digests = _draw_real_values(names, spec)
         mapped = {n: runs[n] for n in names if n in runs}
         scratch = {q: _reuse(params[q].data, originals[q]) for q in probed}  # the probes' memory: no page faults
-        _verify_group(model, params, originals, mapped, values, digests, load, unmapped, runs, scratch)
+        _verify_group(model, params, originals, mapped, values, digests, load, unmapped, runs, scratch, bg)
     finally:
         for q, data in originals.items():
             params[q].data = data
             params[q].requires_grad_(grads[q])
-    return values, digests, split
+    return values, split
 
 
 class _Refused(Exception):
