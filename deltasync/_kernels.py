@@ -34,6 +34,8 @@ KERNELS_ENV = "DELTASYNC_KERNELS"
 
 _LOCK = threading.Lock()
 _LOADED: dict[str, Any] = {}
+_ordinal_sum: Any = None
+"""The compiled ``ordinal_sum`` once :func:`_build` ran (a global: see there)."""
 
 
 def kernels() -> SimpleNamespace | None:
@@ -73,6 +75,9 @@ def _build(numba: Any) -> SimpleNamespace:
     njit = cast(Callable[..., Callable[[Callable[..., Any]], Any]], numba.njit)
     opts = {"cache": True, "nogil": True, "boundscheck": False, "error_model": "numpy"}
     top63 = np.int64(0x7FFFFFFFFFFFFFFF)
+    # a global, not a closure variable of the loops that call it: numba keys its cache on the pickled closure, and a
+    # dispatcher pickles with a new id in each process (every start compiled them again, ~3 s, and added files)
+    global _ordinal_sum
 
     @njit(inline="always", **opts)  # no signature: specialised inside each loop that calls it
     def ordinal_sum(base: int, coded: int, width_shift: int, magnitude: int) -> np.int64:  # pragma: no cover
@@ -81,6 +86,8 @@ def _build(numba: Any) -> SimpleNamespace:
         b = np.int64(base)
         c = np.int64(coded)
         return (b ^ ((b >> width_shift) & magnitude)) + (((c >> 1) & top63) ^ -(c & 1))
+
+    _ordinal_sum = ordinal_sum
 
     @njit(
         [
@@ -95,7 +102,7 @@ def _build(numba: Any) -> SimpleNamespace:
         # out[i] = from_ordinal(to_ordinal(base[i]) + zigzag_decode(coded[i])); the index of the first result
         # outside [low, high] (a corrupt shard), or -1
         for i in range(coded.size):
-            o = ordinal_sum(base[i], coded[i], width_shift, magnitude)
+            o = _ordinal_sum(base[i], coded[i], width_shift, magnitude)
             if o < low or o > high:
                 return i
             out[i] = o ^ ((o >> width_shift) & magnitude)
@@ -207,12 +214,12 @@ def _build(numba: Any) -> SimpleNamespace:
             bad = False
             if count == 1:
                 for i in range(n):
-                    o = ordinal_sum(base[i], planes[i], width_shift, magnitude)
+                    o = _ordinal_sum(base[i], planes[i], width_shift, magnitude)
                     bad |= (o < low) | (o > high)
                     out[i] = o ^ ((o >> width_shift) & magnitude)
             else:
                 for i in range(n):
-                    o = ordinal_sum(
+                    o = _ordinal_sum(
                         base[i], np.int64(planes[i]) | (np.int64(planes[n + i]) << 8), width_shift, magnitude
                     )
                     bad |= (o < low) | (o > high)
@@ -223,7 +230,7 @@ def _build(numba: Any) -> SimpleNamespace:
             c = np.int64(0)
             for k in range(count - 1, -1, -1):
                 c = (c << 8) | np.int64(planes[k * n + i])  # 8 planes: the uint64's bits, as undo_ordinal reads them
-            o = ordinal_sum(base[i], c, width_shift, magnitude)
+            o = _ordinal_sum(base[i], c, width_shift, magnitude)
             if o < low or o > high:
                 return i
             out[i] = o ^ ((o >> width_shift) & magnitude)

@@ -325,6 +325,8 @@ def run_case(
                 profile.disable()
         if profile is not None:
             pstats.Stats(profile).sort_stats("tottime").print_stats(14)
+            if os.environ.get("DELTASYNC_BENCH_PROFILE_CALLERS"):
+                pstats.Stats(profile).print_callers(os.environ["DELTASYNC_BENCH_PROFILE_CALLERS"])
         out["map_layers"], out["unmapped"] = dict(getattr(pm, "layers", {})), sorted(pm.unmapped)
     except Exception as exc:  # noqa: BLE001 - a finding: said, and the rest measured through the written-down map
         traceback.print_exc()

@@ -16,12 +16,13 @@ says so in its status.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import os
 import re
 import secrets
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -613,23 +614,29 @@ _EDGE_STEP = 7
 """Every 7th real check value is an edge case (7 is prime: they fall in every row and every short stretch)."""
 
 
-def _real_values(shape: tuple[int, ...], dtype: torch.dtype, gen: torch.Generator) -> torch.Tensor:
-    """Random values with the edge cases (:func:`_edge_bits`) dense among them, every :data:`_EDGE_STEP`-th
-    element from a random start per tensor (so no two tensors hold the same edge at the same place): a loader
-    that clamps, cleans or renormalises any of them, anywhere, is caught. One block of :data:`_REAL_BLOCK` values is
-    drawn and tiled, each tile rotated by a random amount (where a value lands is the integer probes' proof; these
-    catch arithmetic on the values, and an element swapped with its neighbour one block away: identical tiles
-    would hold the same bits at both places)."""
+def _real_values(shape: tuple[int, ...], dtype: torch.dtype, gen: torch.Generator, edges: bool = True) -> torch.Tensor:
+    """Random values with the edge cases (:func:`_edge_bits`) dense among them (``edges``), every
+    :data:`_EDGE_STEP`-th element from a random start per tensor (so no two tensors hold the same edge at the same
+    place): a loader that clamps, cleans or renormalises any of them, anywhere, is caught. One block of
+    :data:`_REAL_BLOCK` values is drawn and tiled, each tile rotated by a random amount (where a value lands is the
+    integer probes' proof; these catch arithmetic on the values, and an element swapped with its neighbour one
+    block away: identical tiles would hold the same bits at both places). Without ``edges`` they are finite, as
+    a checkpoint's are (a loader may branch on that: adversarial review, round 13)."""
     numel = _numel(shape)
     block = torch.randn(min(numel, _REAL_BLOCK), generator=gen).to(dtype)
-    if block.numel() and dtype.is_floating_point:
-        edges = _edge_bits(dtype)
+    if block.numel() and dtype.is_floating_point and edges:
+        edge = _edge_bits(dtype)
         start = int(torch.randint(0, min(_EDGE_STEP, block.numel()), (1,), generator=gen))
         at = torch.arange(start, block.numel(), _EDGE_STEP)
-        first = int(torch.randint(0, edges.numel(), (1,), generator=gen))
-        _bits(block)[at] = edges[(torch.arange(at.numel()) + first) % edges.numel()]
+        first = int(torch.randint(0, edge.numel(), (1,), generator=gen))
+        _bits(block)[at] = edge[(torch.arange(at.numel()) + first) % edge.numel()]
     if numel <= block.numel():
         return block.reshape(shape)
+    return _tiled(block, numel, gen).view(dtype).reshape(shape)
+
+
+def _tiled(block: torch.Tensor, numel: int, gen: torch.Generator) -> torch.Tensor:
+    """``numel`` bits of ``block`` (one dimension), tiled, each tile rotated by a random amount (a new tensor)."""
     # tiled in numpy's memory: numpy asks the kernel for huge pages for large arrays and torch's allocator does
     # not, so a large tensor's values fault in ~4x faster (the embedding's are 311 MB at Qwen3-0.6B)
     bits = _bits(block).numpy()
@@ -641,7 +648,7 @@ def _real_values(shape: tuple[int, ...], dtype: torch.dtype, gen: torch.Generato
         head = min(n, size - shift)
         out[lo : lo + head] = bits[shift : shift + head]
         out[lo + head : lo + n] = bits[: n - head]
-    return torch.from_numpy(out).view(dtype).reshape(shape)
+    return torch.from_numpy(out)
 
 
 def _seed() -> int:
@@ -667,17 +674,49 @@ _BG_PERIOD = 1_048_573
 """The background's period (a prime: it falls across rows of any width, and no row repeats the one above it)."""
 
 
+_FRESH = 4096
+"""Elements drawn anew in each of :meth:`_Background.values`' tensors (all of a tensor this size or smaller)."""
+
+
 class _Background:
-    """What the stand-ins of a real-values check hold before the load: random values with the edge cases among
-    them (:func:`_real_values`, one block per dtype and build, new per build) repeating with period
-    :data:`_BG_PERIOD`, from a random place per parameter and check. Zeroed stand-ins hid a loader whose writes
-    depend on what the parameter held (one that copies into all-zero rows and adds into the others) and a write
-    of zeros into another tensor's place (adversarial review, round 12); this one looks like loaded weights."""
+    """What the stand-ins of a real-values check hold before the load: finite random values, none of them zero
+    (one block per dtype and build, new per build), repeating with period :data:`_BG_PERIOD`, from a random place
+    per parameter and check. Zeroed stand-ins hid a loader whose writes depend on what the parameter held (one
+    that copies into all-zero rows and adds into the others) and a write of zeros into another tensor's place
+    (adversarial review, round 12); edge values (NaN, infinities) in it were a tell that no loaded weights hold
+    (round 13): this one looks like loaded weights. It also makes the finite real values of the later checks
+    (:meth:`values`)."""
 
     def __init__(self) -> None:
         self._gen = torch.Generator().manual_seed(_seed())
         self._blocks: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
         self._start: dict[str, int] = {}
+        self._values: dict[tuple[torch.dtype, bool], torch.Tensor] = {}
+
+    def values(self, shape: tuple[int, ...], dtype: torch.dtype, edges: bool = False) -> torch.Tensor:
+        """New finite real values (with ``edges``: with the edge cases, :func:`_real_values`) for one load (new
+        memory): this build's block of :data:`_REAL_BLOCK` values for ``dtype``, tiled from random places, with
+        :data:`_FRESH` elements drawn anew at a random place (all of a small tensor). Each layer and each retry
+        loads content the loader never saw, as every update's is: a loader that recognises values it was given
+        before, by storage or by content (even as a multiset), or strays only on new ones, does it here too
+        (adversarial review, rounds 12 and 13). One copy and a small draw: no random draw of the whole tensor."""
+        numel = _numel(shape)
+        if numel <= _FRESH:
+            return _real_values(shape, dtype, self._gen, edges)
+        block = self._values.get((dtype, edges))
+        if block is None:
+            block = self._values[dtype, edges] = _real_values((_REAL_BLOCK,), dtype, self._gen, edges)
+        if numel <= block.numel():  # one window of the block from a random place (it wraps)
+            b, at = _bits(block), self.draw(block.numel())
+            head = min(numel, b.numel() - at)
+            out = torch.empty(numel, dtype=b.dtype)
+            out[:head] = b[at : at + head]
+            out[head:] = b[: numel - head]
+        else:
+            out = _tiled(block, numel, self._gen)
+        at = self.draw(numel - _FRESH + 1)
+        out[at : at + _FRESH] = _bits(_real_values((_FRESH,), dtype, self._gen, edges))
+        return out.view(dtype).reshape(shape)
 
     def draw(self, n: int) -> int:
         """A random integer in ``[0, n)`` (0 if ``n`` is 0) from this build's generator."""
@@ -715,8 +754,11 @@ class _Background:
             dtype = {torch.int16: torch.bfloat16, torch.int32: torch.float32, torch.int64: torch.float64}.get(
                 flat.dtype, flat.dtype
             )
-            block = _bits(_real_values((_BG_PERIOD,), dtype, self._gen))
-            block[block == 0] = 1  # no zero in it: a write of zeros shows (:func:`_written_outside`)
+            values = _real_values((_BG_PERIOD,), dtype, self._gen, edges=False)
+            if values.is_floating_point():
+                values[values == 0] = 1  # no zero (of either sign) in it: a write of zeros shows
+            block = _bits(values)
+            block[block == 0] = 1  # (:func:`_written_outside`)
             block = block.to(flat.device)
             self._blocks[key] = block
         lo, at = 0, (p + self._start[param]) % _BG_PERIOD
@@ -738,43 +780,184 @@ def _verify_group(
     runs: dict[str, list[Runs]],
     scratch: Mapping[str, torch.Tensor],
     bg: _Background,
+    strict: Collection[str] = (),
+    edges: bool = False,
 ) -> None:
-    """Load random real values (``values``, by checkpoint name) through the loader and check they land where the
-    map says, bit for bit (a loader that scales or offsets values would map integer probes to wrong places);
-    mismatching tensors leave the map. The values must still be what was drawn (``digests``, taken then): a
-    loader that writes into the tensors it is given, now or later, would make both sides of the comparison
-    agree. The parameters are swapped meanwhile for stand-ins (``scratch``, by parameter) holding the
-    background ``bg``: nothing outside the runs may differ from it afterwards."""
-    if not group_runs:
-        return
+    """Load random real values (``values``, by checkpoint name; ``edges``: with the edge cases) through the loader
+    and check they land where the map says, bit for bit (a loader that scales or offsets values would map integer
+    probes to wrong places); mismatching tensors leave the map. The values must still be what was drawn
+    (``digests``, taken then): a loader that writes into the tensors it is given, now or later, would make both
+    sides of the comparison agree. The parameters are swapped meanwhile for stand-ins (``scratch``, by parameter)
+    holding the background ``bg``: nothing outside the runs may differ from it afterwards (but zeros, outside
+    ``strict`` parameters: :func:`_written_outside`).
+
+    Where the group's check fails, each tensor is loaded alone (:func:`_load_alone`) and those that stray leave;
+    the rest are checked together again. A failure that no tensor alone explains (a loader that strays only
+    when given several tensors, or a tensor whose values land right alone and not with the others: someone
+    wrote over them, only with them in the same call) sends all of them to the reload (adversarial review,
+    round 13)."""
     for q in originals:
         params[q].data = scratch[q]
-        bg.fill(q, scratch[q])
-    try:
-        if _load_swapped(model, params, originals, load, [(n, values[n]) for n in group_runs]):
-            raise ValueError(_REPLACED)
-    except Exception as exc:  # noqa: BLE001 - the probes loaded one by one; together they do not: map nothing
-        for n in group_runs:
-            unmapped[n] = f"the loader refused real values together ({type(exc).__name__}: {exc})"[:200]
-            runs.pop(n, None)
-        return
+    places = group_runs  # every tensor's place, checked or not: a stray there shows
+    while group_runs:
+        for q in originals:
+            bg.fill(q, scratch[q])
+        try:
+            if _load_swapped(model, params, originals, load, [(n, values[n]) for n in group_runs]):
+                raise ValueError(_REPLACED)
+        except Exception as exc:  # noqa: BLE001 - the probes loaded one by one; together they do not: map nothing
+            for n in group_runs:
+                unmapped[n] = f"the loader refused real values together ({type(exc).__name__}: {exc})"[:200]
+                runs.pop(n, None)
+            return
+        failed, bad = _group_failed(params, originals, group_runs, places, values, digests, unmapped, runs, bg, strict)
+        if not bad:
+            return
+        alone = {n: group_runs[n] for n in group_runs if n in runs or n in failed}
+        strayed = _load_alone(model, params, originals, alone, places, values, load, unmapped, runs, bg, strict, edges)
+        left = {n: rs for n, rs in group_runs.items() if n in runs}
+        if not strayed or any(n not in strayed for n in failed):
+            for n in left:
+                unmapped[n] = "its group's real values land wrong together and right alone (a stray in one call)"
+                runs.pop(n, None)
+            return
+        group_runs = left
+
+
+def _group_failed(
+    params: Mapping[str, torch.nn.Parameter],
+    originals: Mapping[str, torch.Tensor],
+    group_runs: Mapping[str, list[Runs]],
+    places: Mapping[str, list[Runs]],
+    values: Mapping[str, torch.Tensor],
+    digests: Mapping[str, str],
+    unmapped: dict[str, str],
+    runs: dict[str, list[Runs]],
+    bg: _Background,
+    strict: Collection[str],
+) -> tuple[list[str], bool]:
+    """After one load of a group's real values: take the tensors whose values are not in their runs (returned;
+    and those whose runs overlap theirs: two tensors in one place, the last loaded wins) or were changed out of
+    the map, and say whether that load went wrong (then each is loaded alone)."""
     from ..format import tensor_checksum
 
-    failed = False
+    failed: list[str] = []
     for n, rs in group_runs.items():
         param = _misplaced(params, rs, values[n])
         if param is not None:
             unmapped[n] = f"real values do not land where the probes did in {param} (the loader transforms them)"
             runs.pop(n, None)
-            failed = True
+            failed.append(n)
         elif tensor_checksum(values[n]) != digests[n]:
             unmapped[n] = "the loader wrote into the real values it was given (a check against them proves nothing)"
             runs.pop(n, None)
+    for n in _overlapping(group_runs, failed):
+        unmapped[n] = f"its place is also {failed[0]}'s, which did not hold its values (tied, or an alias)"
+        runs.pop(n, None)
     # nothing may land outside the runs (a write into padding, or into no tensor's place, for real values only);
     # and where one tensor's place was wrong, another may have written there: each is then loaded alone
-    if failed or _written_outside(params, originals, group_runs, bg):
-        alone = {n: group_runs[n] for n in group_runs if n in runs}
-        _load_alone(model, params, originals, alone, group_runs, values, load, unmapped, runs, bg)
+    return failed, bool(failed) or _written_outside(params, originals, places, bg, group_runs, strict)
+
+
+def _overlapping(group_runs: Mapping[str, list[Runs]], failed: list[str]) -> list[str]:
+    """The tensors of ``group_runs`` (other than ``failed``) whose runs share an element with a failed one's."""
+    if not failed:
+        return []
+    spans: dict[str, list[tuple[int, int]]] = {}
+    for n in failed:
+        for param, _, p, length in _segments(group_runs[n]):
+            spans.setdefault(param, []).append((p, p + length))
+    return [
+        n
+        for n, rs in group_runs.items()
+        if n not in failed
+        and any(a < p + length and p < b for param, _, p, length in _segments(rs) for a, b in spans.get(param, ()))
+    ]
+
+
+def _unmapped_writes(
+    model: torch.nn.Module,
+    params: Mapping[str, torch.nn.Parameter],
+    originals: Mapping[str, torch.Tensor],
+    names: list[str],
+    spec: Mapping[str, tuple[str, tuple[int, ...]]],
+    load: Callable[[Iterable[tuple[str, torch.Tensor]]], Any],
+    places: Mapping[str, list[Runs]],
+    unmapped: dict[str, str],
+    runs: dict[str, list[Runs]],
+    bg: _Background,
+) -> set[str]:
+    """Load a group's unmapped tensors (``names``: the engine reloads them) together, new finite values on the
+    (swapped-in) stand-ins' background, and return the parameters that load writes. A mapped tensor whose place
+    (``places``) it writes leaves the map: the reload would overwrite what the map wrote, where a whole reload
+    loads the tensors in checkpoint order (adversarial review, round 13). A loader that refuses them is left to
+    the reload (which will refuse them too)."""
+    from ..vocab import DTYPES
+
+    if not names:
+        return set()
+    for q in originals:
+        bg.fill(q, params[q].data)
+    try:
+        given = [(n, bg.values(spec[n][1], DTYPES[spec[n][0]])) for n in names]
+        if _load_swapped(model, params, originals, load, given):
+            return set()
+    except Exception:  # noqa: BLE001 - see above
+        return set()
+    for n, rs in places.items():
+        if n in runs and any(bool(bg.changed(q, params[q].data, p, length).any()) for q, _, p, length in _segments(rs)):
+            unmapped[n] = "an unmapped tensor's load (a reload) writes into its place"
+            runs.pop(n, None)
+    return {q for q in originals if bg.differing(q, params[q].data)}
+
+
+def _check_with_unmapped(
+    model: torch.nn.Module,
+    params: Mapping[str, torch.nn.Parameter],
+    originals: Mapping[str, torch.Tensor],
+    names: list[str],
+    spec: Mapping[str, tuple[str, tuple[int, ...]]],
+    load: Callable[[Iterable[tuple[str, torch.Tensor]]], Any],
+    unmapped: dict[str, str],
+    runs: dict[str, list[Runs]],
+    scratch: Mapping[str, torch.Tensor],
+    bg: _Background,
+) -> None:
+    """Where a group holds unmapped tensors (``names`` are all of its tensors): take the mapped ones whose place
+    their loads write (:func:`_unmapped_writes`), and check the rest again where nothing but their own values
+    may change the parameters those loads write (zeros a mapped tensor's load writes there are not padding: the
+    reload of an unmapped tensor would undo them; adversarial review, round 13)."""
+    mapped = {n: runs[n] for n in names if n in runs}
+    strict = _unmapped_writes(
+        model, params, originals, [n for n in names if n in unmapped], spec, load, mapped, unmapped, runs, bg
+    )
+    if strict:
+        _check_real(model, params, originals, mapped, spec, load, unmapped, runs, scratch, bg, False, strict)
+
+
+def _check_real(
+    model: torch.nn.Module,
+    params: Mapping[str, torch.nn.Parameter],
+    originals: Mapping[str, torch.Tensor],
+    group_runs: Mapping[str, list[Runs]],
+    spec: Mapping[str, tuple[str, tuple[int, ...]]],
+    load: Callable[[Iterable[tuple[str, torch.Tensor]]], Any],
+    unmapped: dict[str, str],
+    runs: dict[str, list[Runs]],
+    scratch: Mapping[str, torch.Tensor],
+    bg: _Background,
+    edges: bool,
+    strict: Collection[str] = (),
+) -> None:
+    """:func:`_verify_group` with new values (:meth:`_Background.values`) for those of ``group_runs`` still in
+    ``runs``."""
+    from ..format import tensor_checksum
+    from ..vocab import DTYPES
+
+    mapped = {n: rs for n, rs in group_runs.items() if n in runs}
+    values = {n: bg.values(spec[n][1], DTYPES[spec[n][0]], edges) for n in mapped}
+    digests = {n: tensor_checksum(v) for n, v in values.items()}
+    _verify_group(model, params, originals, mapped, values, digests, load, unmapped, runs, scratch, bg, strict, edges)
 
 
 def _misplaced(params: Mapping[str, torch.nn.Parameter], rs: list[Runs], values: torch.Tensor) -> str | None:
@@ -798,12 +981,14 @@ def _written_outside(
     group_runs: Mapping[str, list[Runs]],
     bg: _Background,
     own: Iterable[str] | None = None,
+    strict: Collection[str] = (),
 ) -> bool:
     """Whether a load wrote a group's stand-ins outside the runs of the tensors it loaded (``own``, names in
     ``group_runs``; default all of them; called once those hold their values, :func:`_misplaced`): another
     mapped tensor's place must still hold its background, and elsewhere (no mapped tensor's place) only zeros
     may differ from it: vLLM's embedding loader zero-fills the padded vocabulary rows, whatever the values, and
-    a reload writes the same zeros again."""
+    a reload writes the same zeros again. In the ``strict`` parameters (those an unmapped tensor's load writes,
+    :func:`_unmapped_writes`: its zeros there would be a reload's and not the map's) nothing may differ."""
     own = set(group_runs if own is None else own)
     spans: dict[str, list[tuple[int, int]]] = {q: [] for q in originals}
     for n in own:
@@ -835,7 +1020,8 @@ def _written_outside(
             if bool(diff.any()):
                 return True
     return any(
-        bg.differing(q, params[q].data) - changed[q] != params[q].numel() - _nonzero_words(params[q].data) - zeros[q]
+        bg.differing(q, params[q].data) - changed[q]
+        != (0 if q in strict else params[q].numel() - _nonzero_words(params[q].data) - zeros[q])
         for q in changed
     )
 
@@ -855,23 +1041,33 @@ def _load_alone(
     unmapped: dict[str, str],
     runs: dict[str, list[Runs]],
     bg: _Background,
-) -> None:
+    strict: Collection[str],
+    edges: bool,
+) -> set[str]:
     """Load each of ``group_runs``' tensors alone on the (swapped-in) stand-ins, refilled with their background;
     those that do not land exactly in their runs, and nowhere else (``places``: every tensor's runs, mapped or
-    not), leave the map. Each loads its values rotated
-    (:func:`_rotated`): content the loader never saw, as every update's is (a loader that strays on new content
-    only would not stray on a replay; adversarial review, round 12)."""
+    not), leave the map (those that left already keep their first reason); returns those that strayed. Each
+    loads new values (:meth:`_Background.values`): content the loader never saw, as every update's is (a loader
+    that strays on new content only would not stray on a replay; one that recycles what it was given would make
+    a replay vacuous: adversarial review, rounds 12-13)."""
+    strayed: set[str] = set()
     for n, rs in group_runs.items():
         for q in originals:
             bg.fill(q, params[q].data, again=True)
-        fresh = _rotated(values[n], bg)
+        fresh = bg.values(tuple(values[n].shape), values[n].dtype, edges)  # the group's kind of values
         try:
             ok = not _load_swapped(model, params, originals, load, [(n, fresh)])
         except Exception:  # noqa: BLE001 - it loaded with the group: alone it must too
             ok = False
-        if not ok or _misplaced(params, rs, fresh) is not None or _written_outside(params, originals, places, bg, [n]):
-            unmapped[n] = "loaded alone, its real values land outside its own place (another tensor's, padding)"
+        if (
+            not ok
+            or _misplaced(params, rs, fresh) is not None
+            or _written_outside(params, originals, places, bg, [n], strict)
+        ):
+            unmapped.setdefault(n, "loaded alone, its real values land outside its own place (another's, padding)")
             runs.pop(n, None)
+            strayed.add(n)
+    return strayed
 
 
 _SLOT = "\x00"
@@ -910,9 +1106,6 @@ class _Learned:
     """Checkpoint template -> (parameter template, checkpoint starts, parameter starts, lengths) per run."""
     unmapped: dict[str, str]
     """Checkpoint template -> why the first layer left it out."""
-    values: dict[str, torch.Tensor]
-    """Checkpoint template -> a copy of the real values its check loaded (one draw per kind of layer; each
-    derived layer loads them rotated, :func:`_rotated`)."""
     probe: torch.Tensor | None = None
     """The derived layers' probe values, all tensors of a layer in one integer range (made once per kind)."""
     second: torch.Tensor | None = None
@@ -1095,12 +1288,21 @@ def build_map(
     for name in spec:
         by_group.setdefault(_group(name), []).append(name)
     param_groups: dict[str, list[str]] = {}
-    seen: set[int] = set()
+    seen: dict[int, set[str]] = {}  # parameter -> the groups that name it
+    shared: set[str] = set()
     for qn, p in params.items():
-        if id(p) in seen or not p.is_floating_point() or p.numel() == 0:
-            continue  # a tied parameter is probed once, under its first name
-        seen.add(id(p))
+        if not p.is_floating_point() or p.numel() == 0:
+            continue
+        groups = seen.setdefault(id(p), set())
+        if groups and _group(qn) in groups:
+            continue  # a tied parameter is probed once per group, under its first name there
+        if groups:  # shared by layers: each group that names it swaps it for stand-ins (round 13: it was probed live)
+            shared.update(q for q, o in params.items() if o is p)
+        groups.add(_group(qn))
         param_groups.setdefault(_group(qn), []).append(qn)
+    if shared:
+        # two layers' tensors in one place: a reload writes the last one loaded, the map both: neither is mapped
+        untrusted = functools.partial(_untrusted_shared, shared, untrusted)
     runs: dict[str, list[Runs]] = {}
     unmapped: dict[str, str] = {}
     learned: dict[tuple[Any, ...], _Learned] = {}
@@ -1121,6 +1323,12 @@ def build_map(
     pm.layers, pm.split = dict(counts), split
     logger.info("deltasync: patch map built: %s", pm.summary())
     return pm
+
+
+def _untrusted_shared(shared: set[str], untrusted: Callable[[str], str | None], param: str) -> str | None:
+    if param in shared:
+        return "the parameter is shared by several layers (a reload writes the last one loaded there)"
+    return untrusted(param)
 
 
 def _check_untouched(
@@ -1164,7 +1372,7 @@ def _build_groups(
                 continue
             logger.info("deltasync: patch map: %s probed in full (%s)", group, why)
         counts["probed"] += 1
-        values, halves = _probe_group(model, params, names, probed, spec, load, untrusted, runs, unmapped, bg)
+        halves = _probe_group(model, params, names, probed, spec, load, untrusted, runs, unmapped, bg)
         if halves:
             split.append(group)
         if kind is not None and kind not in learned:
@@ -1175,8 +1383,6 @@ def _build_groups(
                     if n in runs
                 },
                 unmapped={_template(n): unmapped[n] for n in names if n in unmapped},
-                # private copies: a loader that kept the tensors it was given cannot change what later layers get
-                values={_template(n): values[n].clone() for n in names if n in runs},
             )
 
 
@@ -1194,18 +1400,12 @@ def _take_derived(
     bg: _Background,
 ) -> str | None:
     """Give ``group`` its kind's map if both proofs pass (then ``None``), else say why it must be probed."""
-    from ..format import tensor_checksum
 
     d_runs, d_unmapped = _derive(learned, group.rsplit(".", 1)[1])
     why = next((w for w in (untrusted(r.param) for rs in d_runs.values() for r in rs) if w), None)
     why = why or _prove_derived(model, params, probed, d_runs, spec, load, learned)
     if why is not None:
         return why
-    # this layer's own values, its kind's rotated by a random amount: a loader that recognises what it was given
-    # before, by storage (a cache) or by content (one that skips or strays on values it never saw), never replays
-    # another layer's result here (adversarial review, round 12)
-    values = {n: _rotated(learned.values[_template(n)], bg) for n in d_runs}
-    digests = {n: tensor_checksum(v) for n, v in values.items()}
     originals = {q: params[q].data for q in probed}
     grads = {q: params[q].requires_grad for q in probed}
     # the probes went in both orders (_prove_derived): a stray write that a later tensor of one load covered up
@@ -1216,7 +1416,15 @@ def _take_derived(
         for q in probed:
             params[q].requires_grad_(False)
         scratch = {q: learned.stand_in(q, originals[q]) for q in probed}
-        _verify_group(model, params, originals, d_runs, values, digests, load, d_unmapped, checked, scratch, bg)
+        # this layer's own values, with the edge cases and then finite ones (as a checkpoint's: no NaN or infinity
+        # to branch on), new content: a loader that recognises what it was given before, by storage (a cache) or by
+        # content (one that skips or strays on values it never saw), never replays another layer's result here
+        # (adversarial review, rounds 12 and 13)
+        for edges in (True, False):
+            _check_real(model, params, originals, d_runs, spec, load, d_unmapped, checked, scratch, bg, edges)
+        _check_with_unmapped(
+            model, params, originals, list(d_runs) + list(d_unmapped), spec, load, d_unmapped, checked, scratch, bg
+        )
     finally:
         for q, data in originals.items():
             params[q].data = data
@@ -1226,18 +1434,6 @@ def _take_derived(
     runs.update(d_runs)
     unmapped.update(d_unmapped)
     return None
-
-
-def _rotated(values: torch.Tensor, bg: _Background) -> torch.Tensor:
-    """A new tensor of ``values``' shape holding its flat elements rotated by a random amount (new memory: one
-    copy, no draw)."""
-    flat = values.reshape(-1)
-    n = flat.numel()
-    shift = bg.draw(n)
-    out = torch.empty_like(flat)
-    out[: n - shift] = flat[shift:]
-    out[n - shift :] = flat[:shift]
-    return out.view(values.shape)
 
 
 _SAME_SIZE_INT = {1: np.int8, 2: np.int16, 4: np.int32, 8: np.int64}
@@ -1278,10 +1474,10 @@ def _probe_group(
     runs: dict[str, list[Runs]],
     unmapped: dict[str, str],
     bg: _Background,
-) -> tuple[dict[str, torch.Tensor], bool]:
+) -> bool:
     """Probe a group's checkpoint tensors one at a time, then check the group with real values
-    (:func:`_draw_real_values`); returns those values and whether the probes went in two int16
-    passes (:func:`_probe_split`: a group whose largest tensor has :data:`SPLIT_AT_ENV` elements or more)."""
+    (:func:`_draw_real_values`, then finite ones); returns whether the probes went in two int16 passes
+    (:func:`_probe_split`: a group whose largest tensor has :data:`SPLIT_AT_ENV` elements or more)."""
     from ..vocab import DTYPES
 
     originals = {q: params[q].data for q in probed}
@@ -1327,12 +1523,17 @@ def _probe_group(
         values, digests = _draw_real_values(names, spec)
         mapped = {n: runs[n] for n in names if n in runs}
         scratch = {q: _reuse(params[q].data, originals[q]) for q in probed}  # the probes' memory: no page faults
-        _verify_group(model, params, originals, mapped, values, digests, load, unmapped, runs, scratch, bg)
+        _verify_group(model, params, originals, mapped, values, digests, load, unmapped, runs, scratch, bg, (), True)
+        # and finite values, as a checkpoint's: a loader may branch on NaN or infinity, which the edge cases above
+        # put in every tensor (adversarial review, round 13)
+        del values
+        _check_real(model, params, originals, mapped, spec, load, unmapped, runs, scratch, bg, False)
+        _check_with_unmapped(model, params, originals, names, spec, load, unmapped, runs, scratch, bg)
     finally:
         for q, data in originals.items():
             params[q].data = data
             params[q].requires_grad_(grads[q])
-    return values, split
+    return split
 
 
 class _Refused(Exception):

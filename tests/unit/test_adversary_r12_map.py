@@ -77,7 +77,9 @@ def test_r12_a_loader_that_skips_tensors_it_was_given_before_makes_the_checkpoin
 ) -> None:
     # the r12 scenario (stray k -> q in derived layer 2, colliding real values), with a dedup-by-storage loader
     real = patch_map._real_values
-    monkeypatch.setattr(patch_map, "_real_values", lambda shape, dtype, gen: real(shape, dtype, torch.Generator()))
+    monkeypatch.setattr(
+        patch_map, "_real_values", lambda shape, dtype, gen, edges=True: real(shape, dtype, torch.Generator(), edges)
+    )
     model = DedupByStorage(quirk=2)
     pm, differ = _map_and_rewrite(model, model.spec())
     assert differ == [], f"layers {pm.layers}, unmapped {sorted(pm.unmapped)}: the map differs in {differ}"
