@@ -3,6 +3,11 @@ and edge inputs; and what the loops do where a caller is wrong or an input is ho
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -35,6 +40,21 @@ def test_the_loops_are_compiled_here_and_off_on_request(monkeypatch: pytest.Monk
         assert callable(getattr(_kernels.kernels(), name))
     monkeypatch.setenv(_kernels.KERNELS_ENV, " NumPy ")
     assert _kernels.kernels() is None and not _kernels.warm()
+
+
+def test_a_second_process_loads_the_loops_from_numba_s_cache(tmp_path: Path) -> None:
+    """Each process used to compile two loops again (~3 s at every engine and agent start) and leave new cache
+    files: one loop called another held in a closure cell, and numba keys its cache on the pickled cell, which
+    holds a new id in each process. The second and third processes must add no file to the cache."""
+    env = {**os.environ, "NUMBA_CACHE_DIR": str(tmp_path)}
+    env.pop(_kernels.KERNELS_ENV, None)
+    code = "from deltasync import _kernels; assert _kernels.warm()"
+    counts = []
+    for _ in range(3):
+        subprocess.run([sys.executable, "-c", code], env=env, check=True, cwd=Path(__file__).parents[2], timeout=300)
+        counts.append(sorted(p.name for p in tmp_path.rglob("*") if p.is_file()))
+    assert counts[0], "numba wrote no cache: the loops are not cached at all"
+    assert counts[1] == counts[0] == counts[2], f"new cache files in later processes: {set(counts[2]) - set(counts[0])}"
 
 
 def _coded(rng: np.random.Generator, base: np.ndarray, wide: type, spread: int) -> np.ndarray:
