@@ -816,7 +816,9 @@ def _verify_group(
         alone = {n: group_runs[n] for n in group_runs if n in runs or n in failed}
         strayed = _load_alone(model, params, originals, alone, places, values, load, unmapped, runs, bg, strict, edges)
         left = {n: rs for n, rs in group_runs.items() if n in runs}
-        if not strayed or any(n not in strayed for n in failed):
+        # explained: some tensor strays alone, and each one misplaced together is misplaced alone too (one that
+        # lands right alone was written over by another, only in the same call; adversarial review, round 14)
+        if not strayed or any(not strayed.get(n, False) for n in failed):
             for n in left:
                 unmapped[n] = "its group's real values land wrong together and right alone (a stray in one call)"
                 runs.pop(n, None)
@@ -887,28 +889,93 @@ def _unmapped_writes(
     runs: dict[str, list[Runs]],
     bg: _Background,
 ) -> set[str]:
-    """Load a group's unmapped tensors (``names``: the engine reloads them) together, new finite values on the
-    (swapped-in) stand-ins' background, and return the parameters that load writes. A mapped tensor whose place
-    (``places``) it writes leaves the map: the reload would overwrite what the map wrote, where a whole reload
-    loads the tensors in checkpoint order (adversarial review, round 13). A loader that refuses them is left to
-    the reload (which will refuse them too)."""
+    """Load a group's tensors in checkpoint order (``names``; the unmapped ones the engine reloads) on the
+    (swapped-in) stand-ins, and return the parameters where a reload's writes would not be the map's (strict).
+
+    The unmapped tensors go alone, new finite values on the background: a mapped tensor whose place (``places``)
+    they write leaves the map (the engine reloads them after writing the map, where a whole reload loads the
+    tensors in checkpoint order). They go again on zeroed stand-ins (a loader that writes only into zeros
+    shows there). Then every tensor goes together, the unmapped ones with the same values on the same
+    background: outside the mapped places the parameters must hold what the unmapped load alone left, or a
+    mapped tensor's load writes into an unmapped tensor's place when loaded with it, and the rest leave the map.
+    A loader that replaces what it is given here, or writes before it raises, makes every parameter strict
+    (adversarial review, rounds 13 and 14); a tensor it refuses cleanly is left to the reload (which refuses it
+    too)."""
     from ..vocab import DTYPES
 
-    if not names:
+    alone = [n for n in names if n in unmapped]
+    if not alone:
         return set()
+    values = {n: bg.values(spec[n][1], DTYPES[spec[n][0]]) for n in names if n in unmapped or n in runs}
+    everything = set(originals)
     for q in originals:
         bg.fill(q, params[q].data)
-    try:
-        given = [(n, bg.values(spec[n][1], DTYPES[spec[n][0]])) for n in names]
-        if _load_swapped(model, params, originals, load, given):
-            return set()
-    except Exception:  # noqa: BLE001 - see above
-        return set()
+    # one at a time: a tensor the loader refuses (raises on: the reload will too) is left out of what follows,
+    # unless it wrote something before it raised
+    refused: list[str] = []
+    replaced = False
+    for n in alone:
+        written = sum(bg.differing(q, params[q].data) for q in originals)
+        try:
+            replaced |= _load_swapped(model, params, originals, load, [(n, values[n])])
+        except Exception:  # noqa: BLE001 - see above
+            refused.append(n)
+            replaced |= sum(bg.differing(q, params[q].data) for q in originals) != written
     for n, rs in places.items():
         if n in runs and any(bool(bg.changed(q, params[q].data, p, length).any()) for q, _, p, length in _segments(rs)):
             unmapped[n] = "an unmapped tensor's load (a reload) writes into its place"
             runs.pop(n, None)
-    return {q for q in originals if bg.differing(q, params[q].data)}
+    if replaced:  # what it wrote is not all in the stand-ins
+        return everything
+    alone = [n for n in alone if n not in refused]
+    strict = {q for q in originals if bg.differing(q, params[q].data)}
+    outside = _outside_masks(params, originals, {n: rs for n, rs in places.items() if n in runs})
+    alone_left = {q: params[q].data.view(-1)[m].clone() for q, m in outside.items()}
+    for q in originals:
+        params[q].data.zero_()
+    try:
+        if alone and _load_swapped(model, params, originals, load, [(n, values[n]) for n in alone]):
+            return everything
+    except Exception:  # noqa: BLE001 - each loaded alone above
+        return everything
+    strict |= {q for q in originals if _nonzero_words(params[q].data)}
+    for q in originals:
+        bg.fill(q, params[q].data, again=True)
+    try:
+        company = [(n, values[n]) for n in names if n in runs or n in alone]
+        if _load_swapped(model, params, originals, load, company):
+            return everything
+    except Exception:  # noqa: BLE001 - as above
+        return everything
+    if any(
+        _company_differs(_bits(params[q].data.view(-1)[m]), _bits(alone_left[q]), q in strict)
+        for q, m in outside.items()
+    ):
+        for n in places:
+            if n in runs:
+                unmapped[n] = "loaded with the group's unmapped tensors, the group writes into their places"
+                runs.pop(n, None)
+    return strict
+
+
+def _company_differs(together: torch.Tensor, alone: torch.Tensor, strict: bool) -> bool:
+    """Whether a parameter's elements outside the mapped places differ between the group's load and its unmapped
+    tensors' load alone, by more than zeros a mapped tensor's load writes (padding zero-fill, :func:`_written_outside`;
+    none in a ``strict`` parameter)."""
+    diff = together != alone
+    return bool(diff.any()) and (strict or bool(together[diff].any()))
+
+
+def _outside_masks(
+    params: Mapping[str, torch.nn.Parameter], originals: Mapping[str, torch.Tensor], mapped: Mapping[str, list[Runs]]
+) -> dict[str, torch.Tensor]:
+    """Where each of ``originals``' parameters lies outside every mapped run (a mask; none for one they tile)."""
+    masks = {q: torch.ones(params[q].numel(), dtype=torch.bool, device=params[q].device) for q in originals}
+    for rs in mapped.values():
+        for q, _, p, length in _segments(rs):
+            if q in masks:
+                masks[q][p : p + length] = False
+    return {q: m for q, m in masks.items() if bool(m.any())}
 
 
 def _check_with_unmapped(
@@ -923,16 +990,20 @@ def _check_with_unmapped(
     scratch: Mapping[str, torch.Tensor],
     bg: _Background,
 ) -> None:
-    """Where a group holds unmapped tensors (``names`` are all of its tensors): take the mapped ones whose place
-    their loads write (:func:`_unmapped_writes`), and check the rest again where nothing but their own values
-    may change the parameters those loads write (zeros a mapped tensor's load writes there are not padding: the
-    reload of an unmapped tensor would undo them; adversarial review, round 13)."""
-    mapped = {n: runs[n] for n in names if n in runs}
-    strict = _unmapped_writes(
-        model, params, originals, [n for n in names if n in unmapped], spec, load, mapped, unmapped, runs, bg
-    )
-    if strict:
-        _check_real(model, params, originals, mapped, spec, load, unmapped, runs, scratch, bg, False, strict)
+    """Where a group holds unmapped tensors (``names`` are all of its tensors, in checkpoint order): take the
+    mapped ones that their loads, or the group's loaded with them, make wrong (:func:`_unmapped_writes`), and
+    check the rest again where nothing but their own values may change the parameters those loads write (zeros a
+    mapped tensor's load writes there are not padding: the reload of an unmapped tensor would undo them); until
+    no more leave, since one that leaves is then reloaded too (adversarial review, rounds 13 and 14)."""
+    while True:
+        mapped = {n: runs[n] for n in names if n in runs}
+        if not mapped or not any(n in unmapped for n in names):
+            return
+        strict = _unmapped_writes(model, params, originals, names, spec, load, mapped, unmapped, runs, bg)
+        if strict:
+            _check_real(model, params, originals, mapped, spec, load, unmapped, runs, scratch, bg, False, strict)
+        if all(n in runs for n in mapped):
+            return
 
 
 def _check_real(
@@ -1043,14 +1114,15 @@ def _load_alone(
     bg: _Background,
     strict: Collection[str],
     edges: bool,
-) -> set[str]:
+) -> dict[str, bool]:
     """Load each of ``group_runs``' tensors alone on the (swapped-in) stand-ins, refilled with their background;
     those that do not land exactly in their runs, and nowhere else (``places``: every tensor's runs, mapped or
-    not), leave the map (those that left already keep their first reason); returns those that strayed. Each
+    not), leave the map (those that left already keep their first reason); returns those that strayed, and
+    whether their own values missed their own place (else they wrote only outside it). Each
     loads new values (:meth:`_Background.values`): content the loader never saw, as every update's is (a loader
     that strays on new content only would not stray on a replay; one that recycles what it was given would make
     a replay vacuous: adversarial review, rounds 12-13)."""
-    strayed: set[str] = set()
+    strayed: dict[str, bool] = {}
     for n, rs in group_runs.items():
         for q in originals:
             bg.fill(q, params[q].data, again=True)
@@ -1059,14 +1131,11 @@ def _load_alone(
             ok = not _load_swapped(model, params, originals, load, [(n, fresh)])
         except Exception:  # noqa: BLE001 - it loaded with the group: alone it must too
             ok = False
-        if (
-            not ok
-            or _misplaced(params, rs, fresh) is not None
-            or _written_outside(params, originals, places, bg, [n], strict)
-        ):
+        misplaced = not ok or _misplaced(params, rs, fresh) is not None
+        if misplaced or _written_outside(params, originals, places, bg, [n], strict):
             unmapped.setdefault(n, "loaded alone, its real values land outside its own place (another's, padding)")
             runs.pop(n, None)
-            strayed.add(n)
+            strayed[n] = misplaced
     return strayed
 
 
@@ -1300,6 +1369,7 @@ def build_map(
             shared.update(q for q, o in params.items() if o is p)
         groups.add(_group(qn))
         param_groups.setdefault(_group(qn), []).append(qn)
+    shared |= _storage_aliases(params)
     if shared:
         # two layers' tensors in one place: a reload writes the last one loaded, the map both: neither is mapped
         untrusted = functools.partial(_untrusted_shared, shared, untrusted)
@@ -1325,9 +1395,35 @@ def build_map(
     return pm
 
 
+def _storage_aliases(params: Mapping[str, torch.nn.Parameter]) -> set[str]:
+    """The names of parameters that share memory with another parameter object (``Parameter(other.data)``, or a
+    view of it): each gets its own stand-ins, and the map would place two tensors in one place (adversarial
+    review, round 14)."""
+    extents = []
+    for qn, p in params.items():
+        if p.numel() == 0:
+            continue
+        size = p.element_size()
+        span = sum((n - 1) * abs(st) for n, st in zip(p.shape, p.stride(), strict=True)) + 1
+        start = p.data_ptr()
+        extents.append((p.untyped_storage().data_ptr(), start, start + span * size, id(p), qn))
+    extents.sort()
+    names: dict[int, list[str]] = {}
+    for *_, i, qn in extents:
+        names.setdefault(i, []).append(qn)
+    out: set[str] = set()
+    reach: tuple[int, int, int] | None = None  # (storage, end, object) of the furthest-reaching extent so far
+    for storage, start, end, i, _ in extents:
+        if reach is not None and reach[0] == storage and start < reach[1] and reach[2] != i:
+            out.update(names[i], names[reach[2]])
+        if reach is None or reach[0] != storage or end > reach[1]:
+            reach = (storage, end, i)
+    return out
+
+
 def _untrusted_shared(shared: set[str], untrusted: Callable[[str], str | None], param: str) -> str | None:
     if param in shared:
-        return "the parameter is shared by several layers (a reload writes the last one loaded there)"
+        return "it shares memory with another parameter (tied, or across layers): a reload writes the last one loaded"
     return untrusted(param)
 
 
@@ -1402,6 +1498,10 @@ def _take_derived(
     """Give ``group`` its kind's map if both proofs pass (then ``None``), else say why it must be probed."""
 
     d_runs, d_unmapped = _derive(learned, group.rsplit(".", 1)[1])
+    # in this layer's own checkpoint order, which may differ from its kind's first layer's (its real values load in
+    # it: a stray a later tensor covers in one order shows in the other; adversarial review, round 14)
+    order = [n for n in spec if _group(n) == group]
+    d_runs = {n: d_runs[n] for n in order if n in d_runs}
     why = next((w for w in (untrusted(r.param) for rs in d_runs.values() for r in rs) if w), None)
     why = why or _prove_derived(model, params, probed, d_runs, spec, load, learned)
     if why is not None:
@@ -1422,9 +1522,7 @@ def _take_derived(
         # (adversarial review, rounds 12 and 13)
         for edges in (True, False):
             _check_real(model, params, originals, d_runs, spec, load, d_unmapped, checked, scratch, bg, edges)
-        _check_with_unmapped(
-            model, params, originals, list(d_runs) + list(d_unmapped), spec, load, d_unmapped, checked, scratch, bg
-        )
+        _check_with_unmapped(model, params, originals, order, spec, load, d_unmapped, checked, scratch, bg)
     finally:
         for q, data in originals.items():
             params[q].data = data

