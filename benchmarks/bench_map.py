@@ -13,7 +13,8 @@ Engines, one after the other (each a fresh process):
 The map is learned tensor by tensor for the first layer of each kind and derived, with its two proofs, for the
 others: the build should grow with one layer's size, not with the number of layers. Ends with one JSON line.
 
-    python benchmarks/bench_map.py [--only 0.6B 70B-2 ...]     (DELTASYNC_BENCH_PROFILE=1: where the second build goes)
+    python benchmarks/bench_map.py [--only 0.6B 70B-2 ...]     (DELTASYNC_BENCH_PROFILE=1: where the second build goes;
+                                                                 DELTASYNC_BENCH_PROFILE_CALLERS=regex: who calls)
 """
 
 from __future__ import annotations
@@ -65,8 +66,19 @@ def _build(worker: Any) -> dict[str, Any]:
 
     engine = worker.weight_transfer_engine
     pm = engine._map  # built while vLLM started (deltasync.vllm.base.MAP_AT_START_ENV): its own build time
-    if pm is None:
+    if pm is None:  # DELTASYNC_MAP_AT_START=0: the first build here (with DELTASYNC_BENCH_PROFILE=first, profiled)
+        first_profile = None
+        if os.environ.get("DELTASYNC_BENCH_PROFILE") == "first":
+            import cProfile
+
+            first_profile = cProfile.Profile()
+            first_profile.enable()
         pm = engine.patch_map()
+        if first_profile is not None:
+            import pstats
+
+            first_profile.disable()
+            pstats.Stats(first_profile).sort_stats("tottime").print_stats(25)
     build_s = pm.build_s
     # the same build again, on memory this process has touched: what the first build pays the first touch of
     # fresh memory (on this VM ~1-3 ns per byte: the hypervisor backs guest pages as they are first written)
@@ -85,6 +97,8 @@ def _build(worker: Any) -> dict[str, Any]:
 
         profile.disable()
         pstats.Stats(profile).sort_stats("cumulative").print_stats(25)
+        if os.environ.get("DELTASYNC_BENCH_PROFILE_CALLERS"):  # a regex: who calls the functions it matches
+            pstats.Stats(profile).print_callers(os.environ["DELTASYNC_BENCH_PROFILE_CALLERS"])
     engine._map = first
     params = [p for _, p in engine.model.named_parameters()]
     numel = sum(p.numel() for p in params)
