@@ -164,7 +164,8 @@ class Bench:
             self._register(self.base)
             self.reset_peak()
             before = self.memory()["rss_mib"]
-            r = profiled(self.llm, self.agent.sync) if len(rows) == 1 else self.agent.sync()  # the second update
+            with _Collections() as collections:
+                r = profiled(self.llm, self.agent.sync) if len(rows) == 1 else self.agent.sync()  # the second update
             extra = self.memory()["peak_mib"] - before
             last = self.llm.collective_rpc("deltasync_status")[0]["history"][-1]
             t = r.timings
@@ -187,6 +188,7 @@ class Bench:
                     "decoded_delta_mib": round(self.base.nnz * 10 / 2**20),  # bf16 value + int64 index
                     "agent_host_copy_mib": self.agent_host_mib(),
                     "decodes": bool(self.llm.collective_rpc("deltasync_status")[0].get("decodes")),
+                    "gc_in_sync_ms": collections.ms,
                 }
             )
             row = rows[-1]
@@ -197,7 +199,8 @@ class Bench:
                 f"({row['before_pause_ms'] * 1e6 / max(row['changed'], 1):.0f} ns per changed element)  "
                 f"audit {row['audit_ms']:6.0f} ms  engine peak +{row['engine_extra_peak_mib']} MiB "
                 f"(decoded delta {row['decoded_delta_mib']} MiB)  agent host copy {row['agent_host_copy_mib']} MiB "
-                f"({'the engine decodes' if row['decodes'] else 'the agent decodes'})",
+                f"({'the engine decodes' if row['decodes'] else 'the agent decodes'})  "
+                f"gc in the sync {row['gc_in_sync_ms']} ms",
                 flush=True,
             )
         return rows
@@ -249,6 +252,28 @@ def run_engine(tmp: Path, model: Path, label: str, args: argparse.Namespace, fig
     finally:
         llm.llm_engine.engine_core.shutdown()
     return rows
+
+
+class _Collections:
+    """Python's garbage collections in this process while open: their milliseconds, each (the agent keeps them
+    out of an update, deltasync._gc; a full one here took 25-340 ms and landed in every few syncs before)."""
+
+    def __init__(self) -> None:
+        self.ms: list[float] = []
+        self._t0 = 0.0
+
+    def _callback(self, phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            self._t0 = time.perf_counter()
+        else:
+            self.ms.append(round((time.perf_counter() - self._t0) * 1e3, 1))
+
+    def __enter__(self) -> _Collections:
+        gc.callbacks.append(self._callback)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        gc.callbacks.remove(self._callback)
 
 
 def main() -> None:

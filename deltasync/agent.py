@@ -39,6 +39,7 @@ import torch
 
 from . import apply
 from ._fetch import ObjectFetcher
+from ._gc import quiet_gc
 from ._localfs import ensure_dir
 from .client import CoordinatorClient, SyncPlan
 from .config import AgentConfig
@@ -261,20 +262,25 @@ class Agent:
         if progress:
             self._heartbeat(st.version, "fetching")
         timings: dict[str, float] = {}
-        update, staged = self._prepare(plan, st, timings)
-        if progress:
-            self._heartbeat(st.version, "applying")
-        try:
-            self._apply(update, timings)
-        except ApplyError:
-            if self.config.tp_size > 1:
-                raise ApplyError(
-                    f"the engine failed past the first write; with TP > 1 that desyncs vLLM's executor "
-                    f"(vLLM issue 49972): restart the vLLM server ({self.target.state().detail})"
-                ) from None
+        with quiet_gc():  # no full collection of a large host process in the middle of an update (deltasync._gc)
+            update, staged = self._prepare(plan, st, timings)
+            if progress:
+                self._heartbeat(st.version, "applying")
+            try:
+                self._apply(update, timings)
+            except ApplyError:
+                if self.config.tp_size > 1:
+                    raise ApplyError(
+                        f"the engine failed past the first write; with TP > 1 that desyncs vLLM's executor "
+                        f"(vLLM issue 49972): restart the vLLM server ({self.target.state().detail})"
+                    ) from None
+                failed = True
+            else:
+                failed = False
+            finally:
+                self._cleanup(staged)
+        if failed:
             return self._restore_from_anchor(st.version, timings)
-        finally:
-            self._cleanup(staged)
         self._integrity_failures = 0
         self.last_version = plan.to_version
         if self.drift is not None:
