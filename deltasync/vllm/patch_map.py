@@ -618,9 +618,21 @@ class _Tree:
         return out
 
 
+_HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_state_dict_hooks", "_load_state_dict_pre_hooks")
+
+
 def _fingerprints(model: torch.nn.Module) -> dict[str, tuple[Any, ...]]:
-    """Every parameter's and buffer's identity, dtype, shape and content digest (xxh3 on CPU, position-weighted
-    integer sums on an accelerator): what building the map must leave exactly as it found it."""
+    """What building the map must leave exactly as it found it, by name:
+
+    - every parameter and buffer: its object, where its data lives (pointer, storage, offset, strides: a loader
+      that moved a weight to new memory with the same values leaves views and captured graphs reading the old
+      one), dtype, shape, negative and conjugate bits, and content digest (xxh3 on CPU, position-weighted integer
+      sums on an accelerator);
+    - every module: its object and class, its instance attributes' names (one named like a parameter hides the
+      registered parameter from the forward; an instance ``forward``), how many hooks it has, and which of its
+      registered names its class defines (a property named ``weight`` is what the forward reads).
+
+    A name that goes is a change as much as one that differs (adversarial review, round 15)."""
     from ..format import tensor_checksum
 
     out: dict[str, tuple[Any, ...]] = {}
@@ -630,13 +642,22 @@ def _fingerprints(model: torch.nn.Module) -> dict[str, tuple[Any, ...]]:
     tensors += [("buffer:" + n, t) for n, t in model.named_buffers(remove_duplicate=False)]
     for name, t in tensors:
         data = t.detach()
+        layout = (data.data_ptr(), data.untyped_storage().data_ptr(), data.storage_offset(), data.stride())
+        bits = (data.is_neg(), data.is_conj())
+        data = data.resolve_neg().resolve_conj()
         if data.device.type == "cpu":
             digest: Any = tensor_checksum(data.contiguous()) if data.numel() else ""
         else:
             digest = _device_digest(
                 _bits(data.reshape(-1)) if data.dtype != torch.bool else data.reshape(-1).to(torch.uint8)
             )
-        out[name] = (id(t), data.dtype, tuple(data.shape), digest)
+        out[name] = (id(t), layout, bits, data.dtype, tuple(data.shape), digest)
+    for name, m in model.named_modules(remove_duplicate=False):
+        cls = type(m)
+        registered = {*m._parameters, *m._buffers, *m._modules}
+        shadowed = sorted(k for k in registered if any(k in c.__dict__ for c in cls.__mro__))
+        hooks = tuple(len(getattr(m, h, ())) for h in _HOOKS)
+        out["module:" + name] = (id(m), cls, frozenset(m.__dict__), hooks, tuple(shadowed))
     return out
 
 
@@ -1448,20 +1469,18 @@ def build_map(
     learned: dict[tuple[Any, ...], _Learned] = {}
     counts = {"probed": 0, "derived": 0}
     split: list[str] = []
-    before = _fingerprints(model)
+    before, edges = _fingerprints(model), _module_edges(model)
     try:
-        _build_groups(
-            model, spec, load, untrusted, params, by_group, param_groups, runs, unmapped, learned, counts, split
-        )
-    except Exception as exc:
-        _restore_identity(model, params)
-        _check_untouched(model, before, exc)
-        raise
+        try:
+            _build_groups(
+                model, spec, load, untrusted, params, by_group, param_groups, runs, unmapped, learned, counts, split
+            )
+        except Exception as exc:
+            _check_untouched(model, params, before, edges, exc)
+            raise
+        _check_untouched(model, params, before, edges)
     finally:
-        _Tree.forget(model)
-    _restore_identity(model, params)
-    _Tree.forget(model)
-    _check_untouched(model, before)
+        _Tree.forget(model)  # it holds the model's modules (adversarial review, round 15: also when the check raises)
     pm = PatchMap(runs, unmapped, params, time.perf_counter() - t0, model=model)
     pm.layers, pm.split = dict(counts), split
     logger.info("deltasync: patch map built: %s", pm.summary())
@@ -1500,11 +1519,40 @@ def _untrusted_shared(shared: set[str], untrusted: Callable[[str], str | None], 
     return untrusted(param)
 
 
+def _module_edges(model: torch.nn.Module) -> list[tuple[torch.nn.Module, dict[str, torch.nn.Module | None]]]:
+    """Every module of ``model`` (once) with its children as registered now: what :func:`_check_untouched` puts
+    back."""
+    modules = {id(m): m for _, m in model.named_modules(remove_duplicate=False)}
+    return [(m, dict(m._modules)) for m in modules.values()]
+
+
 def _check_untouched(
-    model: torch.nn.Module, before: dict[str, tuple[Any, ...]], cause: BaseException | None = None
+    model: torch.nn.Module,
+    params: Mapping[str, torch.nn.Parameter],
+    before: dict[str, tuple[Any, ...]],
+    edges: list[tuple[torch.nn.Module, dict[str, torch.nn.Module | None]]],
+    cause: BaseException | None = None,
 ) -> None:
-    """Raise :class:`MapCorruption` if building the map (finished, or stopped by ``cause``) changed live weights."""
-    changed = [n for n, fp in _fingerprints(model).items() if before.get(n) != fp]
+    """Put back the module tree as it was (``edges``, :func:`_module_edges`: a submodule the loader replaced,
+    added or removed), and the parameter objects and stand-ins it replaced (:func:`_restore_identity`), then
+    raise :class:`MapCorruption` if building the map (finished, or stopped by ``cause``) left the model otherwise
+    than it found it (:func:`_fingerprints`, compared both ways: a parameter, buffer or module that went is a
+    change too). Whatever raises while restoring or checking is a :class:`MapCorruption` as well: the engine must
+    not serve a model its build could not even read (adversarial review, round 15)."""
+    try:
+        for m, children in edges:
+            if m._modules != children or any(m._modules[k] is not c for k, c in children.items()):
+                m._modules.clear()
+                m._modules.update(children)
+        _Tree.forget(model)
+        _restore_identity(model, params)
+        after = _fingerprints(model)
+    except Exception as exc:
+        raise MapCorruption(
+            f"building the patch map left the model in a state it cannot check ({type(exc).__name__}: {exc}): the "
+            "loader changed the module tree; this engine serves wrong weights until an anchor restores it"
+        ) from (cause or exc)
+    changed = sorted(n for n in before.keys() | after.keys() if before.get(n) != after.get(n))
     if changed:
         raise MapCorruption(
             f"building the patch map changed live weights it had not swapped ({len(changed)}: {changed[:3]}): the "
