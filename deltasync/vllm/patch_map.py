@@ -628,8 +628,8 @@ def _fingerprints(model: torch.nn.Module) -> dict[str, tuple[Any, ...]]:
       that moved a weight to new memory with the same values leaves views and captured graphs reading the old
       one), dtype, shape, negative and conjugate bits, and content digest (xxh3 on CPU, position-weighted integer
       sums on an accelerator);
-    - every module: its object and class, its instance attributes' names (one named like a parameter hides the
-      registered parameter from the forward; an instance ``forward``), how many hooks it has, and which of its
+    - every module: its object and class, its instance attributes that hide a registered name (the forward reads
+      them, not the registered parameter) or the ``forward``, how many hooks it has, and which of its
       registered names its class defines (a property named ``weight`` is what the forward reads).
 
     A name that goes is a change as much as one that differs (adversarial review, round 15)."""
@@ -657,7 +657,10 @@ def _fingerprints(model: torch.nn.Module) -> dict[str, tuple[Any, ...]]:
         registered = {*m._parameters, *m._buffers, *m._modules}
         shadowed = sorted(k for k in registered if any(k in c.__dict__ for c in cls.__mro__))
         hooks = tuple(len(getattr(m, h, ())) for h in _HOOKS)
-        out["module:" + name] = (id(m), cls, frozenset(m.__dict__), hooks, tuple(shadowed))
+        # instance attributes that hide a registered name, or the forward (not every new one: a loader may cache
+        # on its module at its first call, as DeepseekV2Model.load_weights does; adversarial review, round 16)
+        hiding = frozenset(k for k in m.__dict__ if k in registered or k == "forward")
+        out["module:" + name] = (id(m), cls, hiding, hooks, tuple(shadowed))
     return out
 
 
