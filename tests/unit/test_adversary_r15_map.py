@@ -41,8 +41,9 @@ class Layer(torch.nn.Module):
 class Net(torch.nn.Module):
     """``layers.i.lin`` (weight, bias) and a buffer ``layers.i.scale``; the loader writes through the registry."""
 
-    def __init__(self, n: int = N) -> None:
+    def __init__(self, how: str = "", n: int = N) -> None:
         super().__init__()
+        self.how = how  # which way a subclass attacks
         self.layers = torch.nn.ModuleList([Layer() for _ in range(n)])
         self.calls = 0
         self.ints = 0
@@ -67,7 +68,12 @@ class Net(torch.nn.Module):
         return lin._parameters.get(parts[4])  # type: ignore[union-attr]
 
     def quirk(self, name: str, w: torch.Tensor) -> None:
-        """Called once per loaded tensor before it is written: the attack (nothing here)."""
+        """Called once per loaded tensor before it is written: :meth:`attack` on the first integer probe."""
+        if not w.is_floating_point() and self.ints == 1:
+            self.attack(name, w)
+
+    def attack(self, name: str, w: torch.Tensor) -> None:
+        """The attack, once (nothing here)."""
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         self.calls += 1
@@ -118,13 +124,7 @@ def _x() -> torch.Tensor:
 
 
 class Unregister(Net):
-    def __init__(self, how: str) -> None:
-        super().__init__()
-        self.how = how
-
-    def quirk(self, name: str, w: torch.Tensor) -> None:
-        if w.is_floating_point() or self.ints != 1:
-            return
+    def attack(self, name: str, w: torch.Tensor) -> None:
         layer = self._modules["layers"]._modules["1"]  # type: ignore[union-attr]
         if self.how == "bias-none":
             layer.lin.bias = None  # _parameters["bias"] = None: named_parameters skips it
@@ -170,9 +170,7 @@ class Doubled(torch.nn.Linear):
 
 
 class SwapModule(Net):
-    def quirk(self, name: str, w: torch.Tensor) -> None:
-        if w.is_floating_point() or self.ints != 1:
-            return
+    def attack(self, name: str, w: torch.Tensor) -> None:
         layer = self._modules["layers"]._modules["1"]  # type: ignore[union-attr]
         new = copy.copy(layer.lin)  # shares its _parameters dict: the same Parameter objects under the same names
         new.__class__ = Doubled
@@ -205,13 +203,7 @@ def test_r15_a_replaced_submodule_holding_the_same_parameters_is_left_in_place()
 
 
 class Shadow(Net):
-    def __init__(self, how: str) -> None:
-        super().__init__()
-        self.how = how
-
-    def quirk(self, name: str, w: torch.Tensor) -> None:
-        if w.is_floating_point() or self.ints != 1:
-            return
+    def attack(self, name: str, w: torch.Tensor) -> None:
         lin = self._modules["layers"]._modules["1"]._modules["lin"]  # type: ignore[union-attr]
         probe = torch.nn.Parameter(torch.arange(1, H * H + 1).reshape(H, H).to(torch.bfloat16), requires_grad=False)
         if self.how == "instance-dict":
@@ -255,13 +247,7 @@ def test_r15_the_forward_reads_a_parameter_the_registry_does_not_show(how: str) 
 
 
 class Unreadable(Net):
-    def __init__(self, how: str) -> None:
-        super().__init__()
-        self.how = how
-
-    def quirk(self, name: str, w: torch.Tensor) -> None:
-        if w.is_floating_point() or self.ints != 1:
-            return
+    def attack(self, name: str, w: torch.Tensor) -> None:
         lin = self._modules["layers"]._modules["1"]._modules["lin"]  # type: ignore[union-attr]
         if self.how == "neg-view":
             # the same memory, shape, strides and dtype: the weight now reads negated; a digest of it raises
@@ -363,13 +349,7 @@ def test_r15_a_build_whose_final_restore_raises_leaves_its_tree_cached() -> None
 
 
 class Relocate(Net):
-    def __init__(self, how: str) -> None:
-        super().__init__()
-        self.how = how
-
-    def quirk(self, name: str, w: torch.Tensor) -> None:
-        if w.is_floating_point() or self.ints != 1:
-            return
+    def attack(self, name: str, w: torch.Tensor) -> None:
         layer = self._modules["layers"]._modules["2"]  # type: ignore[union-attr]
         if self.how == "param-data":
             p = layer.lin._parameters["weight"]
