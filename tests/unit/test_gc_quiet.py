@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import gc
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -16,7 +17,7 @@ from deltasync.targets import InMemoryTarget
 from tests.conftest import SMALL_QWEN3, assert_bit_equal
 from tests.support.models import qwen3_shapes
 from tests.support.stream import UpdateStream
-from tests.support.world import world
+from tests.support.world import World, world
 
 
 @pytest.fixture(autouse=True)
@@ -88,30 +89,32 @@ class FailingTarget(WatchingTarget):
         super().apply(update)
 
 
-def test_an_agent_update_runs_without_automatic_collections_and_leaves_the_collector_on(tmp_path: Path) -> None:
-    gc.enable()
-    weights = UpdateStream.from_shapes(qwen3_shapes(SMALL_QWEN3), seed=0).bf16()
-    with world(tmp_path, weights) as w:
-        target = WatchingTarget()
-        agent = w.agent(target=target)
-        agent.sync()
-        w.publisher.step()
-        agent.sync()
-        assert target.seen == [False, False]
-        assert gc.isenabled()
-        assert_bit_equal(target.weights, w.publisher.truth[1])
+@pytest.fixture
+def w(tmp_path: Path) -> Iterator[World]:
+    with world(tmp_path, UpdateStream.from_shapes(qwen3_shapes(SMALL_QWEN3), seed=0).bf16()) as w:
+        yield w
 
 
-def test_the_collector_is_back_on_after_a_failed_update_and_its_restore(tmp_path: Path) -> None:
+def test_an_agent_update_runs_without_automatic_collections_and_leaves_the_collector_on(w: World) -> None:
     gc.enable()
-    weights = UpdateStream.from_shapes(qwen3_shapes(SMALL_QWEN3), seed=0).bf16()
-    with world(tmp_path, weights) as w:
-        target = FailingTarget()
-        agent = w.agent(target=target)
-        agent.sync()
-        w.publisher.step(anchor=True)
-        target.fail_next = True
-        result = agent.sync()
-        assert result.route == "anchor" and target.state().healthy
-        assert gc.isenabled()
-        assert_bit_equal(target.weights, w.publisher.truth[1])
+    target = WatchingTarget()
+    agent = w.agent(target=target)
+    agent.sync()
+    w.publisher.step()
+    agent.sync()
+    assert target.seen == [False, False]
+    assert gc.isenabled()
+    assert_bit_equal(target.weights, w.publisher.truth[1])
+
+
+def test_the_collector_is_back_on_after_a_failed_update_and_its_restore(w: World) -> None:
+    gc.enable()
+    target = FailingTarget()
+    agent = w.agent(target=target)
+    agent.sync()
+    w.publisher.step(anchor=True)
+    target.fail_next = True
+    result = agent.sync()
+    assert result.route == "anchor" and target.state().healthy
+    assert gc.isenabled()
+    assert_bit_equal(target.weights, w.publisher.truth[1])
