@@ -554,7 +554,7 @@ def _restore_identity(
     originals), and put back every stand-in of ``swapped`` (by parameter) whose ``.data`` the loader replaced
     (``param.data = w.t().clone()``: what it wrote is not in the stand-in the map reads); returns the names of
     both."""
-    replaced = _Tree.of(model, params).replaced(params)
+    replaced = _Tree.of(model, params).replaced()
     for qn in replaced:
         owner, _, leaf = qn.rpartition(".")
         model.get_submodule(owner)._parameters[leaf] = params[qn]
@@ -580,7 +580,7 @@ class _Tree:
     def __init__(self, model: torch.nn.Module, params: Mapping[str, torch.nn.Parameter]) -> None:
         modules = dict(model.named_modules(remove_duplicate=False))
         self.model, self.params = model, params
-        self.edges = [(m, dict(m._modules)) for m in {id(m): m for m in modules.values()}.values()]
+        self.edges = _module_edges(modules.values())
         self.slots = []
         for qn in params:
             owner, _, leaf = qn.rpartition(".")
@@ -596,10 +596,7 @@ class _Tree:
             tree is None
             or tree.model is not model
             or tree.params is not params
-            or not all(
-                len(m._modules) == len(children) and all(m._modules.get(k) is c for k, c in children.items())
-                for m, children in tree.edges
-            )
+            or not all(_children_hold(m, children) for m, children in tree.edges)
         ):
             tree = cls._cache[id(model)] = cls(model, params)
         return tree
@@ -608,12 +605,12 @@ class _Tree:
     def forget(cls, model: torch.nn.Module) -> None:
         cls._cache.pop(id(model), None)
 
-    def replaced(self, params: Mapping[str, torch.nn.Parameter]) -> list[str]:
+    def replaced(self) -> list[str]:
         """The names of ``params`` registered now to another (non-``None``) object than theirs."""
         out = []
         for qn, owner, leaf in self.slots:
             p = owner._parameters.get(leaf)
-            if p is not None and p is not params[qn]:
+            if p is not None and p is not self.params[qn]:
                 out.append(qn)
         return out
 
@@ -1472,7 +1469,7 @@ def build_map(
     learned: dict[tuple[Any, ...], _Learned] = {}
     counts = {"probed": 0, "derived": 0}
     split: list[str] = []
-    before, edges = _fingerprints(model), _module_edges(model)
+    before, edges = _fingerprints(model), _module_edges(m for _, m in model.named_modules(remove_duplicate=False))
     try:
         try:
             _build_groups(
@@ -1522,11 +1519,21 @@ def _untrusted_shared(shared: set[str], untrusted: Callable[[str], str | None], 
     return untrusted(param)
 
 
-def _module_edges(model: torch.nn.Module) -> list[tuple[torch.nn.Module, dict[str, torch.nn.Module | None]]]:
-    """Every module of ``model`` (once) with its children as registered now: what :func:`_check_untouched` puts
-    back."""
-    modules = {id(m): m for _, m in model.named_modules(remove_duplicate=False)}
-    return [(m, dict(m._modules)) for m in modules.values()]
+_GONE = object()
+
+
+def _module_edges(
+    modules: Iterable[torch.nn.Module],
+) -> list[tuple[torch.nn.Module, dict[str, torch.nn.Module | None]]]:
+    """Each of ``modules`` (once) with its children as registered now: what :class:`_Tree` trusts while they hold
+    (:func:`_children_hold`), and what :func:`_check_untouched` puts back."""
+    return [(m, dict(m._modules)) for m in {id(m): m for m in modules}.values()]
+
+
+def _children_hold(m: torch.nn.Module, children: Mapping[str, torch.nn.Module | None]) -> bool:
+    """Whether ``m`` registers exactly ``children`` now: the same names, each to the same object."""
+    now = m._modules
+    return len(now) == len(children) and all(now.get(k, _GONE) is c for k, c in children.items())
 
 
 def _check_untouched(
@@ -1544,7 +1551,7 @@ def _check_untouched(
     not serve a model its build could not even read (adversarial review, round 15)."""
     try:
         for m, children in edges:
-            if m._modules != children or any(m._modules[k] is not c for k, c in children.items()):
+            if not _children_hold(m, children):
                 m._modules.clear()
                 m._modules.update(children)
         _Tree.forget(model)
