@@ -1,4 +1,4 @@
-"""Separate hosts on one Linux machine: each in its own network and mount namespaces, joined by veth links.
+"""Separate hosts on one Linux machine: each in its own network, PID, IPC and mount namespaces, joined by veth links.
 
 A disaggregated deployment (trainer, store, coordinator, vLLM, environment on different machines) must not lean on
 anything the machines would not share: a path, a loopback address, a file the other side happens to see. This
@@ -14,9 +14,16 @@ tests run that deployment for real:
   operator puts in a host's directory are given to that user (:meth:`Host.own`).
 * **files**: each host has a directory under ``base`` that only it sees. A host's processes live in its mount
   namespace (held by one small process per host), where ``base`` is an empty file system holding only the host's
-  own directory at its usual path, and ``/tmp`` and ``/dev/shm`` are its own. Everything else (the Python, the code,
-  the virtualenv) is the machine's, as software installed on every host would be; where the code or the
-  virtualenv lies under ``/tmp`` (a fresh clone there), it stays visible at its path in every host.
+  own directory at its usual path, and ``/tmp``, ``/var/tmp`` and ``/dev/shm`` are its own (``tmp``, ``var-tmp``
+  and ``shm`` in its directory). Everything else (the Python, the code, the virtualenv) is the machine's, as
+  software installed on every host would be; where the code or the virtualenv lies under ``/tmp`` or ``/var/tmp``
+  (a fresh clone there), it stays visible at its path in every host.
+* **shared memory**: each host has its own IPC namespace: System V shared memory, semaphores and message queues,
+  and POSIX message queues, made on one host are not there on another.
+* **environment**: a host's processes get only what they are given (``env=``) and a few variables of the
+  machine's that say how software runs here (:data:`BASE_ENV`: ``PATH``, the locale, Python's own), never the
+  launcher's whole environment, where another host's credentials may be. :func:`from_machine` picks more of the
+  machine's variables by name, for the hosts that need them (vLLM's settings where vLLM runs).
 
 Everything is torn down on exit, even after a failure: processes, namespaces, links. ``base`` stays, with each
 host's logs.
@@ -30,6 +37,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import secrets
 import shlex
 import shutil
@@ -43,7 +51,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-__all__ = ["SUBNET", "UID_BASE", "Host", "Hosts", "HostsUnavailable", "unavailable"]
+__all__ = ["BASE_ENV", "SUBNET", "UID_BASE", "Host", "Hosts", "HostsUnavailable", "from_machine", "unavailable"]
 
 SUBNET = "10.77.0"
 """The hosts' /24: host ``i`` is ``SUBNET.(10 + i)``."""
@@ -51,6 +59,48 @@ UID_BASE = 47000
 """Host ``i``'s processes run as user and group ``UID_BASE + i``, unprivileged."""
 
 _TOOLS = ("ip", "unshare", "nsenter", "mount")
+
+BASE_ENV = (
+    "PATH",
+    "LANG",
+    "LANGUAGE",
+    "LC_ALL",
+    "LC_CTYPE",
+    "TZ",
+    "VIRTUAL_ENV",
+    "PYTHONDONTWRITEBYTECODE",
+    "PYTHONHASHSEED",
+    "PYTHONIOENCODING",
+    "PYTHONUNBUFFERED",
+    "PYTHONUTF8",
+)
+"""The machine's variables every process of every host gets, where the machine has them: how software runs here,
+never a credential. Everything else a process gets is given to it (``env=``), or picked by :func:`from_machine`."""
+
+_PRIVATE = {Path("/tmp"): "tmp", Path("/var/tmp"): "var-tmp"}
+"""The machine's directories each host has its own of (at the path, from the directory of this name in its own)."""
+
+
+def from_machine(*names: str) -> dict[str, str]:
+    """The machine's variables named ``names`` (``NAME``, or ``PREFIX*`` for every name that starts so), for the
+    hosts that need them: a host gets none of the machine's variables but :data:`BASE_ENV` otherwise."""
+    exact = {n for n in names if not n.endswith("*")}
+    prefixes = tuple(n[:-1] for n in names if n.endswith("*"))
+    return {k: v for k, v in os.environ.items() if k in exact or (prefixes and k.startswith(prefixes))}
+
+
+def _environment(given: Mapping[str, str]) -> dict[str, str]:
+    """What a host's process runs with: :data:`BASE_ENV` from the machine, then ``given``."""
+    out = {k: os.environ[k] for k in BASE_ENV if k in os.environ}
+    for name, value in given.items():
+        if re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", name) is None:
+            raise ValueError(
+                f"environment variable name {name!r}: expected ASCII letters, digits and _, no digit first"
+            )
+        if "\0" in value:
+            raise ValueError(f"environment variable {name}: its value holds a NUL byte")
+        out[name] = value
+    return out
 
 
 class HostsUnavailable(RuntimeError):
@@ -76,6 +126,21 @@ def _sh(*argv: str) -> None:
         raise HostsUnavailable(f"{shlex.join(argv)} failed ({done.returncode}): {done.stderr.strip()}")
 
 
+def _refuse_links(host: Host, hidden: Path, path: Path) -> None:
+    """HostsUnavailable if a directory on the way to ``path`` in the host's own ``hidden`` (``/tmp``, ``/var/tmp``:
+    a directory in the host's directory) is a link or not a directory."""
+    rel = path.relative_to(hidden)
+    path = host.root / _PRIVATE[hidden]
+    for part in rel.parts:
+        path = path / part
+        if path.is_symlink() or (path.exists() and not path.is_dir()):
+            raise HostsUnavailable(
+                f"host {host.name}: {path} is {'a link' if path.is_symlink() else 'not a directory'}, where its own "
+                f"{hidden / rel} is to be made (left by an earlier run?); remove it, or give "
+                "the hosts another base"
+            )
+
+
 @dataclass
 class Host:
     """One host: its name, address, private directory and the processes started in it."""
@@ -95,18 +160,20 @@ class Host:
     def _enter(self) -> list[str]:
         if self.holder is None or self.holder.poll() is not None:
             raise HostsUnavailable(f"host {self.name} is not running (its namespace holder exited)")
-        # the host's init (PID 1 inside): its mount, network and PID namespaces; nsenter forks into the last
-        return ["nsenter", "-t", str(self.init_pid), "-m", "-n", "-p", "--"]
+        # the host's init (PID 1 inside): its mount, network, IPC and PID namespaces; nsenter forks into the last
+        return ["nsenter", "-t", str(self.init_pid), "-m", "-n", "-i", "-p", "--"]
 
     def command(self, argv: Sequence[str], env: Mapping[str, str] | None = None, cwd: Path | None = None) -> list[str]:
-        """``argv`` as a command line that runs inside this host (its namespaces, ``cwd`` default: its directory)."""
-        pairs = [f"{k}={v}" for k, v in {"HOME": str(self.root), **(env or {})}.items()]
+        """``argv`` as a command line that runs inside this host (its namespaces, ``cwd`` default: its directory),
+        with :data:`BASE_ENV`, ``HOME`` (default: its directory) and ``env`` as its whole environment."""
+        pairs = [f"{k}={v}" for k, v in _environment({"HOME": str(self.root), **(env or {})}).items()]
         where = str(cwd or self.root)
         # the host's own unprivileged user, no capabilities and no way to gain any: root inside a host could
         # undo its mounts, enter another host's network or change the machine's kernel settings
         drop = [f"--reuid={self.uid}", f"--regid={self.uid}", "--clear-groups", "--bounding-set=-all"]
         drop += ["--inh-caps=-all", "--no-new-privs"]
-        return [*self._enter(), "setpriv", *drop, "env", "-C", where, *pairs, *argv]
+        # `env -i`: the launcher's environment (nsenter's and setpriv's) ends here, only `pairs` go in
+        return [*self._enter(), "setpriv", *drop, "env", "-i", "-C", where, *pairs, *argv]
 
     def own(self, *paths: Path) -> None:
         """Give ``paths`` (files or directory trees the operator put in this host's directory) to the host's
@@ -130,7 +197,8 @@ class Host:
 
         Args:
             argv: the command.
-            env: extra environment (the machine's environment is inherited, as a login on an identical host).
+            env: its environment, besides :data:`BASE_ENV` and ``HOME`` (the host's directory unless given here):
+                nothing else of the launcher's environment is passed (see :func:`from_machine`).
             cwd: the working directory, a path this host sees (default: its directory).
             log: a file name in this host's directory for stdout and stderr (default: inherited).
         """
@@ -152,7 +220,8 @@ class Host:
     def run(
         self, argv: Sequence[str], *, env: Mapping[str, str] | None = None, timeout: float = 60.0
     ) -> subprocess.CompletedProcess[str]:
-        """Run a command inside this host to completion; its output is returned, not checked."""
+        """Run a command inside this host to completion (its environment as :meth:`popen`'s); its output is
+        returned, not checked."""
         return subprocess.run(self.command(argv, env), capture_output=True, text=True, timeout=timeout, check=False)
 
     def _inside(self) -> list[int]:
@@ -203,11 +272,12 @@ class Hosts:
 
     Args:
         names: the hosts, in address order (``SUBNET.10`` first).
-        base: where each host's directory goes (``base/NAME``), created if missing. Not under ``/tmp``: each host
-            gets a ``/tmp`` of its own, which would hide it.
+        base: where each host's directory goes (``base/NAME``), created if missing. Not under ``/tmp`` or
+            ``/dev/shm``: each host gets one of its own, which would hide it (under ``/var/tmp``, each host's own
+            ``/var/tmp`` holds the path to its directory).
         software: directories every host must see at their paths (default: the working directory; the running
             Python and its virtualenv always are). The rest of the machine is seen anyway; only these, where they
-            lie under /tmp or in a directory other users cannot enter (/root), need it.
+            lie under /tmp, /var/tmp or in a directory other users cannot enter (/root), need it.
 
     Raises:
         HostsUnavailable: the machine cannot make hosts (:func:`unavailable`), or a setup command failed.
@@ -238,10 +308,10 @@ class Hosts:
         if closed:
             raise ValueError(f"hosts' base {base} lies in {closed[0]}, which other users cannot enter: choose another")
         self.base = base
-        # what a host sees otherwise than the machine: its own /tmp, and an empty directory for every directory on
-        # the software's path that other users cannot enter (/root, where pyenv puts Python); the software is
-        # bound back at its path inside (a virtualenv inside the working directory comes with it)
-        self.covers: dict[Path, list[Path]] = {Path("/tmp"): []}
+        # what a host sees otherwise than the machine: its own /tmp and /var/tmp, and an empty directory for every
+        # directory on the software's path that other users cannot enter (/root, where pyenv puts Python); the
+        # software is bound back at its path inside (a virtualenv inside the working directory comes with it)
+        self.covers: dict[Path, list[Path]] = {p: [] for p in _PRIVATE if p.is_dir() and not p.is_symlink()}
         for path in wanted:
             cover = next((d for d in [*reversed(path.parents), path] if d in self.covers), None)
             if cover is None:
@@ -312,18 +382,25 @@ class Hosts:
             self._hold(host)
 
     def _hold(self, host: Host) -> None:
-        """Start the process whose mount namespace is the host's: ``base`` holds only the host's directory, and
-        ``/tmp`` and ``/dev/shm`` are the host's own."""
+        """Start the process whose namespaces are the host's: ``base`` holds only the host's directory; ``/tmp``,
+        ``/var/tmp``, ``/dev/shm`` and the IPC objects are the host's own."""
         if host.root.is_symlink() or (host.root.exists() and not host.root.is_dir()):
             raise HostsUnavailable(f"host {host.name}: {host.root} is not a directory")
         host.root.mkdir(parents=True, exist_ok=True)
-        for sub in ("tmp", "shm"):
+        for sub in (*_PRIVATE.values(), "shm"):
             if (host.root / sub).is_symlink():  # left by an earlier run's host: never followed
                 (host.root / sub).unlink()
             (host.root / sub).mkdir(exist_ok=True)
         os.chown(host.root, host.uid, host.uid, follow_symlinks=False)
         os.chown(host.root / "shm", host.uid, host.uid, follow_symlinks=False)
-        os.chmod(host.root / "tmp", 0o1777, follow_symlinks=False)
+        for sub in _PRIVATE.values():
+            os.chmod(host.root / sub, 0o1777, follow_symlinks=False)
+        # the directories made again inside the host's own /tmp or /var/tmp (the paths to the software and to
+        # base): a link an earlier run's host left on such a path would take a mount elsewhere
+        for hidden in _PRIVATE:
+            for path in [*self.covers.get(hidden, []), self.base]:
+                if hidden in path.parents:
+                    _refuse_links(host, hidden, path)
         own, base = shlex.quote(str(host.root)), shlex.quote(str(self.base))
         keep, cover, back, release = [], [], [], []
         for k, (hidden, paths) in enumerate(self.covers.items()):
@@ -331,8 +408,8 @@ class Hosts:
             if paths:  # the machine's directory, kept aside while it is covered
                 keep += [f"mkdir {saved}", f"mount --bind {where} {saved}"]
                 release.append(f"umount {saved}")
-            if hidden == Path("/tmp"):
-                cover.append(f"mount --bind {own}/tmp /tmp")
+            if hidden in _PRIVATE:  # the host's own, from its directory (kept aside at /mnt/own meanwhile)
+                cover.append(f"mount --bind /mnt/own/{_PRIVATE[hidden]} {where}")
             else:
                 cover.append(f"mount -t tmpfs -o mode=0755 tmpfs {where}")
             for path in paths:  # the software, at its path again
@@ -342,29 +419,35 @@ class Hosts:
         setup = " && ".join(
             [
                 "cd /",  # never hold a directory the host is not to see
+                "umask 022",  # what it makes on the way to the software and to its directory, its user may enter
                 "mount -t tmpfs tmpfs /mnt",  # a private place for what is hidden below and still needed
                 "mkdir /mnt/own",
                 f"mount --bind {own} /mnt/own",
                 *keep,
+                *cover,
+                *back,
+                # after the covers: a base under /var/tmp is made again in the host's own /var/tmp
+                f"mkdir -p {base}",
                 f"mount -t tmpfs -o mode=0755 tmpfs {base}",  # every host's directory hidden
                 f"mkdir -p {own}",
                 f"mount --move /mnt/own {own}",  # and this host's back at its path
-                *cover,
-                *back,
                 *release,
                 "umount /mnt",
                 f"mount --bind {own}/shm /dev/shm",
+                # POSIX message queues are the IPC namespace's; the machine's file system of them is not shown
+                "if grep -q ' /dev/mqueue ' /proc/self/mounts; then mount -t mqueue mqueue /dev/mqueue; fi",
                 "if [ -d /run/netns ]; then mount -t tmpfs -o mode=0755 tmpfs /run/netns; fi",  # no handles shown
                 "echo ready",
                 "exec sleep infinity",
             ]
         )
         host.holder = subprocess.Popen(
-            ["ip", "netns", "exec", host.netns, "unshare", "--mount", "--propagation", "private"]
+            ["ip", "netns", "exec", host.netns, "unshare", "--mount", "--propagation", "private", "--ipc"]
             + ["--pid", "--fork", "--kill-child", "--mount-proc", "sh", "-c", setup],
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             start_new_session=True,
+            env=_environment({}),  # the host's init is the host's: none of the launcher's environment
         )
         assert host.holder.stdout is not None and host.holder.stderr is not None
         line = host.holder.stdout.readline()

@@ -2,13 +2,15 @@
 
     sudo python -m examples.wordle.run_hosts [--out demo-out/hosts] [--steps 80]
 
-The hosts are made on this machine (:mod:`examples.wordle.hosts`: network and mount namespaces joined by veth links;
-root needed), each with its own address, loopback, ``/tmp`` and directory, and run what five machines would:
+The hosts are made on this machine (:mod:`examples.wordle.hosts`: network, PID, IPC and mount namespaces joined by
+veth links; root needed), each with its own address, loopback, processes, shared memory, ``/tmp``, ``/var/tmp`` and
+directory, and run what five machines would:
 
 =============  ===========  ==========================================================================================
 host           address      runs
 =============  ===========  ==========================================================================================
-store          10.77.0.10   an S3 API server (moto) holding the run's bucket
+store          10.77.0.10   an S3 API server (moto, checking every request's signature and IAM policy) holding the
+                            run's bucket: only the trainer's key writes it
 coordinator    10.77.0.11   ``deltasync coordinator`` over TLS (a CA made for the run), SQLite ledger
 trainer        10.77.0.12   the GRPO trainer and its Publisher: writes ``s3://``, registers over https
 inference      10.77.0.13   vLLM with the deltasync backend (inference routes open to the network, its engine
@@ -19,10 +21,13 @@ env            10.77.0.14   the Wordle environment (on its loopback) and the rol
 
 Every command is printed as the host's shell line (the README's recipe for real machines is these lines). The
 launcher is the operator: it copies the base model to the hosts that load it, the CA certificate to the clients,
-and at the end reads the trainer's checksums and runs the final check on the inference host, where the engine
-credential is. While the demo runs it samples, in every host, the open files of every process (none may lie in
-another host's directory) and the TCP connections (every peer is the host's own loopback or a host address), and
-counts the bytes each host sent and received on its link. Everything is torn down on exit, even after a failure.
+each host's store key to that host (:data:`STORE_GRANTS`: the environment host gets none), and at the end reads the
+trainer's checksums and runs the final check on the inference host, where the engine credential is. Each host's
+processes get only their own variables (its credentials, and the few of the machine's it needs: :data:`MACHINE_ENV`),
+never the launcher's whole environment. While the demo runs it samples, in every host, the open files of every
+process (none may lie in another host's directory) and the TCP connections (every peer is the host's own loopback or
+a host address), and counts the bytes each host sent and received on its link. Everything is torn down on exit,
+even after a failure.
 """
 
 from __future__ import annotations
@@ -42,18 +47,33 @@ from pathlib import Path
 from typing import Any
 
 from tests.support.launchers import VllmServerProcess
-from tests.support.s3 import CREDENTIALS_ENV
+from tests.support.s3_iam import read_credentials
 from tests.support.tls import make_ca
 
-from .hosts import SUBNET, Host, Hosts, HostsUnavailable, unavailable
+from .hosts import SUBNET, Host, Hosts, HostsUnavailable, from_machine, unavailable
 from .run_demo import _quantile, add_run_arguments, build_model, warm_start
 
-__all__ = ["HOSTS", "Deployment", "main"]
+__all__ = ["HOSTS", "MACHINE_ENV", "STORE_GRANTS", "Deployment", "main"]
 
 HOSTS = ("store", "coordinator", "trainer", "inference", "env")
 PORTS = {"store": 9000, "coordinator": 8600, "inference": 8000, "env": 8700, "rollouts": 8800}
 BUCKET = "wordle-run"
 AGENT_ID = "vllm-0"
+STORE_GRANTS = {"trainer": "write", "coordinator": "read,delete", "inference": "read"}
+"""Who holds a key to the store, and what it may do on the run's bucket (and nothing else): the trainer publishes,
+the coordinator lists and reads it (and deletes, for its retention, when asked), the agent on the inference host
+reads. The environment host, where model-written code runs, holds none."""
+_NUMERIC = ("OMP_*", "KMP_*", "MKL_*", "OPENBLAS_*", "NVPL_*")
+MACHINE_ENV = {
+    "trainer": _NUMERIC,
+    "inference": (*_NUMERIC, "VLLM_*", "LD_PRELOAD", "LD_LIBRARY_PATH"),
+    "env": _NUMERIC,
+}
+"""The machine's variables a host's processes get besides the hosts' base (:data:`examples.wordle.hosts.BASE_ENV`),
+as :func:`examples.wordle.hosts.from_machine` names them: how numeric code runs on this machine where torch
+computes, and vLLM's settings where vLLM runs."""
+_NEVER = ("VLLM_SERVER_DEV_MODE",)
+"""Never passed on, whatever the machine has: vLLM's development routes change the engine with no credential."""
 
 _WAIT = """
 import ssl, sys, time, httpx
@@ -92,7 +112,12 @@ class Deployment:
         self.coordinator_env = {"DELTASYNC_PUBLISHER_TOKEN": publisher_token, "DELTASYNC_AGENT_SECRET": secret}
         self.rollout_token = secrets.token_hex(16)
         self.store_uri = f"s3://{BUCKET}/run"
-        self.s3_env = {**CREDENTIALS_ENV, "AWS_ENDPOINT_URL_S3": f"http://{self.addr['store']}:{PORTS['store']}"}
+        self.s3_endpoint = {
+            "AWS_ENDPOINT_URL_S3": f"http://{self.addr['store']}:{PORTS['store']}",
+            "AWS_REGION": "us-east-1",
+        }
+        self.store_keys: dict[str, dict[str, str]] = {}
+        """Each store user's key (:data:`STORE_GRANTS`), as the store host made it."""
         self.coordinator_url = f"https://{self.addr['coordinator']}:{PORTS['coordinator']}"
         self.vllm_url = f"http://{self.addr['inference']}:{PORTS['inference']}"
         self.rollouts_url = f"https://{self.addr['env']}:{PORTS['rollouts']}"
@@ -106,23 +131,36 @@ class Deployment:
         # the code is the machine's (software installed on every host); the vLLM and HF caches are each host's own
         return {"PYTHONPATH": str(self.repo), "HOME": "/tmp/home", "PYTHONUNBUFFERED": "1"}
 
+    def machine_env(self, host: Host) -> dict[str, str]:
+        """The machine's variables ``host``'s processes get (:data:`MACHINE_ENV`)."""
+        env = from_machine(*MACHINE_ENV.get(host.name, ()))
+        return {k: v for k, v in env.items() if k not in _NEVER}
+
+    def store_env(self, user: str) -> dict[str, str]:
+        """What a process needs to reach the store as ``user`` (:data:`STORE_GRANTS`): the endpoint and its key."""
+        return {**self.s3_endpoint, **self.store_keys[user]}
+
+    def environment(self, host: Host, env: dict[str, str] | None = None) -> dict[str, str]:
+        """The whole environment of a process on ``host`` (the hosts' base aside): ``env`` and what every process
+        and this host's get. Nothing of the launcher's own environment but :meth:`machine_env`."""
+        return {**self.machine_env(host), **self._base_env(), **(env or {})}
+
     def _show(self, host: Host, argv: list[str], env: dict[str, str]) -> None:
         secret = ("TOKEN", "SECRET", "KEY")  # AWS_ACCESS_KEY_ID is shown: an identifier, not a secret
-        shown = {
-            k: ("..." if k.rsplit("_", 1)[-1] in secret else v) for k, v in env.items() if k not in self._base_env()
-        }
+        common = {**self._base_env(), **self.machine_env(host)}
+        shown = {k: ("..." if k.rsplit("_", 1)[-1] in secret else v) for k, v in env.items() if k not in common}
         pairs = " ".join(f"{k}={shlex.quote(v)}" for k, v in shown.items())
         line = f"{host.name}$ {pairs + ' ' if pairs else ''}{shlex.join(argv).replace(self.py, 'python')}"
         self.recipe.append(line)
         print(f"[hosts] {line}", flush=True)
 
     def start(self, name: str, host: Host, argv: list[str], env: dict[str, str] | None = None) -> None:
-        env = {**self._base_env(), **(env or {})}
+        env = self.environment(host, env)
         self._show(host, argv, env)
         self.procs[name] = (host, host.popen(argv, env=env, log=f"{name}.log"))
 
     def run(self, host: Host, argv: list[str], env: dict[str, str] | None = None, timeout: float = 120) -> str:
-        env = {**self._base_env(), **(env or {})}
+        env = self.environment(host, env)
         self._show(host, argv, env)
         done = host.run(argv, env=env, timeout=timeout)
         if done.returncode:
@@ -169,13 +207,23 @@ class Deployment:
             f.write(secrets.token_urlsafe(32) + "\n")
         h["inference"].own(token)
 
+    def start_store(self) -> None:
+        """The S3 API on the store host (:mod:`tests.support.s3_iam`: moto, checking every request's signature and
+        IAM policy) with the run's bucket and a key for each of :data:`STORE_GRANTS`, which the operator takes from
+        the store host (each is handed to its own host only)."""
+        store = self.hosts["store"]
+        argv = [self.py, "-m", "tests.support.s3_iam", "--host", self.addr["store"], "--port", str(PORTS["store"])]
+        argv += ["--bucket", BUCKET, "--credentials", "store-keys"]
+        for user, access in STORE_GRANTS.items():
+            argv += ["--grant", f"{user}={access}"]
+        self.start("s3", store, argv, {"AWS_REGION": self.s3_endpoint["AWS_REGION"]})
+        self.wait_http(store, self.s3_endpoint["AWS_ENDPOINT_URL_S3"], "s3")
+        for user in STORE_GRANTS:
+            self.store_keys[user] = read_credentials(store.root / "store-keys" / f"{user}.env")
+
     def start_all(self) -> None:
         h, a, py = self.hosts, self.addr, self.py
-        store = h["store"]
-        self.start("s3", store, [py, "-m", "moto.server", "-H", a["store"], "-p", str(PORTS["store"])], CREDENTIALS_ENV)
-        self.wait_http(store, self.s3_env["AWS_ENDPOINT_URL_S3"], "s3")
-        make_bucket = f"import boto3; boto3.client('s3').create_bucket(Bucket={BUCKET!r})"
-        self.run(store, [py, "-c", make_bucket], self.s3_env)
+        self.start_store()
 
         coord = h["coordinator"]
         self.start(
@@ -184,7 +232,7 @@ class Deployment:
             [py, "-m", "deltasync.cli", "coordinator", "--db", "ledger.db", "--store", self.store_uri]
             + ["--host", a["coordinator"], "--port", str(PORTS["coordinator"])]
             + ["--ssl-certfile", "server.pem", "--ssl-keyfile", "server.key"],
-            {**self.coordinator_env, **self.s3_env},
+            {**self.coordinator_env, **self.store_env("coordinator")},
         )
         agent_token = self.run(
             coord, [py, "-m", "deltasync.cli", "token", "--agent-id", AGENT_ID], self.coordinator_env
@@ -218,7 +266,7 @@ class Deployment:
             [py, "-m", "deltasync.cli", "agent", "--vllm-url", local_vllm, "--coordinator", self.coordinator_url]
             + ["--ca-bundle", "ca.pem", "--store", self.store_uri, "--agent-id", AGENT_ID]
             + ["--staging-dir", "staging", "--poll-wait-s", "5", "--backoff-s", "0.2"],
-            {"DELTASYNC_AGENT_TOKEN": agent_token, **engine, **self.s3_env},
+            {"DELTASYNC_AGENT_TOKEN": agent_token, **engine, **self.store_env("inference")},
         )
         self.start(
             "rollouts",
@@ -241,7 +289,10 @@ class Deployment:
             + ["--served-from", "coordinator", "--agent-id", AGENT_ID, "--skip-final-check", "--out", "run"]
             + ["--steps", str(self.args.steps), "--warmup-steps", "0", "--learning-rate", str(self.args.learning_rate)]
             + ["--max-staleness", str(self.args.max_staleness), "--seed", str(self.args.seed)],
-            {"DELTASYNC_PUBLISHER_TOKEN": self.coordinator_env["DELTASYNC_PUBLISHER_TOKEN"], **self.s3_env}
+            {
+                "DELTASYNC_PUBLISHER_TOKEN": self.coordinator_env["DELTASYNC_PUBLISHER_TOKEN"],
+                **self.store_env("trainer"),
+            }
             | {"WORDLE_ROLLOUT_TOKEN": self.rollout_token},
         )
 
