@@ -14,9 +14,11 @@ does not allow ``AccessDenied`` (all 403).
 moto leaves some requests to no check at all, so a guard in front of it (same process, WSGI) refuses them first,
 with 403 ``AccessDenied`` and a message that says why:
 
-* a request with no ``Authorization: AWS4-HMAC-SHA256`` header: anonymous (moto answers some of them: an anonymous
-  GET of an object with no ACL is served) or presigned in its query (not used by deltasync);
-* a request signed for another service than ``s3`` (moto serves every AWS service on one port);
+* a request with no ``Authorization: AWS4-HMAC-SHA256`` header: anonymous (moto fails on most of them with a 500,
+  which clients retry, and judges an object's read by its ACL) or presigned in its query (not used by deltasync);
+  or one whose header does not sign ``host`` and ``x-amz-date`` (moto fails on it with a 500 too);
+* a request signed for another service than ``s3``, or for a path outside the bucket (moto serves every AWS
+  service on one port, and its fake instance metadata under ``/latest/``);
 * moto's administrative API, ``/moto-api/...``: one anonymous POST to ``/moto-api/reset-auth`` turns every check
   off, another resets every bucket.
 
@@ -53,13 +55,17 @@ ACCESS = {
         "s3:DeleteObjects",
     ],
 }
-"""What each access word allows on the bucket (``write`` and ``delete`` include ``read``): multipart uploads and
-copies are ``s3:PutObject`` (and ``s3:AbortMultipartUpload``), as on AWS."""
+"""What each access word allows on the bucket (``write`` and ``delete`` include ``read``). AWS checks
+``s3:PutObject`` for every step of a multipart upload or copy, and ``s3:DeleteObject`` for each key of a batch
+delete; moto checks each step's own name, and ``s3:DeleteObjects`` on the bucket: both are listed."""
 
 GUARD_MESSAGES = {
     "anonymous": "This store refuses anonymous and presigned requests: sign each request (AWS Signature Version 4, "
     "in the Authorization header) with the access key the store's operator gave your host",
     "service": "This endpoint serves S3 only; the request was signed for {service!r}",
+    "malformed": "The Authorization header is not a whole AWS Signature Version 4: it names a Credential, "
+    "SignedHeaders (host and x-amz-date among them, with an X-Amz-Date header) and a Signature",
+    "bucket": "This endpoint serves the bucket {bucket!r} only (path-style: /{bucket}/KEY), not {path!r}",
     "admin": "moto's administrative API (/moto-api) is not served on this endpoint",
 }
 """What the guard in front of moto answers, by reason (the ``Message`` of a 403 ``AccessDenied``)."""
@@ -89,20 +95,31 @@ def _refuse(start_response: Callable[..., Any], message: str) -> list[bytes]:
     return [body]
 
 
-def guard(app: Callable[..., Any]) -> Callable[..., Any]:
-    """``app`` behind the checks moto leaves out (see the module)."""
+def guard(app: Callable[..., Any], bucket: str) -> Callable[..., Any]:
+    """``app`` behind the checks moto leaves out (see the module): only signed S3 requests for ``bucket``."""
 
     def guarded(environ: dict[str, Any], start_response: Callable[..., Any]) -> Any:
         path = environ.get("PATH_INFO", "")
         if path == "/moto-api" or path.startswith("/moto-api/"):
             return _refuse(start_response, GUARD_MESSAGES["admin"])
+        if path != f"/{bucket}" and not path.startswith(f"/{bucket}/"):
+            return _refuse(start_response, GUARD_MESSAGES["bucket"].format(bucket=bucket, path=path))
         authorization = environ.get("HTTP_AUTHORIZATION", "")
         if not authorization.startswith("AWS4-HMAC-SHA256 "):
             return _refuse(start_response, GUARD_MESSAGES["anonymous"])
-        scope = authorization.partition("Credential=")[2].partition(",")[0].split("/")
-        service = scope[3] if len(scope) == 5 else ""
+        # the credential scope as moto reads it to choose the service that answers
+        words = authorization.split(",")[0].split()
+        scope = words[1].split("/") if len(words) > 1 else []
+        service = scope[3].lower() if len(scope) == 5 else ""
         if service != "s3":
             return _refuse(start_response, GUARD_MESSAGES["service"].format(service=service))
+        # moto fails (500: clients retry) on a signature without these; refused as S3 would
+        fields = dict(f.strip().partition("=")[::2] for f in authorization.split(" ", 1)[1].split(","))
+        signed = fields.get("SignedHeaders", "").split(";")
+        if not (
+            "host" in signed and "x-amz-date" in signed and environ.get("HTTP_X_AMZ_DATE") and fields.get("Signature")
+        ):
+            return _refuse(start_response, GUARD_MESSAGES["malformed"])
         return app(environ, start_response)
 
     return guarded
@@ -156,7 +173,7 @@ def main(argv: list[str] | None = None) -> None:
 
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     app = DomainDispatcherApplication(create_backend_app)
-    run_simple(args.host, args.port, guard(app), threaded=True, request_handler=MotoRequestHandler)
+    run_simple(args.host, args.port, guard(app, args.bucket), threaded=True, request_handler=MotoRequestHandler)
 
 
 def read_credentials(path: Path) -> dict[str, str]:
