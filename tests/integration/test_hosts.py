@@ -356,7 +356,7 @@ def test_a_host_gets_only_its_own_environment(base: Path, monkeypatch: pytest.Mo
 _ANONYMOUS = """
 import json, sys, urllib.request
 import boto3, botocore.exceptions
-url, bucket = sys.argv[1], sys.argv[2]
+url, bucket, trainer_key_id = sys.argv[1], sys.argv[2], sys.argv[3]
 out = {}
 def call(name, method, path, body=None):
     try:
@@ -368,16 +368,18 @@ call("PUT", "PUT", f"/{bucket}/run/planted", b"stop the trainer")
 call("LIST", "GET", f"/{bucket}?list-type=2")
 call("GET", "GET", f"/{bucket}/run/published")
 call("reset-auth", "POST", "/moto-api/reset-auth", b"inf")
-# signed, with the keys anyone can guess (what the store accepted before it checked)
-s3 = boto3.client("s3", endpoint_url=url, region_name="us-east-1",
-                  aws_access_key_id="testing", aws_secret_access_key="testing")
-for name, call_ in [("guessed PUT", lambda: s3.put_object(Bucket=bucket, Key="run/planted", Body=b"x")),
-                    ("guessed LIST", lambda: s3.list_objects_v2(Bucket=bucket))]:
-    try:
-        call_()
-        out[name] = [200, "accepted"]
-    except botocore.exceptions.ClientError as exc:
-        out[name] = [exc.response["ResponseMetadata"]["HTTPStatusCode"], exc.response["Error"]["Code"]]
+# signed, with the keys anyone can guess (what the store accepted before it checked), and with the trainer's key
+# id (the recipe shows it) and a guessed secret
+for who, key_id in [("guessed", "testing"), ("trainer's id", trainer_key_id)]:
+    s3 = boto3.client("s3", endpoint_url=url, region_name="us-east-1",
+                      aws_access_key_id=key_id, aws_secret_access_key="testing")
+    for name, call_ in [("PUT", lambda: s3.put_object(Bucket=bucket, Key="run/planted", Body=b"x")),
+                        ("LIST", lambda: s3.list_objects_v2(Bucket=bucket))]:
+        try:
+            call_()
+            out[f"{who} {name}"] = [200, "accepted"]
+        except botocore.exceptions.ClientError as exc:
+            out[f"{who} {name}"] = [exc.response["ResponseMetadata"]["HTTPStatusCode"], exc.response["Error"]["Code"]]
 print(json.dumps(out))
 """
 
@@ -399,8 +401,8 @@ print(json.dumps(out))
 
 def test_the_store_is_written_only_with_the_trainers_key(base: Path) -> None:
     """From the environment host, which holds no store key, the demo's S3 server refuses an anonymous PUT, LIST
-    and GET of the run's bucket, a PUT signed with guessable keys, and moto's switch that turns the checks off;
-    nothing lands. The trainer's key writes; the inference host's (the agent's) and the coordinator's read and
+    and GET of the run's bucket, a PUT and a LIST signed with guessable keys or with the trainer's key id (shown in
+    the recipe) and a guessed secret, and moto's switch that turns the checks off; nothing lands. The trainer's key writes; the inference host's (the agent's) and the coordinator's read and
     cannot write."""
     import argparse
 
@@ -417,13 +419,15 @@ def test_the_store_is_written_only_with_the_trainers_key(base: Path) -> None:
             return dict(json.loads(deployment.run(hosts[host], argv, deployment.store_env(user or host))))
 
         assert store("trainer", "put", "list") == {"put": "ok", "list": ["published"]}
-        attack = json.loads(deployment.run(hosts["env"], [sys.executable, "-c", _ANONYMOUS, url, BUCKET]))
+        key_id = deployment.store_keys["trainer"]["AWS_ACCESS_KEY_ID"]
+        attack = json.loads(deployment.run(hosts["env"], [sys.executable, "-c", _ANONYMOUS, url, BUCKET, key_id]))
         for name in ("PUT", "LIST", "GET", "reset-auth"):
             status, body = attack[name]
             assert status == 403 and "<Code>AccessDenied</Code>" in body, (name, attack[name])
         assert "refuses anonymous and presigned requests" in attack["PUT"][1]
         assert "administrative API" in attack["reset-auth"][1]
         assert attack["guessed PUT"] == attack["guessed LIST"] == [403, "InvalidAccessKeyId"]
+        assert attack["trainer's id PUT"] == attack["trainer's id LIST"] == [403, "SignatureDoesNotMatch"]
         # nothing landed; the agent's and the coordinator's keys read, and are refused a write
         for host in ("inference", "coordinator"):
             seen = store(host, "list", "get", "put")
