@@ -69,14 +69,69 @@ def adapter_state(module: torch.nn.Module) -> dict[str, torch.Tensor]:
     return out
 
 
+_DESCRIBED = frozenset({"r", "lora_alpha", "target_modules", "use_rslora"})
+"""The LoraConfig fields an :class:`~deltasync.manifest.AdapterEntry` carries: compared wherever it is admitted."""
+_INERT = frozenset(
+    {
+        # bookkeeping: which model and library wrote the adapter, and for which task head
+        "task_type",
+        "peft_type",
+        "auto_mapping",
+        "peft_version",
+        "base_model_name_or_path",
+        "revision",
+        # training-time only: no effect on what a saved adapter computes at inference
+        "inference_mode",
+        "lora_dropout",
+        "runtime_config",
+        "megatron_core",  # read only with megatron_config, which must stay unset
+        "qalora_group_size",  # read only with use_qalora, which must stay unset
+        "eva_config",  # EVA's data-driven initialization: the saved adapter is plain LoRA
+        "lora_ga_config",  # LoRA-GA's initialization (it changes the base only while training)
+    }
+)
+"""LoraConfig fields that do not change what a saved adapter computes once loaded by vLLM."""
+_SERVABLE_INITS = frozenset({"gaussian", "eva", "orthogonal", "mica", "lora_ga"})
+"""``init_lora_weights`` values that only set the adapter's first weights (vLLM 0.32's PEFTHelper list); PiSSA,
+OLoRA, CorDA and LoftQ also rewrite the base model's weights, so their adapters are wrong on the served base."""
+
+
+def _unservable_fields(config: Any) -> list[str]:
+    """Every field of a PEFT ``LoraConfig`` that would make the adapter compute otherwise than the plain LoRA an
+    :class:`~deltasync.manifest.AdapterEntry` describes (rank, alpha, target modules, rsLoRA). Enumerated from
+    the installed PEFT itself: a field that is neither described, nor inert at inference, nor a servable
+    initialization must hold PEFT's default, so a field a later PEFT adds is refused until it is classified."""
+    import dataclasses
+
+    why = []
+    default = type(config)()
+    for f in dataclasses.fields(config):
+        if f.name in _DESCRIBED or f.name in _INERT:
+            continue
+        value = getattr(config, f.name)
+        if f.name == "init_lora_weights":
+            if not isinstance(value, bool) and str(value).lower() not in _SERVABLE_INITS:
+                why.append(f"init_lora_weights={value!r} (it rewrites the base weights)")
+            continue
+        try:
+            same = bool(value == getattr(default, f.name))
+        except Exception:  # noqa: BLE001 - a value that cannot be compared is not known to be the default
+            same = False
+        if not same:
+            why.append(f"{f.name}={value!r}")
+    return why
+
+
 def adapter_entry(module: torch.nn.Module, dtype: torch.dtype = torch.bfloat16, adapter: str | None = None) -> Any:
     """The :class:`~deltasync.manifest.AdapterEntry` of a PEFT LoRA model's active adapter: its rank, alpha,
     target modules and rsLoRA flag, and the fingerprint of its base model's checkpoint (names, shapes, ``dtype``)
     as an engine serving that base sees it.
 
     Raises:
-        ValueError: not a PEFT LoRA model, or an adapter deltasync cannot publish (per-module ranks or alphas,
-            DoRA, extra trained modules, bias): an engine could not serve it as one fixed-shape adapter.
+        ValueError: not a PEFT LoRA model, or an adapter deltasync cannot publish: any ``LoraConfig`` field that
+            changes what the adapter computes beyond rank, alpha, target modules and rsLoRA (per-module ranks or
+            alphas, DoRA, extra trained modules, biases, layer selection, an initialization that rewrites the
+            base, ...; each named with its value): an engine could not serve it as that one plain adapter.
     """
     from ._sharding import local_tensors
     from .manifest import AdapterEntry, model_fingerprint
@@ -90,20 +145,8 @@ def adapter_entry(module: torch.nn.Module, dtype: torch.dtype = torch.bfloat16, 
     why = []
     if str(getattr(config, "peft_type", "")).rsplit(".", 1)[-1] != "LORA":
         why.append(f"peft_type {config.peft_type}")
-    if getattr(config, "rank_pattern", None) or getattr(config, "alpha_pattern", None):
-        why.append("per-module ranks or alphas (rank_pattern, alpha_pattern)")
-    if getattr(config, "use_dora", False):
-        why.append("DoRA")
-    if getattr(config, "modules_to_save", None):
-        why.append(f"modules_to_save {config.modules_to_save}")
-    if getattr(config, "bias", "none") != "none":
-        why.append(f"bias={config.bias!r}")
-    if getattr(config, "lora_bias", False):
-        why.append("lora_bias (a bias on lora_B)")
-    if getattr(config, "trainable_token_indices", None):
-        why.append(f"trainable_token_indices {config.trainable_token_indices}")
-    if getattr(config, "target_parameters", None):
-        why.append(f"target_parameters {config.target_parameters} (parameter LoRA)")
+    else:
+        why += _unservable_fields(config)
     targets = config.target_modules
     if isinstance(targets, str):
         why.append(f"target_modules as a pattern ({targets!r}): list the modules")

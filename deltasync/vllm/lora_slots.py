@@ -42,8 +42,10 @@ __all__ = [
     "AdapterRefused",
     "AdapterWriteFailed",
     "adapter_buffers",
+    "prove_served_slots",
     "read_adapter_config",
     "replace_adapter",
+    "track_served_loads",
     "write_adapter",
 ]
 
@@ -236,3 +238,125 @@ def write_adapter(adapter_dir: str, tensors: dict[str, torch.Tensor], entry: Ada
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+class _ServedLoads:
+    """vLLM's ``_load_adapter`` of one worker, recording which adapter ids it loaded from the served directory:
+    the adapters the whole-state proof reads back (vLLM keeps no adapter's path once it is loaded)."""
+
+    def __init__(self, load: Any) -> None:
+        self.load = load
+        self.adapter_dir: str | None = None
+        self.ids: set[int] = set()
+
+    def __call__(self, lora_request: Any) -> Any:
+        import os
+
+        from vllm.lora.utils import get_adapter_absolute_path
+
+        lora = self.load(lora_request)
+        path = os.path.realpath(get_adapter_absolute_path(lora_request.lora_path))
+        if self.adapter_dir is not None and path == self.adapter_dir:
+            self.ids.add(int(lora_request.lora_int_id))
+        else:  # the id now names an adapter from elsewhere
+            self.ids.discard(int(lora_request.lora_int_id))
+        return lora
+
+
+def track_served_loads(worker: Any, adapter_dir: str) -> _ServedLoads | None:
+    """From now on, record the ids of the adapters this worker's vLLM loads from ``adapter_dir`` (idempotent;
+    ``None``: the engine serves no LoRA adapters)."""
+    import os
+
+    wm = getattr(getattr(worker, "model_runner", None), "lora_manager", None)
+    if wm is None:
+        return None
+    tracker = wm.__dict__.get("_load_adapter")
+    if not isinstance(tracker, _ServedLoads):
+        tracker = _ServedLoads(wm._load_adapter)
+        wm._load_adapter = tracker  # an instance attribute: every load, vLLM's own included, goes through it
+    if tracker.adapter_dir != os.path.realpath(adapter_dir):
+        tracker.adapter_dir, tracker.ids = os.path.realpath(adapter_dir), set()
+    return tracker
+
+
+def prove_served_slots(worker: Any, adapter_dir: str) -> tuple[list[str], int]:
+    """What vLLM computes with for the adapter served from ``adapter_dir``, read back on this rank: every loaded
+    copy of it (by the ids :func:`track_served_loads` saw loaded from there) and, where one is active, its slot in
+    every layer's stacked buffers, against vLLM's own fresh load of the directory (which the caller has proven
+    against the published checksums): the same loader, packing and scaling, and each layer's own ``set_lora``
+    (which slices for the rank) run on scratch buffers of one slot. Nothing live is written. Returns what
+    differs and how many copies were read."""
+    from vllm.lora.request import LoRARequest
+
+    tracker = track_served_loads(worker, adapter_dir)
+    if tracker is None:
+        return [], 0
+    wm, mm = _managers(worker)
+    registered = mm.list_adapters()
+    ids = sorted(i for i in tracker.ids if i in registered)
+    if not ids:
+        return [], 0
+    fresh = tracker.load(LoRARequest("deltasync-proof", ids[0], adapter_dir))  # not recorded: proves, serves nothing
+    mm._create_merged_loras_inplace(fresh)
+    bad: list[str] = []
+    for lora_id in ids:
+        held = registered[lora_id]
+        for module_name in mm.modules:
+            want, have = mm._get_lora_layer_weights(fresh, module_name), mm._get_lora_layer_weights(held, module_name)
+            if not _same_weights(want, have):
+                bad.append(f"adapter {lora_id}: {module_name} (vLLM's loaded copy)")
+        if lora_id not in mm.lora_index_to_id:
+            continue
+        slot = mm.lora_index_to_id.index(lora_id)
+        for module_name, module in mm.modules.items():
+            for part in _slot_differs(module, slot, mm._get_lora_layer_weights(fresh, module_name)):
+                bad.append(f"adapter {lora_id}: {module_name}.{part} (slot {slot})")
+    return bad, len(ids)
+
+
+def _same_weights(a: Any, b: Any) -> bool:
+    """Two layers' LoRA weights (``None``, or lists of packed slices) equal bit for bit."""
+    if a is None or b is None:
+        return a is None and b is None
+    for x, y in ((a.lora_a, b.lora_a), (a.lora_b, b.lora_b)):
+        xs, ys = (x if isinstance(x, list) else [x]), (y if isinstance(y, list) else [y])
+        if len(xs) != len(ys):
+            return False
+        for p, q in zip(xs, ys, strict=True):
+            if (p is None) != (q is None):
+                return False
+            if p is not None and (p.dtype != q.dtype or p.shape != q.shape or not torch.equal(p, q)):
+                return False
+    return True
+
+
+def _slot_differs(module: Any, slot: int, weights: Any) -> list[str]:
+    """The stacked buffers (``a0``, ``b1``, ...) of ``module``'s ``slot`` that differ from what the layer's own
+    ``set_lora`` (or ``reset_lora``, where the adapter has no weights for it) writes there, computed on a shallow
+    copy of the layer whose buffers are scratch tensors of one slot."""
+    import copy
+
+    stacks = {kind: getattr(module, f"lora_{kind}_stacked", None) for kind in ("a", "b")}
+    if any(s is None for s in stacks.values()):
+        return []
+    if any(isinstance(s, list) for s in stacks.values()):  # MoE experts: refused in lora mode, not read here
+        return ["experts (not read back)"]
+    scratch = copy.copy(module)
+    for kind, stack in stacks.items():
+        parts = stack if isinstance(stack, tuple) else (stack,)
+        fresh = tuple(torch.zeros_like(t[slot : slot + 1]) for t in parts)
+        setattr(scratch, f"lora_{kind}_stacked", fresh if isinstance(stack, tuple) else fresh[0])
+    with torch.no_grad():
+        if weights is None:
+            scratch.reset_lora(0)
+        else:
+            scratch.set_lora(0, weights.lora_a, weights.lora_b)
+    out = []
+    for kind, stack in stacks.items():
+        parts = stack if isinstance(stack, tuple) else (stack,)
+        want = getattr(scratch, f"lora_{kind}_stacked")
+        for i, (live, expected) in enumerate(zip(parts, want if isinstance(want, tuple) else (want,), strict=True)):
+            if not torch.equal(live[slot], expected[0]):
+                out.append(f"{kind}{i}")
+    return out

@@ -355,8 +355,8 @@ class ProvingEngine(EngineBase):
 
     def _prove_adapter_dir(self, manifest: DeltaManifest) -> list[str]:
         """``lora`` mode: the served directory, read afresh (vLLM loads the adapter from there at its next use): its
-        tensors file against the published checksums, and its configuration against the published adapter (what
-        vLLM reads of it: rank, alpha, targets, rsLoRA, DoRA, bias, extra modules). Returns what differs."""
+        tensors file against the published checksums, and its configuration, every key of it, against the one the
+        engine wrote for the published adapter (a key added, removed or changed is drift). Returns what differs."""
         import json
         import os
 
@@ -375,15 +375,21 @@ class ProvingEngine(EngineBase):
             return [f"{config_path} ({exc})"]
         if not isinstance(config, dict):
             return [f"{config_path} (not a JSON object)"]
-        if isinstance(config.get("target_modules"), list):
-            config["target_modules"] = sorted(set(map(str, config["target_modules"])))
-        defaults = {"use_rslora": False, "use_dora": False, "bias": "none", "modules_to_save": None}  # PEFT's
-        read = ("r", "lora_alpha", "target_modules", *defaults)  # what vLLM's loader reads of it
-        differ = [k for k in read if config.get(k, defaults.get(k)) != expected[k]]
+
+        # the whole file, not the fields known to matter today: vLLM applies rank_pattern, alpha_pattern and the
+        # like per module, and refuses init_lora_weights it cannot take when a request names the adapter
+        def canonical(obj: dict[str, Any], key: str) -> str | None:  # 1 is not true, 8.0 is not 8
+            return json.dumps(obj[key], sort_keys=True) if key in obj else None
+
+        differ = sorted(k for k in set(config) | set(expected) if canonical(config, k) != canonical(expected, k))
         if differ:
             return [f"{config_path} ({', '.join(differ)})"]
         path = os.path.join(self.adapter_dir, ADAPTER_FILE)
-        with safe_open(path, framework="pt", device="cpu") as f:
+        try:
+            handle = safe_open(path, framework="pt", device="cpu")
+        except Exception as exc:  # noqa: BLE001 - missing or unreadable: vLLM would load another file, or fail
+            return [f"{path} ({type(exc).__name__}: {exc})"]
+        with handle as f:
             names = set(f.keys())
             bad = sorted(f"{n} (in {path})" for n in names ^ set(manifest.tensors))
             for n in sorted(names & set(manifest.tensors)):

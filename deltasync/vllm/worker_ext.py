@@ -26,6 +26,7 @@ class DeltaSyncWorkerExtension:
         engine = getattr(self, "weight_transfer_engine", None)
         if engine is not None and hasattr(engine, "touch"):
             engine.touch(session)
+        _track_served_adapter(self, engine)
         active = bool(getattr(self, "_weight_update_active", False))
         if engine is None or not hasattr(engine, "status"):
             return {"engine": None if engine is None else type(engine).__name__, "session_active": active}
@@ -57,11 +58,24 @@ class DeltaSyncWorkerExtension:
 
     def deltasync_prove(self, names: list[str] | None = None) -> dict[str, Any]:
         """Prove what this rank holds against the served version's published checksums (every tensor, or
-        ``names``); parts of tensors held in part come back for the agent to add up over the ranks."""
+        ``names``); parts of tensors held in part come back for the agent to add up over the ranks. In ``lora``
+        mode the whole state is also what vLLM computes with: every loaded copy of the served adapter and its
+        slot in the layers' buffers (:func:`~deltasync.vllm.lora_slots.prove_served_slots`), read back once the
+        served directory is proven (``"slots"``: how many loaded copies were read)."""
         engine = getattr(self, "weight_transfer_engine", None)
         if engine is None or not hasattr(engine, "prove_state"):
             return {"ok": False, "version": None, "reason": "no deltasync weight-transfer engine", "parts": {}}
         result: dict[str, Any] = engine.prove_state(names)
+        if names is None and result.get("ok") and _track_served_adapter(self, engine):
+            from .lora_slots import prove_served_slots
+
+            try:
+                bad, result["slots"] = prove_served_slots(self, engine.adapter_dir)
+            except Exception as exc:  # noqa: BLE001 - a proof that cannot run proves nothing: said, never raised
+                return {**result, "ok": False, "reason": f"the served adapter's slots: {type(exc).__name__}: {exc}"}
+            if bad:
+                engine.report_drift(bad, by="this rank")
+                result.update(ok=False, bad=bad[:16])
         return result
 
     def deltasync_drift(self, tensors: list[str], by: str = "the agent") -> dict[str, Any]:
@@ -151,3 +165,14 @@ class DeltaSyncWorkerExtension:
             return {k: tensor_checksum(t) for k, t in adapter_buffers(self, int(lora_int_id)).items()}
         except AdapterRefused:
             return {}
+
+
+def _track_served_adapter(worker: Any, engine: Any) -> bool:
+    """``lora`` mode: make sure this worker records which adapter ids vLLM loads from the served directory (the
+    whole-state proof reads them back); whether the engine serves one."""
+    directory = getattr(engine, "adapter_dir", None)
+    if engine is None or getattr(engine, "mode", None) != "lora" or directory is None:
+        return False
+    from .lora_slots import track_served_loads
+
+    return track_served_loads(worker, directory) is not None

@@ -78,14 +78,35 @@ def test_another_rank_or_alpha_is_another_adapter(tiny_model_dir: Path) -> None:
 @pytest.mark.parametrize(
     ("config", "why"),
     [
-        ({"use_dora": True}, "DoRA"),
-        ({"rank_pattern": {"q_proj": 8}}, "per-module ranks"),
+        ({"use_dora": True}, "use_dora=True"),
+        ({"rank_pattern": {"q_proj": 8}}, r"rank_pattern=\{'q_proj': 8\}"),
+        ({"alpha_pattern": {"v_proj": 32}}, r"alpha_pattern=\{'v_proj': 32\}"),
+        ({"init_lora_weights": "pissa"}, "init_lora_weights='pissa' .it rewrites the base weights"),
+        ({"init_lora_weights": "olora"}, "init_lora_weights='olora'"),
+        ({"layers_to_transform": [0]}, r"layers_to_transform=\[0\]"),
+        ({"modules_to_save": ["lm_head"]}, "modules_to_save="),
+        ({"exclude_modules": ["layers.0.self_attn.q_proj"]}, "exclude_modules="),
+        ({"layer_replication": [[0, 2]]}, "layer_replication="),
         ({"bias": "lora_only"}, "bias='lora_only'"),
         ({"target_modules": ".*proj"}, "as a pattern"),
-        ({"lora_bias": True}, "lora_bias"),
+        ({"lora_bias": True}, "lora_bias=True"),
         ({"target_modules": ["embed_tokens", "q_proj"]}, r"embedding targets \['embed_tokens'\]"),
     ],
-    ids=["dora", "rank-pattern", "bias", "regex", "lora-bias", "embedding"],
+    ids=[
+        "dora",
+        "rank-pattern",
+        "alpha-pattern",
+        "pissa",
+        "olora",
+        "layers-to-transform",
+        "modules-to-save",
+        "exclude-modules",
+        "layer-replication",
+        "bias",
+        "regex",
+        "lora-bias",
+        "embedding",
+    ],
 )
 def test_an_adapter_an_engine_cannot_serve_as_one_is_refused_at_once(
     tiny_model_dir: Path, config: dict[str, object], why: str
@@ -97,6 +118,12 @@ def test_an_adapter_an_engine_cannot_serve_as_one_is_refused_at_once(
         model = _peft_model(tiny_model_dir, **config)
     with pytest.raises(ValueError, match=why):
         adapter_entry(model)
+
+
+@pytest.mark.parametrize("init", [True, False, "gaussian", "orthogonal"])
+def test_an_initialization_that_leaves_the_base_alone_is_published(tiny_model_dir: Path, init: object) -> None:
+    """PEFT's initializations that only set the adapter's first weights leave a plain LoRA adapter behind."""
+    assert adapter_entry(_peft_model(tiny_model_dir, init_lora_weights=init)).r == 4
 
 
 def test_an_adapter_publisher_refuses_full_weights_and_merging(tiny_model_dir: Path, tmp_path: Path) -> None:
