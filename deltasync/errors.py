@@ -15,12 +15,14 @@ nearest builtin, so ``except FileNotFoundError`` or ``except ValueError`` keep w
     +-- StoreError(DeltaSyncError, OSError)            the store could not read or write an object
     |   +-- ObjectNotFound(StoreError, FileNotFoundError)
     |   +-- ObjectExists(StoreError, FileExistsError)  writes are create-only: the key is taken
+    |   |   +-- VersionTaken(ObjectExists)             a key of the version being published was taken first
     |   +-- ObjectTooLarge(StoreError)                 larger than the reader's cap (checked before reading)
     |   +-- UnsafeObject(StoreError)                   a symlink, device, fifo or other non-regular file
     +-- CoordinatorError(DeltaSyncError)               the coordinator answered with an error
     |   +-- RunMismatch(CoordinatorError)              the coordinator's run identity is not the pinned one
     |   +-- LeaseError(CoordinatorError)               another publisher holds the run, or this one was fenced
     +-- ApplyError(DeltaSyncError, RuntimeError)       failed past the first write: do not serve until an anchor
+    +-- EngineUnproven(DeltaSyncError, ConnectionError) the server at the engine's address did not prove it is it
 
 Messages name the object first, then what was expected, what was found, and what to do.
 """
@@ -33,6 +35,7 @@ __all__ = [
     "ApplyError",
     "CoordinatorError",
     "DeltaSyncError",
+    "EngineUnproven",
     "FencedObject",
     "ForeignObject",
     "FormatError",
@@ -49,6 +52,7 @@ __all__ = [
     "UnsupportedFormatVersion",
     "UpdateRefused",
     "VersionGapError",
+    "VersionTaken",
 ]
 
 
@@ -143,6 +147,29 @@ class ObjectExists(StoreError, FileExistsError):
     """A create-only write found the key taken: a registered object's bytes never change."""
 
 
+class VersionTaken(ObjectExists):
+    """A key of the version a writer was about to publish was taken by an object it did not write (planted by a
+    store writer, or left by another writer): nothing of that version was committed by this writer.
+
+    Attributes:
+        key: the taken key.
+        version: the version.
+        next_free: the first version above it whose keys are all free, where the publisher may move on to it
+            (it holds the run's lease), else ``None``.
+    """
+
+    def __init__(self, message: str, *, key: str, version: int, next_free: int | None = None) -> None:
+        super().__init__(message)
+        self.key, self.version, self.next_free = key, version, next_free
+
+    def __reduce__(self) -> tuple[object, ...]:
+        return (_rebuild_taken, (str(self), self.key, self.version, self.next_free))
+
+
+def _rebuild_taken(message: str, key: str, version: int, next_free: int | None) -> VersionTaken:
+    return VersionTaken(message, key=key, version=version, next_free=next_free)
+
+
 class ObjectTooLarge(StoreError):
     """An object is larger than the reader allows; nothing was read."""
 
@@ -202,3 +229,9 @@ class LeaseError(CoordinatorError):
 
 class ApplyError(DeltaSyncError, RuntimeError):
     """Applying failed past the first write: the receiver must not serve until an anchor restores it."""
+
+
+class EngineUnproven(DeltaSyncError, ConnectionError):
+    """The server at the engine's address did not prove that it holds the engine credential (another process
+    holds vLLM's port while vLLM is down, or the agent was given another engine's credential): nothing that grants
+    power was sent to it, and it is not driven. The agent reports it and tries again later."""

@@ -16,9 +16,9 @@ from typing import Any, Literal
 
 import httpx
 
-from ..errors import ApplyError, RefusalReason, UpdateRefused, VersionGapError
+from ..errors import ApplyError, EngineUnproven, RefusalReason, UpdateRefused, VersionGapError
 from ..staging import StagedUpdate
-from ..vllm.guard import ENGINE_TOKEN_HEADER, load_engine_token
+from ..vllm.guard import load_engine_token
 from .base import (
     UNHEALTHY_LABEL,
     EngineClaim,
@@ -29,6 +29,7 @@ from .base import (
     combine_ranks,
     raise_outcome,
 )
+from .engine_auth import EngineAuth
 
 __all__ = ["WORKER_EXTENSION", "HttpVllmTarget", "OfflineLLMTarget"]
 
@@ -211,6 +212,8 @@ class _VllmTarget:
         except UpdateRefused:
             self._close_dangling()
             raise
+        except EngineUnproven:  # whoever answers is not the engine: nothing more is sent to it, nothing is judged
+            raise
         except Exception as exc:
             self._close_dangling()
             try:
@@ -300,9 +303,11 @@ class HttpVllmTarget(_VllmTarget):
     (``DELTASYNC_ENGINE_TOKEN`` or ``DELTASYNC_ENGINE_TOKEN_FILE``), ``--weight-transfer-config
     '{"backend":"deltasync"}'`` and ``--worker-extension-cls`` :data:`WORKER_EXTENSION`.
 
-    Every administrative call carries the credential (``X-DeltaSync-Engine-Token``). :meth:`check_boundary`
-    (run by :meth:`recover`, so at every agent start) refuses a server whose administrative routes answer
-    without it. A failed RL route answers 500 and drops the keep-alive connection, so every call uses a fresh
+    Every administrative call is signed with the credential (:class:`~deltasync.targets.EngineAuth`), which never
+    leaves the agent: the server first proves it holds the same credential, and signs each answer; one that
+    cannot is reported (:class:`~deltasync.errors.EngineUnproven`) and never driven. :meth:`check_boundary`
+    (run by :meth:`recover`, so at every agent start) also refuses a server whose administrative routes answer
+    without a credential. A failed RL route answers 500 and drops the keep-alive connection, so every call uses a fresh
     one.
 
     Args:
@@ -331,7 +336,8 @@ class HttpVllmTarget(_VllmTarget):
         self._http = httpx.Client(
             base_url=self.url,
             timeout=timeout_s,
-            headers={"Connection": "close", ENGINE_TOKEN_HEADER: token},
+            headers={"Connection": "close"},
+            auth=EngineAuth(token),
             transport=httpx.HTTPTransport(retries=3),
         )
         self._boundary_checked = False
@@ -341,26 +347,25 @@ class HttpVllmTarget(_VllmTarget):
         this one.
 
         Raises:
+            EngineUnproven: the server did not prove it holds the engine credential (nothing was sent to it).
             ApplyError: they answer without it (no guard: anyone who reaches the port could change the engine),
                 or are missing, or refuse this credential.
         """
         fix = "start vLLM with VLLM_PLUGINS=deltasync and DELTASYNC_ENGINE_TOKEN (or _FILE) in its environment"
+        mine = self._http.get("/is_paused")  # first: the server proves it holds the credential (EngineUnproven)
+        if mine.status_code != 200:
+            raise ApplyError(
+                f"{self.url}: the server refuses this agent's engine credential ({mine.status_code} "
+                f"{mine.text[:300]}); give the agent the credential the server was started with"
+            )
         bare = httpx.get(self.url + "/is_paused", timeout=self._http.timeout, headers={"Connection": "close"})
         if bare.status_code == 200:
             raise ApplyError(
                 f"{self.url}: GET /is_paused answers without the engine credential: its administrative routes are "
                 f"open to anyone who reaches the port; refusing to drive it ({fix})"
             )
-        if bare.status_code == 404:
-            raise ApplyError(f"{self.url}: no deltasync guard and no administrative routes ({fix})")
         if bare.status_code != 401:
             raise ApplyError(f"{self.url}: GET /is_paused without a credential: {bare.status_code} {bare.text[:300]}")
-        mine = self._http.get("/is_paused")
-        if mine.status_code != 200:
-            raise ApplyError(
-                f"{self.url}: the server refuses this agent's engine credential ({mine.status_code} "
-                f"{mine.text[:300]}); give the agent the credential the server was started with"
-            )
         self._boundary_checked = True
 
     def recover(self) -> None:

@@ -20,9 +20,6 @@ from typing import Any
 
 __all__ = ["DeltaSyncEndpoints"]
 
-GUARD_ROUTE = "/deltasync/guard"
-"""``GET``: open; says that the guard is installed and whether a credential is configured (never the credential)."""
-
 
 class DeltaSyncEndpoints:
     """``vllm.endpoint_plugins`` entry point ``deltasync``."""
@@ -31,7 +28,7 @@ class DeltaSyncEndpoints:
     required_tasks: tuple[str, ...] | None = None
 
     def attach_router(self, app: Any) -> None:
-        from .guard import EngineGuard, load_engine_token
+        from .guard import GUARD_ROUTE, EngineGuard, load_engine_token
 
         token = load_engine_token()  # a bad credential file stops the server here, with the reason
         app.add_middleware(EngineGuard)  # it reads the credential itself: never a constructor argument vLLM logs

@@ -13,27 +13,53 @@ classified here.
 The credential comes from ``DELTASYNC_ENGINE_TOKEN`` or from the file named by ``DELTASYNC_ENGINE_TOKEN_FILE``
 (the server's and the agent's environment), never from a command line. A server started without one refuses
 every administrative request (fail closed).
+
+**The credential never leaves the agent.** Whoever holds vLLM's port while vLLM is down (a restart, a crash: any
+process on the host may bind it) would receive a credential sent in a header. deltasync's own clients
+(:class:`deltasync.targets.EngineAuth`) therefore prove, and ask the server to prove, knowledge of it instead:
+
+1. ``GET /deltasync/guard?challenge=C`` (C: the client's random hex) answers a server nonce N and
+   ``HMAC(credential, "deltasync-engine-proof-v1" C N)``: a server that cannot compute it is not the engine, and
+   the client stops there, having revealed nothing;
+2. every administrative request carries ``X-DeltaSync-Engine-Auth: v1 N K M`` with a counter K (never twice
+   per nonce) and ``M = HMAC(credential, ... N K method path?query sha256(body))``: the request, not the
+   credential, is authenticated, and a captured one cannot be replayed or altered;
+3. every answer to an authenticated request carries ``X-DeltaSync-Engine-Proof: HMAC(credential, ... N K status
+   sha256(body))``: the client believes no answer the engine did not sign.
+
+Nonces are stateless (an HMAC under a secret of this server process, with their time): a restarted server
+refuses its predecessor's nonces (401, signed, ``"code": "nonce"``) and the client asks for a new one. The bare
+``X-DeltaSync-Engine-Token`` header is still accepted, for an operator's one-off ``curl`` on the engine's own host.
 """
 
 from __future__ import annotations
 
 import hashlib
+import hmac
 import json
 import logging
 import os
 import re
 import secrets
 import time
+from collections import OrderedDict
 from collections.abc import Mapping
 from typing import Any
+from urllib.parse import parse_qs
 
 __all__ = [
+    "ENGINE_AUTH_HEADER",
+    "ENGINE_PROOF_HEADER",
     "ENGINE_TOKEN_ENV",
     "ENGINE_TOKEN_FILE_ENV",
     "ENGINE_TOKEN_HEADER",
+    "GUARD_ROUTE",
     "EngineGuard",
+    "challenge_proof",
     "is_inference_route",
     "load_engine_token",
+    "request_mac",
+    "response_proof",
 ]
 
 # vLLM configures the "vllm" logger tree in its processes; a "deltasync.*" logger would be silent there.
@@ -44,7 +70,18 @@ ENGINE_TOKEN_ENV = "DELTASYNC_ENGINE_TOKEN"
 ENGINE_TOKEN_FILE_ENV = "DELTASYNC_ENGINE_TOKEN_FILE"
 """A file holding the engine credential (read once, surrounding white space stripped)."""
 ENGINE_TOKEN_HEADER = "X-DeltaSync-Engine-Token"
-"""The request header that carries it."""
+"""The request header that carries it (an operator's tool; deltasync's clients sign instead)."""
+ENGINE_AUTH_HEADER = "X-DeltaSync-Engine-Auth"
+"""A signed administrative request: ``v1 <nonce> <counter> <mac>`` (:func:`request_mac`)."""
+ENGINE_PROOF_HEADER = "X-DeltaSync-Engine-Proof"
+"""The server's signature of its answer to a signed request (:func:`response_proof`)."""
+GUARD_ROUTE = "/deltasync/guard"
+"""``GET``: open; says that the guard is installed; with ``?challenge=`` the server proves it holds the credential."""
+NONCE_TTL_S = 3600.0
+"""How long a server nonce signs requests (a client asks for a new one when refused)."""
+MAX_SIGNED_BODY = 16 << 20
+"""A signed request's body is read whole to be verified: larger ones are refused (413) before they are read."""
+_CHALLENGE = re.compile(r"[0-9a-f]{32,128}")
 MIN_TOKEN_CHARS = 16
 LOG_BURST = 20
 """Refusals logged one by one per window; the rest are counted (a caller cannot flood the server's log)."""
@@ -151,6 +188,66 @@ def _digest(token: str) -> bytes:
     return hashlib.sha256(token.encode("utf-8")).digest()
 
 
+def _mac(token: str, *parts: str) -> str:
+    return hmac.new(token.encode("utf-8"), "\n".join(parts).encode("utf-8"), hashlib.sha256).hexdigest()
+
+
+def challenge_proof(token: str, challenge: str, nonce: str) -> str:
+    """What only a holder of ``token`` answers to the client's ``challenge`` with the server ``nonce``."""
+    return _mac(token, "deltasync-engine-proof-v1", challenge, nonce)
+
+
+def request_mac(token: str, nonce: str, counter: int, method: str, target: str, body_sha256: str) -> str:
+    """The signature of one administrative request (``target``: the path and, after ``?``, the raw query)."""
+    return _mac(token, "deltasync-engine-request-v1", nonce, str(counter), method.upper(), target, body_sha256)
+
+
+def response_proof(token: str, nonce: str, counter: int, status: int, body_sha256: str) -> str:
+    """The server's signature of its answer to the signed request ``(nonce, counter)``."""
+    return _mac(token, "deltasync-engine-response-v1", nonce, str(counter), str(status), body_sha256)
+
+
+class _Nonces:
+    """Server nonces: stateless to issue (anyone may ask), checked by their own HMAC under a secret of this
+    process and their age; the counters seen with each are kept only for nonces that signed a valid request
+    (a bounded set, grown only by the credential's holder), so no request is accepted twice."""
+
+    def __init__(self) -> None:
+        self._secret = secrets.token_bytes(32)
+        self._seen: OrderedDict[str, tuple[int, set[int]]] = OrderedDict()
+
+    def issue(self) -> str:
+        body = f"{int(time.time()):x}.{secrets.token_hex(16)}"
+        return f"{body}.{hmac.new(self._secret, body.encode(), hashlib.sha256).hexdigest()[:32]}"
+
+    def valid(self, nonce: str) -> bool:
+        parts = nonce.split(".")
+        if len(parts) != 3:
+            return False
+        body = f"{parts[0]}.{parts[1]}"
+        want = hmac.new(self._secret, body.encode(), hashlib.sha256).hexdigest()[:32]
+        try:
+            age = time.time() - int(parts[0], 16)
+        except ValueError:
+            return False
+        return secrets.compare_digest(want, parts[2]) and -60 <= age <= NONCE_TTL_S
+
+    def fresh(self, nonce: str, counter: int, window: int = 4096) -> bool:
+        """Record ``counter`` for ``nonce``; False if it was seen, or is too far behind the newest (replay)."""
+        top, seen = self._seen.pop(nonce, (0, set()))
+        if counter in seen or counter <= top - window:
+            self._seen[nonce] = (top, seen)
+            return False
+        seen.add(counter)
+        top = max(top, counter)
+        if len(seen) > 2 * window:
+            seen = {c for c in seen if c > top - window}
+        self._seen[nonce] = (top, seen)
+        while len(self._seen) > 256:
+            self._seen.popitem(last=False)
+        return True
+
+
 class EngineGuard:
     """ASGI middleware: inference routes pass; everything else needs the engine credential.
 
@@ -169,6 +266,8 @@ class EngineGuard:
         if token is None:
             token = load_engine_token()
         self._digest = None if token is None else _digest(token)
+        self._token = token
+        self._nonces = _Nonces()
         self.refused = 0
         """Requests refused so far."""
         self._window_start, self._logged, self._suppressed = 0.0, 0, 0
@@ -210,16 +309,21 @@ class EngineGuard:
         root = str(scope.get("root_path", ""))
         if root and path.startswith(root):
             path = path[len(root) :] or "/"
+        headers = {k.lower(): v for k, v in scope.get("headers", ())}
+        if method == "GET" and path == GUARD_ROUTE and b"challenge=" in scope.get("query_string", b""):
+            await self._answer_challenge(scope, send)
+            return
+        signed = headers.get(ENGINE_AUTH_HEADER.lower().encode())
+        if signed is not None and kind == "http" and self._token is not None:  # any route: its answer is signed
+            await self._signed(scope, receive, send, method, path, signed.decode("latin-1"), headers)
+            return
         if is_inference_route(method, path) or (
             method == "OPTIONS" and any(is_inference_route(m, path) for m in ("GET", "POST"))
         ):  # OPTIONS (CORS preflight) only where vLLM serves inference: an admin route's existence is not told
             await self.app(scope, receive, send)
             return
-        supplied = None
-        for key, value in scope.get("headers", ()):
-            if key.lower() == ENGINE_TOKEN_HEADER.lower().encode():
-                supplied = value.decode("latin-1")
-                break
+        raw = headers.get(ENGINE_TOKEN_HEADER.lower().encode())
+        supplied = None if raw is None else raw.decode("latin-1")
         if (
             self._digest is not None
             and supplied is not None
@@ -227,12 +331,119 @@ class EngineGuard:
         ):
             await self.app(scope, receive, send)
             return
+        await self._refuse(scope, send, kind, method, path, supplied is not None or signed is not None)
+
+    async def _answer_challenge(self, scope: dict[str, Any], send: Any) -> None:
+        """``GET /deltasync/guard?challenge=C``: a fresh nonce and the proof that this server holds the credential
+        (none where it has none: then no client drives it)."""
+        query = parse_qs(scope.get("query_string", b"").decode("latin-1"))
+        challenge = (query.get("challenge") or [""])[0]
+        if not _CHALLENGE.fullmatch(challenge):
+            await _send_json(send, 400, {"error": "deltasync: challenge must be 32 to 128 lowercase hex digits"})
+            return
+        answer: dict[str, Any] = {"guard": "deltasync", "credential_configured": self._token is not None}
+        if self._token is not None:
+            nonce = self._nonces.issue()
+            answer.update(nonce=nonce, proof=challenge_proof(self._token, challenge, nonce))
+        await _send_json(send, 200, answer)
+
+    async def _signed(
+        self,
+        scope: dict[str, Any],
+        receive: Any,
+        send: Any,
+        method: str,
+        path: str,
+        auth: str,
+        headers: dict[bytes, bytes],
+    ) -> None:
+        """A request signed with the credential (:func:`request_mac`): verified over its whole body, passed on
+        once, and its answer signed (:func:`response_proof`)."""
+        assert self._token is not None
+        fields = auth.split(" ")
+        length = headers.get(b"content-length", b"0")
+        if len(fields) != 4 or fields[0] != "v1" or not fields[2].isdigit() or not length.isdigit():
+            await self._refuse(scope, send, "http", method, path, True)
+            return
+        _, nonce, counter_text, mac = fields
+        if int(length) > MAX_SIGNED_BODY:  # refused by its length, before a byte of it is read
+            await _send_json(send, 413, {"error": f"deltasync: a signed request's body is at most {MAX_SIGNED_BODY}"})
+            return
+        chunks, size, more = [], 0, True
+        while more:
+            message = await receive()
+            if message["type"] != "http.request":
+                return  # the client went away
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > MAX_SIGNED_BODY:
+                await _send_json(
+                    send, 413, {"error": f"deltasync: a signed request's body is at most {MAX_SIGNED_BODY}"}
+                )
+                return
+            chunks.append(chunk)
+            more = bool(message.get("more_body", False))
+        body = b"".join(chunks)
+        query = scope.get("query_string", b"").decode("latin-1")
+        raw_path = scope.get("raw_path")  # as the client sent it, percent-encoded: what it signed
+        signed_path = raw_path.decode("latin-1") if isinstance(raw_path, bytes) else path
+        target = f"{signed_path}?{query}" if query else signed_path
+        counter = int(counter_text)
+        want = request_mac(self._token, nonce, counter, method, target, hashlib.sha256(body).hexdigest())
+        if not secrets.compare_digest(want, mac):
+            await self._refuse(scope, send, "http", method, path, True)
+            return
+        if not self._nonces.valid(nonce) or not self._nonces.fresh(nonce, counter):
+            detail = {"error": "deltasync: the nonce is unknown, expired or used with this counter: ask for a new one"}
+            await _send_signed(send, self._token, nonce, counter, 401, {**detail, "code": "nonce"})
+            return
+        delivered = False
+
+        async def replay() -> dict[str, Any]:
+            nonlocal delivered
+            if not delivered:
+                delivered = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            message: dict[str, Any] = await receive()
+            return message
+
+        start: dict[str, Any] = {}
+        parts: list[bytes] = []
+
+        async def sign(message: dict[str, Any]) -> None:
+            if message["type"] == "http.response.start":
+                start.update(message)
+                return
+            if message["type"] != "http.response.body":
+                await send(message)
+                return
+            parts.append(message.get("body", b""))
+            if message.get("more_body", False):
+                return
+            data = b"".join(parts)
+            proof = response_proof(self._token or "", nonce, counter, start["status"], hashlib.sha256(data).hexdigest())
+            kept = [(k, v) for k, v in start.get("headers", []) if k.lower() != b"content-length"]
+            kept += [
+                (b"content-length", str(len(data)).encode()),
+                (ENGINE_PROOF_HEADER.lower().encode(), proof.encode()),
+            ]
+            await send({**start, "headers": kept})
+            await send({"type": "http.response.body", "body": data})
+
+        await self.app(scope, replay, sign)
+
+    async def _refuse(
+        self, scope: dict[str, Any], send: Any, kind: str, method: str, path: str, supplied: bool
+    ) -> None:
         if self._digest is None:
             status, why = 403, "this server has no engine credential configured, so no caller may change it"
-        elif supplied is None:
+        elif not supplied:
             status, why = 401, f"it needs the engine credential ({ENGINE_TOKEN_HEADER})"
         else:
-            status, why = 403, f"the engine credential in {ENGINE_TOKEN_HEADER} is wrong"
+            status, why = (
+                403,
+                f"the engine credential ({ENGINE_TOKEN_HEADER}, or the signature in {ENGINE_AUTH_HEADER}) is wrong",
+            )
         self.refused += 1
         client = scope.get("client") or ("?", 0)
         self._log_refusal(method, path, f"{client[0]}:{client[1]}", status)
@@ -252,3 +463,19 @@ class EngineGuard:
             }
         )
         await send({"type": "http.response.body", "body": body})
+
+
+async def _send_json(
+    send: Any, status: int, payload: dict[str, Any], extra: list[tuple[bytes, bytes]] | None = None
+) -> None:
+    body = json.dumps(payload).encode()
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()), *(extra or [])]
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": body})
+
+
+async def _send_signed(send: Any, token: str, nonce: str, counter: int, status: int, payload: dict[str, Any]) -> None:
+    """An answer of the guard itself to a signed request, signed as the app's answers are."""
+    body = json.dumps(payload).encode()
+    proof = response_proof(token, nonce, counter, status, hashlib.sha256(body).hexdigest())
+    await _send_json(send, status, payload, [(ENGINE_PROOF_HEADER.lower().encode(), proof.encode())])

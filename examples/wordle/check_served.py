@@ -18,7 +18,8 @@ from pathlib import Path
 
 import httpx
 
-from deltasync.vllm.guard import ENGINE_TOKEN_HEADER, load_engine_token
+from deltasync.targets import EngineAuth
+from deltasync.vllm.guard import load_engine_token
 
 
 def served(vllm_url: str) -> dict[str, object]:
@@ -26,7 +27,7 @@ def served(vllm_url: str) -> dict[str, object]:
     token = load_engine_token()
     if token is None:
         raise SystemExit("the check needs the engine credential (DELTASYNC_ENGINE_TOKEN or _FILE)")
-    with httpx.Client(base_url=vllm_url, timeout=120, headers={ENGINE_TOKEN_HEADER: token}) as admin:
+    with httpx.Client(base_url=vllm_url, timeout=120, auth=EngineAuth(token)) as admin:
         label = admin.get("/weight_info").raise_for_status().json()["weight_version"]
         checksums = admin.post("/collective_rpc", json={"method": "deltasync_effective"}).raise_for_status()
     return {"weight_version": label, "effective_checksums": checksums.json()["results"][0]}

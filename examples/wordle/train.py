@@ -146,7 +146,8 @@ def served_adapter_differs(
     tensors and prompts were checked."""
     from deltasync.format import tensor_checksum
     from deltasync.lora import adapter_state
-    from deltasync.vllm.guard import ENGINE_TOKEN_HEADER, load_engine_token
+    from deltasync.targets import EngineAuth
+    from deltasync.vllm.guard import load_engine_token
 
     token = load_engine_token()
     if token is None:
@@ -155,7 +156,7 @@ def served_adapter_differs(
     reference = (out / "final-adapter").absolute()
     model.save_pretrained(reference)
     differ: list[str] = []
-    with httpx.Client(base_url=vllm_url, timeout=300, headers={ENGINE_TOKEN_HEADER: token}) as admin:
+    with httpx.Client(base_url=vllm_url, timeout=300, auth=EngineAuth(token)) as admin:
         served = admin.post("/collective_rpc", json={"method": "deltasync_adapter"}).json()["results"][0]
         got = served.get("checksums", {})
         differ += sorted(n for n in set(expected) | set(got) if got.get(n) != expected.get(n))
@@ -182,13 +183,14 @@ def served_differs(vllm_url: str, model: Any) -> tuple[list[str], int]:
 
     An operator's check through vLLM's administrative ``/collective_rpc``: it needs the engine credential
     (``DELTASYNC_ENGINE_TOKEN``); the rollout workers never get it and reach only inference routes."""
-    from deltasync.vllm.guard import ENGINE_TOKEN_HEADER, load_engine_token
+    from deltasync.targets import EngineAuth
+    from deltasync.vllm.guard import load_engine_token
 
     token = load_engine_token()
     if token is None:
         raise SystemExit("the final check needs DELTASYNC_ENGINE_TOKEN (or pass --skip-final-check)")
     expected = trainer_checksums(model)
-    with httpx.Client(base_url=vllm_url, timeout=120, headers={ENGINE_TOKEN_HEADER: token}) as admin:
+    with httpx.Client(base_url=vllm_url, timeout=120, auth=EngineAuth(token)) as admin:
         got = admin.post("/collective_rpc", json={"method": "deltasync_effective"}).json()["results"][0]
     return sorted(k for k in expected if got.get(k) != expected[k]), len(expected)
 

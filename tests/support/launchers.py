@@ -274,10 +274,10 @@ class VllmServerProcess:
             return admin.request(method, path, json=body).json()
 
     def admin(self, timeout_s: float = 60.0) -> httpx.Client:
-        """An HTTP client for the administrative routes (the engine credential in ``X-DeltaSync-Engine-Token``)."""
-        return httpx.Client(
-            base_url=self.url, timeout=timeout_s, headers={"X-DeltaSync-Engine-Token": self.engine_token}
-        )
+        """An HTTP client for the administrative routes (signed with the engine credential, as the agent signs)."""
+        from deltasync.targets import EngineAuth
+
+        return httpx.Client(base_url=self.url, timeout=timeout_s, auth=EngineAuth(self.engine_token))
 
     def start(self, timeout_s: float = 300.0) -> VllmServerProcess:
         """Start the server and wait until ``/health`` answers."""
