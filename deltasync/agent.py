@@ -47,6 +47,7 @@ from .errors import (
     ApplyError,
     CoordinatorError,
     DeltaSyncError,
+    EngineUnproven,
     IntegrityError,
     RefusalReason,
     RunMismatch,
@@ -55,7 +56,7 @@ from .errors import (
 )
 from .layout import object_prefix
 from .manifest import DeltaManifest, ShardEntry
-from .reader import Trust, decode_object, read_weights
+from .reader import Trust, decode_object, read_manifest, read_weights
 from .signing import VerifyKey
 from .staging import StagedObject, StagedUpdate, in_memory, stage_object, stage_published
 from .store.base import Store
@@ -186,6 +187,7 @@ class Agent:
             )
         run = self._check_run(st)
         claim = EngineClaim(
+            model_fingerprint=self._run_model(),
             agent_id=self.config.agent_id,
             session=self.session,
             ttl_s=max(3 * self.config.poll_wait_s, 30.0),
@@ -197,6 +199,7 @@ class Agent:
             adapter_dir=self.config.adapter_dir,
         )
         self.target.init(claim)
+        self._claim = claim
         self.target.recover()
         st = self.target.state()
         if self.config.assume_version is not None and st.version is None and st.healthy:
@@ -211,6 +214,36 @@ class Agent:
     def engine_state(self) -> EngineState:
         """The engine's state, read from the engine (no side effects)."""
         return self.target.state()
+
+    def _release_if_not_ours(self, exc: UpdateRefused, st: EngineState) -> None:
+        """This agent's run is for another model or run than its engine, which serves no version yet: the
+        engine is not this agent's, and its claim is given up at once (the engine's own agent takes it)."""
+        holding = apply.Holding(version=st.version if st.healthy else None)
+        claim = getattr(self, "_claim", None)
+        if claim is None or not apply.releases_claim(exc.reason, holding):
+            return
+        logger.warning("agent %s: its run is not this engine's: giving up the claim", self.config.agent_id)
+        self.target.init(dataclasses.replace(claim, release=True))
+        self.started = False
+
+    def _run_model(self) -> str | None:
+        """The model this agent's run publishes (its newest anchor's fingerprint; an adapter run's base), which an
+        engine serving another model refuses at the claim; ``None`` when the run has published nothing yet or the
+        anchor cannot be read now (then the engine refuses the first object, and releases the claim)."""
+        try:
+            plan = self.coordinator.plan(None)
+            anchor = next((s for s in plan.steps if s.kind == "anchor"), None)
+            if anchor is None:
+                return None
+            manifest = read_manifest(self.store, anchor.version, "anchor", trust=self._trust())
+        except CoordinatorError as exc:
+            if exc.status_code == 404:
+                return None  # nothing published yet
+            raise
+        except (DeltaSyncError, OSError) as exc:
+            logger.warning("agent %s: cannot read the run's newest anchor (%s)", self.config.agent_id, exc)
+            return None
+        return manifest.model_fingerprint if manifest.adapter is None else manifest.adapter.base_fingerprint
 
     def _check_run(self, st: EngineState) -> str | None:
         """The coordinator's run, checked against the engine's (before the claim changes anything)."""
@@ -263,7 +296,11 @@ class Agent:
             self._heartbeat(st.version, "fetching")
         timings: dict[str, float] = {}
         with quiet_gc():  # no full collection of a large host process in the middle of an update (deltasync._gc)
-            update, staged = self._prepare(plan, st, timings)
+            try:
+                update, staged = self._prepare(plan, st, timings)
+            except UpdateRefused as exc:
+                self._release_if_not_ours(exc, st)
+                raise
             if progress:
                 self._heartbeat(st.version, "applying")
             try:
@@ -339,6 +376,13 @@ class Agent:
 
     def _engine_state(self) -> EngineState:
         st = self.target.state()
+        if st.agent_id != self.config.agent_id:  # its claim was released (refused objects) or taken over
+            self.started = False
+            raise UpdateRefused(
+                f"agent {self.config.agent_id}: the engine is no longer claimed by this agent (it names "
+                f"{st.agent_id!r}); claiming it again at the next sync",
+                reason=RefusalReason.RUN,
+            )
         mislabelled = st.healthy and st.version is not None and st.label != str(st.version)
         if st.session_open or mislabelled or (not st.healthy and st.label != "unhealthy"):
             self.target.recover()
@@ -630,6 +674,8 @@ class Agent:
     def _engine_healthy(self) -> bool:
         try:
             return self.target.state().healthy
+        except EngineUnproven:
+            raise  # not the engine: neither judged nor driven
         except Exception:  # noqa: BLE001 - no answer: do not serve what cannot be vouched for
             return False
 

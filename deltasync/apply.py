@@ -268,6 +268,33 @@ def refuse_claim(
     return None
 
 
+def refuse_model(*, agent_id: str | None, wanted: str | None, served: str | None, adapter: bool) -> str | None:
+    """Why an engine must refuse the claim of an agent whose run publishes another model (``None``: it may take
+    charge, or either side does not know its model yet): an agent of another model's run never holds an engine.
+
+    Args:
+        agent_id: the claiming agent.
+        wanted: the fingerprint of the model the agent's run publishes (an adapter run: its base's).
+        served: the fingerprint of the model the engine serves (adapter mode: the base it serves adapters on).
+        adapter: the engine serves a LoRA adapter's versions.
+    """
+    if wanted is None or served is None or wanted == served:
+        return None
+    what = "adapters for another base model" if adapter else "another model"
+    return (
+        f"deltasync: agent {agent_id!r} follows a run that is for {what} (fingerprint {wanted[:19]}..., this engine "
+        f"serves {served[:19]}...): nothing was changed; point the agent at the engine of its model, or this engine's "
+        "agent at its run"
+    )
+
+
+def releases_claim(reason: RefusalReason, holding: Holding) -> bool:
+    """Whether refusing the claiming agent's update for ``reason`` releases its claim: the objects are for another
+    model or run, and the engine serves no version yet, so the agent is not this engine's; the engine's own
+    agent then takes it at once (the refused one is refused at its next claim where its run's model is known)."""
+    return reason in (RefusalReason.MODEL, RefusalReason.RUN) and holding.version is None
+
+
 def overlapping(spans: list[tuple[int, int]]) -> bool:
     """Whether two of the half-open ``spans`` share an element (sorts ``spans`` in place)."""
     spans.sort()

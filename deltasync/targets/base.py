@@ -70,6 +70,12 @@ class EngineClaim:
     """The version the served weights are (``assume_version``); ignored once the engine knows one."""
     adapter_dir: str | None = None
     """Mode ``lora``: the directory the adapter is served from."""
+    model_fingerprint: str | None = None
+    """The model the agent's run publishes (its newest anchor's fingerprint; an adapter run's base), when it has
+    published one: an engine serving another model refuses the claim."""
+    release: bool = False
+    """Give the claim up (only its holder, from its own session, can): the agent found that its run's objects
+    are for another model or run than the engine serves, so the engine's own agent may take it at once."""
 
     def to_init_info(self) -> dict[str, Any]:
         """The JSON ``init_info`` (fields left ``None`` are omitted)."""
@@ -84,6 +90,8 @@ class EngineClaim:
             "mode": self.mode,
             "base_version": self.base_version,
             "adapter_dir": self.adapter_dir,
+            "model_fingerprint": self.model_fingerprint,
+            "release": self.release or None,
         }
         return {k: v for k, v in fields.items() if v is not None}
 
@@ -232,13 +240,16 @@ def check_claim(ranks: Sequence[Mapping[str, Any]], claim: EngineClaim) -> None:
     instead of raising it: a raising worker desyncs vLLM's executor at TP > 1).
 
     Raises:
-        UpdateRefused: (reason ``run``) with the engine's own explanation; nothing changed there.
+        UpdateRefused: (reason ``run``, or ``model`` for an engine of another model) with the engine's own
+            explanation; nothing changed there.
     """
     for rank in ranks:
         outcome = rank.get("outcome") or {}
-        if rank.get("agent") != claim.agent_id or outcome.get("refused") == RefusalReason.RUN.value:
+        refused = outcome.get("refused")
+        if rank.get("agent") != claim.agent_id or refused in (RefusalReason.RUN.value, RefusalReason.MODEL.value):
             why = outcome.get("message") or f"the engine is claimed by agent {rank.get('agent')!r}"
-            raise UpdateRefused(str(why), reason=RefusalReason.RUN)
+            reason = RefusalReason.MODEL if refused == RefusalReason.MODEL.value else RefusalReason.RUN
+            raise UpdateRefused(str(why), reason=reason)
 
 
 def combine_proofs(ranks: Sequence[Mapping[str, Any]]) -> tuple[list[str], list[str]]:

@@ -87,6 +87,10 @@ class InMemoryTarget:
         """As the vLLM engine: one agent claims it; ``base_version`` only names weights of an unknown version (it
         never relabels a version the engine knows); ``staging_root`` limits where staged files may come from;
         ``mode`` is a vLLM engine's (host memory has one way to apply)."""
+        if claim.release:
+            if self.owner == claim.agent_id:
+                self.owner = None
+            return
         refusal = apply.refuse_claim(
             owner=self.owner,
             agent_id=claim.agent_id,
@@ -96,6 +100,11 @@ class InMemoryTarget:
         )  # in one process: no other session to tell apart
         if refusal is not None:
             raise UpdateRefused(refusal, reason=RefusalReason.RUN)
+        refusal = apply.refuse_model(
+            agent_id=claim.agent_id, wanted=claim.model_fingerprint, served=self.holding.fingerprint, adapter=False
+        )
+        if refusal is not None:
+            raise UpdateRefused(refusal, reason=RefusalReason.MODEL)
         self.owner, self.allow_rollback = claim.agent_id, claim.allow_rollback
         if claim.raise_errors is not None:
             self._raise_errors = claim.raise_errors
@@ -129,7 +138,9 @@ class InMemoryTarget:
                     )
                     checked.append((manifest, deltas))
                     holding = holding.after(manifest)
-            except UpdateRefused:
+            except UpdateRefused as exc:
+                if apply.releases_claim(exc.reason, self.holding):
+                    self.owner = None  # not this engine's agent: its claim goes
                 raise
             except (ValueError, OSError) as exc:  # a malformed staged file: refused, nothing written
                 raise UpdateRefused(

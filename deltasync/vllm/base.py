@@ -82,6 +82,12 @@ class DeltaSyncInitInfo(WeightTransferInitInfo):
     adapter_dir: str | None = None
     """``lora`` mode: the absolute directory the adapter is served from (its requests' ``lora_path``): the engine
     keeps the served version there (vLLM loads it again from there after an eviction)."""
+    model_fingerprint: str | None = None
+    """The model the claiming agent's run publishes (its newest anchor's fingerprint; for an adapter run, its
+    base's): a claim for another model than the one this engine serves is refused before anything changes."""
+    release: bool | None = None
+    """The claiming agent gives its claim up (its run is not this engine's); honoured only from the owner's own
+    session."""
 
     def __post_init__(self) -> None:
         if self.mode is not None and self.mode not in MODES:
@@ -198,6 +204,11 @@ class EngineBase(WeightTransferEngine[DeltaSyncInitInfo, DeltaSyncUpdateInfo]):
     def init_transfer_engine(self, init_info: DeltaSyncInitInfo) -> None:
         """An agent's claim (:class:`~deltasync.targets.EngineClaim`). A refused claim changes nothing and is only
         recorded (``status()["outcome"]``; the agent reads it): a raising worker desyncs vLLM's executor."""
+        if init_info.release:
+            if self.owner == init_info.agent_id and self._session == init_info.session:
+                logger.warning("deltasync: agent %s gave up its claim (its run is not this engine's)", self.owner)
+                self.owner, self._session = None, None
+            return
         silent_s = time.monotonic() - self._session_seen
         refusal = apply.refuse_claim(
             owner=self.owner,
@@ -208,8 +219,11 @@ class EngineBase(WeightTransferEngine[DeltaSyncInitInfo, DeltaSyncUpdateInfo]):
             owner_alive_s=silent_s if self._session is not None and silent_s < self._session_ttl_s else None,
             same_session=init_info.session == self._session,
         )
+        reason = RefusalReason.RUN
+        if refusal is None:
+            refusal, reason = self._refuse_model(init_info), RefusalReason.MODEL
         if refusal is not None:
-            self.outcome = {"ok": False, "refused": RefusalReason.RUN.value, "message": refusal}
+            self.outcome = {"ok": False, "refused": reason.value, "message": refusal}
             logger.warning("%s", refusal)
             return
         self.owner, self._session = init_info.agent_id, init_info.session
@@ -244,6 +258,26 @@ class EngineBase(WeightTransferEngine[DeltaSyncInitInfo, DeltaSyncUpdateInfo]):
             self.raise_errors,
             self.allow_rollback,
         )
+
+    def _refuse_model(self, init_info: DeltaSyncInitInfo) -> str | None:
+        """:func:`~deltasync.apply.refuse_model` for this claim, against the model served in the claimed mode."""
+        lora = (init_info.mode or self._mode) == "lora"
+        spec = None if lora else self.served_spec()
+        served = self.base_fingerprint() if lora else (None if spec is None else self._fingerprint(spec))
+        return apply.refuse_model(
+            agent_id=init_info.agent_id, wanted=init_info.model_fingerprint, served=served, adapter=lora
+        )
+
+    def release_unadmitted(self, reason: RefusalReason) -> None:
+        """The claiming agent's update was refused (:func:`~deltasync.apply.releases_claim`): its claim is
+        released at once, so that the engine's own agent takes it."""
+        if self.owner is not None and apply.releases_claim(reason, self.holding()):
+            logger.warning(
+                "deltasync: agent %s's objects are for another model or run than this engine serves: its claim is "
+                "released",
+                self.owner,
+            )
+            self.owner, self._session = None, None
 
     @property
     def mode(self) -> str:

@@ -76,6 +76,8 @@ class DeltaSyncWeightTransferEngine(ProvingEngine):
         """Record an outcome; raise it unless ``raise_errors`` is off."""
         self.outcome = {"ok": False, "refused": None if refused is None else refused.value, "message": str(exc)}
         logger.warning("deltasync: %s", exc)
+        if refused is not None:
+            self.release_unadmitted(refused)
         if self.raise_errors:
             raise exc
 
@@ -134,6 +136,7 @@ class DeltaSyncWeightTransferEngine(ProvingEngine):
         except UpdateRefused as exc:  # recorded as a refused update is (the agent stops here, before the pause)
             self.outcome = {"ok": False, "refused": exc.reason.value, "message": str(exc)}
             logger.warning("deltasync: %s", exc)
+            self.release_unadmitted(exc.reason)
             return dict(self.outcome)
         except Exception as exc:  # noqa: BLE001 - update_weights repeats the work and reports it
             return {"ok": False, "refused": None, "message": f"{type(exc).__name__}: {exc}"}

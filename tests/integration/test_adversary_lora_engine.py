@@ -247,6 +247,86 @@ def test_a_served_config_that_differs_from_the_version_is_drift(rig: Rig) -> Non
     )
 
 
+@pytest.mark.parametrize(
+    ("key", "value"),
+    [
+        ("alpha_pattern", {"q_proj": 64}),  # vLLM scales q_proj by 64/8 where the version scales by 16/8
+        ("rank_pattern", {"v_proj": 4}),
+        ("init_lora_weights", "pissa"),  # vLLM refuses it when a request names the adapter: its engine core dies
+        ("layers_to_transform", [0]),
+        ("some_later_peft_field", True),  # a key nobody classified yet
+        ("lora_alpha", 16.0),  # the same number, another JSON type
+    ],
+    ids=["alpha-pattern", "rank-pattern", "init-pissa", "layers-to-transform", "unknown-key", "alpha-as-float"],
+)
+def test_any_change_to_the_served_config_is_drift(rig: Rig, key: str, value: Any) -> None:
+    """Whoever can write the served directory edits or adds one key of adapter_config.json: the whole-state proof
+    says drift, naming the file and the key, and the engine is unhealthy until an anchor restores it."""
+    model = _trainer(rig.model_dir, seed=12)
+    store = LocalStore(rig.root / f"cfg-{key}-store")
+    _publish(store, model, 1)
+    target, served = rig.fresh(f"cfg-{key}")
+    target.apply(StagedUpdate(objects=(rig.stage(store, f"cfg-{key}-a0", 0, "anchor"),)))
+    assert rig.llm.collective_rpc("deltasync_prove")[0]["ok"]
+    config = json.loads((served / CONFIG_FILE).read_text())
+    assert config["lora_alpha"] == 16 and isinstance(config["lora_alpha"], int)
+    config[key] = value
+    (served / CONFIG_FILE).write_text(json.dumps(config))
+    proof = rig.llm.collective_rpc("deltasync_prove")[0]
+    assert not proof["ok"] and proof["bad"] == [f"{served / CONFIG_FILE} ({key})"], proof
+    status = rig.status()
+    assert not status["healthy"] and status["drift"]["tensors"] == proof["bad"], status
+    target.apply(StagedUpdate(objects=(rig.stage(store, f"cfg-{key}-a0b", 0, "anchor"),)))
+    assert json.loads((served / CONFIG_FILE).read_text()) == adapter_config_json(adapter_entry(model))
+    assert rig.status()["healthy"] and rig.llm.collective_rpc("deltasync_prove")[0]["ok"]
+
+
+def _tamper(worker: Any, lora_id: int, where: str) -> str:
+    """Runs in the vLLM worker: one element of the loaded adapter ``lora_id`` moved, in its slot of the first
+    layer's buffers (``slot``) or in vLLM's loaded copy (``copy``), as a stray write in the engine would."""
+    worker = getattr(worker, "worker", worker)
+    mm = worker.model_runner.lora_manager._adapter_manager
+    name, module = next((n, m) for n, m in mm.modules.items() if mm._get_lora_layer_weights(mm.get_adapter(lora_id), n))
+    if where == "slot":
+        stacked = module.lora_b_stacked[0] if isinstance(module.lora_b_stacked, tuple) else module.lora_b_stacked
+        target = stacked[mm.lora_index_to_id.index(lora_id)]
+    else:
+        b = mm._get_lora_layer_weights(mm.get_adapter(lora_id), name).lora_b
+        target = next(t for t in (b if isinstance(b, list) else [b]) if t is not None)
+    with torch.inference_mode():  # vLLM loads adapters as inference tensors
+        target.view(-1)[0] += 1.0
+    return name
+
+
+@pytest.mark.parametrize("where", ["slot", "copy"])
+def test_a_stray_write_into_what_vllm_computes_with_is_drift(rig: Rig, where: str) -> None:
+    """The served directory holds the version, but vLLM computes with another value: one element of the adapter's
+    slot in a layer's LoRA buffers, or of vLLM's loaded copy (which fills the slot when the adapter comes back after
+    an eviction). The whole-state proof reads both back as each layer's own set_lora would write them, and says
+    drift; an anchor restores what vLLM computes with (its session end drops every loaded adapter)."""
+    model = _trainer(rig.model_dir, seed=13)
+    store = LocalStore(rig.root / f"stray-{where}-store")
+    _publish(store, model, 1)
+    reference = rig.root / f"stray-{where}-trainer"
+    model.save_pretrained(reference)
+    target, served = rig.fresh(f"stray-{where}")
+    target.apply(StagedUpdate(objects=(rig.stage(store, f"s-{where}-a0", 0, "anchor"),)))
+    request = _lora(served)
+    fresh = _outputs(rig.llm, _lora(reference))
+    assert _outputs(rig.llm, request) == fresh  # loaded into a slot from the served directory
+    proof = rig.llm.collective_rpc("deltasync_prove")[0]
+    assert proof["ok"] and proof["slots"] == 1, proof
+    module = rig.llm.collective_rpc(_tamper, args=(request.lora_int_id, where))[0]
+    proof = rig.llm.collective_rpc("deltasync_prove")[0]
+    what = "(slot" if where == "slot" else "(vLLM's loaded copy)"
+    assert not proof["ok"] and any(module in b and what in b for b in proof["bad"]), proof
+    assert not rig.status()["healthy"]
+    target.apply(StagedUpdate(objects=(rig.stage(store, f"s-{where}-a0b", 0, "anchor"),)))
+    assert _outputs(rig.llm, request) == fresh
+    proof = rig.llm.collective_rpc("deltasync_prove")[0]
+    assert proof["ok"] and proof["slots"] == 1, proof
+
+
 def test_a_failure_past_the_first_write_unlabels_the_engine_until_an_anchor(rig: Rig) -> None:
     """The served directory cannot be written at the session's end (a file is in its way): the engine is
     unhealthy and labelled ``unhealthy``; a delta is refused; an anchor restores it."""
@@ -327,6 +407,33 @@ def test_full_weights_and_another_base_are_refused_by_a_fresh_lora_engine(rig: R
     for store, name, message in ((full, "own", "model's own weights"), (other, "base", "another base model")):
         refusal = _refused(rig, target, served, rig.stage(store, f"fr-{name}", 0, "anchor"))
         assert refusal.reason is RefusalReason.MODEL and message in str(refusal), refusal
+
+
+def test_an_agent_for_another_base_never_keeps_a_fresh_engines_claim(rig: Rig) -> None:
+    """An agent of another base model's adapter run, pointed by mistake at a fresh engine, is refused at the claim
+    where its run's base is known; where it is not (its run had published nothing), its first object is refused and
+    its claim released with it. Either way the engine's own agent then takes the engine at once."""
+    model = _trainer(rig.model_dir, seed=14)
+    other = LocalStore(rig.root / "claim-other-store")
+    entry = dataclasses.replace(adapter_entry(model), base_fingerprint="sha256:" + "1" * 64)
+    _publish(other, model, 1, adapter=entry)
+    target, served = rig.fresh("claim-fresh")  # claimed by "adversary" with no model: as an empty run's agent
+    rig.llm.collective_rpc(_restart, args=(True,))
+    wrong = EngineClaim(
+        agent_id="wrong", session="w1", staging_root=str(rig.staging), mode="lora", adapter_dir=str(served)
+    )
+    with pytest.raises(UpdateRefused) as exc:
+        target.init(dataclasses.replace(wrong, model_fingerprint=entry.base_fingerprint))
+    assert exc.value.reason is RefusalReason.MODEL and "adapters for another base model" in str(exc.value)
+    assert rig.status()["agent"] is None
+    target.init(wrong)  # its run was empty when it started: the engine cannot tell yet
+    assert rig.status()["agent"] == "wrong"
+    refusal = _refused(rig, target, served, rig.stage(other, "claim-a0", 0, "anchor"))
+    assert refusal.reason is RefusalReason.MODEL and "another base model" in str(refusal)
+    assert rig.status()["agent"] is None  # released with the refusal
+    own = EngineClaim(agent_id="own", session="o1", staging_root=str(rig.staging), mode="lora", adapter_dir=str(served))
+    target.init(own)
+    assert rig.status()["agent"] == "own"
 
 
 # Found open at 540f971: the first anchor of a lora engine (and the first after a restart) defined the served
