@@ -5,26 +5,42 @@ from __future__ import annotations
 
 import collections
 import logging
+import re
 import threading
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import torch.distributed as dist
 
 from ._sharding import TensorView
 from .client import CoordinatorClient, Lease
-from .errors import LeaseError, ObjectNotFound
+from .errors import LeaseError, ObjectNotFound, StoreError, VersionTaken
 from .format import TensorDelta
 from .layout import manifest_key, signature_key
 from .manifest import ChecksumPart, DeltaManifest, TensorEntry
 from .schemas import VersionCreate
 from .sketch import Sketch, add_sketches, format_sketch, parse_sketch
-from .vocab import Kind
+from .vocab import MAX_VERSION, Kind
 from .writer import ObjectWriter
 
-__all__ = ["LeaseKeeper", "RankCommit"]
+__all__ = ["LeaseKeeper", "RankCommit", "first_free_version", "taken_versions"]
 
 logger = logging.getLogger("deltasync.publisher")
+
+_VERSION_KEY = re.compile(r"v(\d{8})(?:/|$)")  # a key under a version's directory, or a file in its place
+
+
+def taken_versions(keys: Iterable[str]) -> set[int]:
+    """The versions under whose directory ``keys`` hold something (committed, left by a crash, or planted)."""
+    return {int(m.group(1)) for m in map(_VERSION_KEY.match, keys) if m is not None}
+
+
+def first_free_version(taken: set[int], at_least: int) -> int | None:
+    """The first version at or above ``at_least`` that holds no key, or ``None`` past the last version."""
+    version = at_least
+    while version in taken:
+        version += 1
+    return version if version <= MAX_VERSION else None
 
 
 class LeaseKeeper:
@@ -136,10 +152,15 @@ class RankCommit:
             first_index=self.rank,
             grouped=self.world == 1,
         )
-        self.writer.put_shards(version, kind, shards)  # this rank's shards in one batch; rank 0 commits later
+        taken: tuple[str, str] | None = None
+        try:
+            self.writer.put_shards(version, kind, shards)  # this rank's shards in one batch; rank 0 commits later
+        except VersionTaken as exc:  # every rank must hear of it: rank 0 decides for all
+            taken = (str(exc), exc.key)
         meta = {
             "entries": [(s.index, s.entry, list(s.tensors)) for s in shards],
             "tensors": {n: t for s in shards for n, t in s.tensors.items()},
+            "taken": taken,
         }
         metas: list[Any] = [meta]
         if self.group is not None:
@@ -148,7 +169,15 @@ class RankCommit:
         status: list[Any] = [None]
         if self.rank == 0:
             try:
+                first = next((m["taken"] for m in metas if m["taken"] is not None), None)
+                if first is not None:
+                    raise VersionTaken(first[0], key=first[1], version=version)
                 status = [("ok", self._commit(version, kind, base_version, metas, views, dtype_name))]
+            except VersionTaken as exc:
+                decided = self._decide(exc)
+                status = [("taken", (str(decided), decided.key, decided.next_free))]
+                if self.group is None:
+                    raise decided from None
             except BaseException as exc:
                 status = [("error", f"{type(exc).__name__}: {exc}")]
                 if self.group is None:
@@ -156,9 +185,57 @@ class RankCommit:
         if self.group is not None:
             dist.broadcast_object_list(status, src=0, group=self.group)
         outcome, detail = status[0]
+        if outcome == "taken":
+            message, key, next_free = detail
+            raise VersionTaken(message, key=key, version=version, next_free=next_free)
         if outcome != "ok":
             raise RuntimeError(f"rank 0 could not commit {kind} v{version}: {detail}")
         return int(detail)
+
+    def _decide(self, exc: VersionTaken) -> VersionTaken:
+        """Rank 0: what a publisher does about a taken key of the version it was publishing.
+
+        Holding the run's lease, this publisher is the run's only writer, and the ledger (which allows gaps)
+        registers what it commits: whatever took the key is no object of the run (planted, or left by a writer
+        that lost the lease), so the version is skipped for the first one whose keys are all free. Without a
+        lease nothing tells a planted object from a second publisher writing the same store: it stops, saying so.
+        """
+        version = exc.version
+        where = f"v{version:08d}/"
+        if self.lease is None:
+            return VersionTaken(
+                f"{exc}. Without a coordinator this publisher cannot tell a planted object from a second "
+                f"publisher writing this store, so it stops; nothing of v{version} is committed. See what is under "
+                f"{where} (deltasync ls STORE), then start a new Publisher: it starts above every key in the "
+                "store, this one included; or publish with a coordinator (its lease keeps one publisher per run, "
+                "and a publisher holding it skips a taken version)",
+                key=exc.key,
+                version=version,
+            )
+        if self.lease.error is not None:
+            return VersionTaken(
+                f"{exc}; and this publisher lost the run's lease: {self.lease.error}", key=exc.key, version=version
+            )
+        try:
+            taken = taken_versions(self.writer.store.list(""))
+        except StoreError as err:  # the next version is tried; if it is taken too, this comes back here
+            logger.warning("%s: not listed (%s); trying v%d", self.writer.store.uri, err, version + 1)
+            taken = set()
+        free = first_free_version(taken, version + 1)
+        if free is None:
+            return VersionTaken(
+                f"{exc}; no version above v{version} is free (the last is v{MAX_VERSION}): publish this run to a "
+                "fresh store prefix",
+                key=exc.key,
+                version=version,
+            )
+        return VersionTaken(
+            f"{exc}; this publisher holds the run's lease, so no writer of the run put it there (a planted object, "
+            f"or a fenced writer's leftover)",
+            key=exc.key,
+            version=version,
+            next_free=free,
+        )
 
     def _commit(
         self,

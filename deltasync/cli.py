@@ -16,13 +16,21 @@ from typing import Any
 from . import apply
 from ._logging import setup_logging
 from ._shard_header import parse_shard
-from .errors import DeltaSyncError, FencedObject, ForeignObject, ObjectNotFound, SignatureError
+from .errors import (
+    DeltaSyncError,
+    FencedObject,
+    ForeignObject,
+    FormatError,
+    ObjectNotFound,
+    SignatureError,
+    StoreError,
+)
 from .layout import manifest_key, object_prefix
 from .manifest import MAX_MANIFEST_BYTES
 from .reader import Trust, list_versions, read_chain, read_manifest, read_weights
-from .runrecord import read_run_view
+from .runrecord import RunView, read_run_view
 from .signing import VerifyKey, generate_key_files
-from .store import open_store
+from .store import Store, open_store
 from .vocab import Kind
 
 __all__ = ["main"]
@@ -76,45 +84,73 @@ def _print_rows(rows: list[dict[str, Any]]) -> None:
     )
 
 
+_LS_FIELDS = (
+    "base_version",
+    "encoding",
+    "tensors_changed",
+    "tensors",
+    "nnz",
+    "changed_fraction",
+    "bytes",
+    "shards",
+)
+"""What ``ls`` tells of an object from its manifest (``null`` where the manifest cannot be read)."""
+
+
+def _unreadable(store_uri: str, key: str, exc: Exception) -> str:
+    """Why ``ls`` cannot read an object, without the object's name in front."""
+    return str(exc).removeprefix(f"{store_uri}/{key}: ").removeprefix(f"{store_uri}: ")
+
+
+def _ls_row(store: Store, version: int, kind: Kind, trust: Trust | None, view: RunView) -> dict[str, Any]:
+    """One object of ``ls``: what its manifest says, and whether a reader pinned like ``view`` takes it."""
+    key = manifest_key(version, kind)
+    row: dict[str, Any] = {"version": version, "kind": kind, "run_id": None, "status": "ok"}
+    try:
+        m = read_manifest(store, version, kind)
+    except (FormatError, StoreError) as exc:  # listed as such: one planted file must not hide the others
+        unknown = dict.fromkeys(_LS_FIELDS)
+        return {**row, **unknown, "status": f"UNREADABLE: {_unreadable(store.uri, key, exc)}"}
+    try:
+        if trust is not None:
+            trust.check(store, version, kind, store.get(key, max_bytes=MAX_MANIFEST_BYTES))
+        view.admit(m, name=f"{kind} v{version}")
+    except ForeignObject:
+        row["status"] = f"FOREIGN: run {m.run_id or '(none)'}"
+        if view.run_id is None and view.unpinned is not None:
+            try:
+                view.resolve()
+            except ForeignObject:  # no record pins the run and the signed objects name several
+                row["status"] = f"UNPINNED: run {m.run_id or '(none)'}"
+    except FencedObject:
+        row["status"] = f"FENCED: epoch {m.lease_epoch}"
+    except SignatureError:
+        row["status"] = "UNSIGNED: not by the key"
+    except (FormatError, StoreError) as exc:  # e.g. a planted signature file over its cap
+        row["status"] = f"UNREADABLE: {_unreadable(store.uri, key, exc)}"
+    return {
+        **row,
+        "run_id": m.run_id,
+        "base_version": m.base_version,
+        "encoding": m.encoding,
+        "tensors_changed": sum(1 for t in m.tensors.values() if t.nnz),
+        "tensors": len(m.tensors),
+        "nnz": m.nnz,
+        "changed_fraction": m.nnz / max(m.numel, 1),
+        "bytes": m.total_bytes,
+        "shards": len(m.shards),
+    }
+
+
 def _cmd_ls(args: argparse.Namespace) -> int:
     store = open_store(args.store, s3_endpoint=args.s3_endpoint)
     verify_key = VerifyKey.from_file(args.public_key) if args.public_key else None
     view = read_run_view(store, run_id=args.run_id, verify_key=verify_key)
     trust = Trust(verify_key=verify_key) if verify_key is not None else None
-    out = []
+    out: list[dict[str, Any]] = []
     for listing in list_versions(store):
         pairs: tuple[tuple[Kind, bool], ...] = (("delta", listing.delta), ("anchor", listing.anchor))
-        for kind, present in pairs:
-            if present:
-                m = read_manifest(store, listing.version, kind)
-                status = "ok"
-                try:
-                    if trust is not None:
-                        data = store.get(manifest_key(m.version, kind), max_bytes=MAX_MANIFEST_BYTES)
-                        trust.check(store, m.version, kind, data)
-                    view.admit(m, name=f"{kind} v{m.version}")
-                except ForeignObject:
-                    status = f"FOREIGN: run {m.run_id or '(none)'}"
-                except FencedObject:
-                    status = f"FENCED: epoch {m.lease_epoch}"
-                except SignatureError:
-                    status = "UNSIGNED: not by the key"
-                out.append(
-                    {
-                        "version": m.version,
-                        "kind": kind,
-                        "run_id": m.run_id,
-                        "status": status,
-                        "base_version": m.base_version,
-                        "encoding": m.encoding,
-                        "tensors_changed": sum(1 for t in m.tensors.values() if t.nnz),
-                        "tensors": len(m.tensors),
-                        "nnz": m.nnz,
-                        "changed_fraction": m.nnz / max(m.numel, 1),
-                        "bytes": m.total_bytes,
-                        "shards": len(m.shards),
-                    }
-                )
+        out.extend(_ls_row(store, listing.version, kind, trust, view) for kind, present in pairs if present)
     if args.json:
         print(json.dumps(out))
         return 0
@@ -123,19 +159,27 @@ def _cmd_ls(args: argparse.Namespace) -> int:
         f"{'fraction':>8s} {'bytes':>12s}  status"
     )
     for r in out:
+        if r["encoding"] is None:  # unreadable: nothing but its key is known
+            dashes = f"{'-':>6s} {'-':8s} {'-':>9s} {'-':>12s} {'-':>8s} {'-':>12s}"
+            print(f"{r['version']:8d} {r['kind']:6s} {dashes}  {r['status']}")
+            continue
         base = "-" if r["base_version"] is None else str(r["base_version"])
         print(
             f"{r['version']:8d} {r['kind']:6s} {base:>6s} {r['encoding']:8s} "
             f"{r['tensors_changed']:4d}/{r['tensors']:<4d} {r['nnz']:12d} "
             f"{r['changed_fraction']:8.3%} {r['bytes']:12d}  {r['status']}"
         )
-    pinned = f"run {view.run_id} ({view.pinned_by})" if view.run_id else "no run pinned (no run.json, no --run-id)"
+    try:
+        run, pinned_by = view.resolve()
+    except ForeignObject as exc:
+        run, pinned_by = None, str(exc)
+    pinned = f"run {run} ({pinned_by})" if run else f"no run pinned ({pinned_by or 'no run.json, no --run-id'})"
     print(f"{len(out)} objects in {store.uri}; {pinned}")
     refused = [r for r in out if r["status"] != "ok"]
     if refused:
         print(
-            f"{len(refused)} objects are not this run's own registered writes (FOREIGN, FENCED or UNSIGNED): "
-            "readers refuse them",
+            f"{len(refused)} objects are not this run's own registered writes, or cannot be read (FOREIGN, FENCED, "
+            "UNSIGNED, UNPINNED or UNREADABLE): readers refuse them",
             file=sys.stderr,
         )
     return 0
@@ -170,28 +214,16 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
     return 0
 
 
-def _client(url: str, token_env: str, ca_bundle: str | None, insecure_http: bool = False) -> Any:
+def _client(url: str, token_env: str, ca_bundle: str | None) -> Any:
     from .client import CoordinatorClient
 
-    token = os.environ.get(token_env)
-    return CoordinatorClient(url, token=token, ca_bundle=ca_bundle, retries=3, insecure_http=insecure_http)
-
-
-def _add_insecure_http(parser: Any) -> None:
-    """``--insecure-http`` (``CoordinatorClient(insecure_http=...)``), beside every ``--coordinator``."""
-    parser.add_argument(
-        "--insecure-http",
-        action="store_true",
-        help="send the token to a plain http:// coordinator on another host, in clear (default: refused)",
-    )
+    return CoordinatorClient(url, token=os.environ.get(token_env), ca_bundle=ca_bundle, retries=3)
 
 
 def _cmd_verify(args: argparse.Namespace) -> int:
     store = open_store(args.store, s3_endpoint=args.s3_endpoint)
     verify_key = VerifyKey.from_file(args.public_key) if args.public_key else None
-    client = (
-        _client(args.coordinator, "DELTASYNC_TOKEN", args.ca_bundle, args.insecure_http) if args.coordinator else None
-    )
+    client = _client(args.coordinator, "DELTASYNC_TOKEN", args.ca_bundle) if args.coordinator else None
     ledger = None if client is None else client.registered_digest
     trust = Trust(verify_key=verify_key, ledger=ledger, run_id=args.run_id)
     try:
@@ -236,7 +268,7 @@ def _cmd_verify(args: argparse.Namespace) -> int:
 
 
 def _cmd_gc(args: argparse.Namespace) -> int:
-    with _client(args.coordinator, "DELTASYNC_PUBLISHER_TOKEN", args.ca_bundle, args.insecure_http) as client:
+    with _client(args.coordinator, "DELTASYNC_PUBLISHER_TOKEN", args.ca_bundle) as client:
         report = client.collect_garbage(dry_run=args.dry_run)
     out = {
         "dry_run": args.dry_run,
@@ -289,7 +321,11 @@ def _parser() -> argparse.ArgumentParser:
     ls.add_argument("store", help="store URI or path")
     ls.add_argument("--json", action="store_true", help="print JSON")
     ls.add_argument("--public-key", help="mark manifests not signed by this Ed25519 public key (PEM)")
-    ls.add_argument("--run-id", help="mark objects of any other run (default: the run the store's run.json names)")
+    ls.add_argument(
+        "--run-id",
+        help="mark objects of any other run (default: the run the store's run.json names; with --public-key, a "
+        "run.json the key did not sign is ignored for the one run the key's signed objects name)",
+    )
     add_s3_endpoint(ls)
     ls.set_defaults(func=_cmd_ls)
     inspect = sub.add_parser("inspect", help="tensors, nnz, density and bytes of a shard file or a store version")
@@ -305,7 +341,8 @@ def _parser() -> argparse.ArgumentParser:
     verify.add_argument("--public-key", help="refuse manifests not signed by this Ed25519 public key (PEM)")
     verify.add_argument(
         "--run-id",
-        help="refuse objects of any other run (with --public-key alone: the run the store's signed run.json names)",
+        help="refuse objects of any other run; the store's run.json is then never relied on (with --public-key "
+        "alone: the run the store's signed run.json names, else the one run the key's signed objects name)",
     )
     verify.add_argument(
         "--coordinator",
@@ -313,7 +350,6 @@ def _parser() -> argparse.ArgumentParser:
         "replicas of one ledger: URL1,URL2",
     )
     verify.add_argument("--ca-bundle", help="CA certificates (PEM) for an https coordinator")
-    _add_insecure_http(verify)
     verify.add_argument("--json", action="store_true", help="print JSON")
     add_s3_endpoint(verify)
     verify.set_defaults(func=_cmd_verify)
@@ -323,7 +359,6 @@ def _parser() -> argparse.ArgumentParser:
     )
     gc.add_argument("--dry-run", action="store_true", help="prove the kept anchor and list what would go")
     gc.add_argument("--ca-bundle", help="CA certificates (PEM) for an https coordinator")
-    _add_insecure_http(gc)
     gc.add_argument("--json", action="store_true", help="print JSON")
     gc.set_defaults(func=_cmd_gc)
     keygen = sub.add_parser("keygen", help="make an Ed25519 key pair to sign manifests (PATH and PATH.pub)")

@@ -25,21 +25,20 @@ from typing import TypeVar
 import torch
 import torch.distributed as dist
 
-from ._commit import LeaseKeeper, RankCommit
+from ._commit import LeaseKeeper, RankCommit, first_free_version, taken_versions
 from ._sharding import TensorView, dense_entries, globalize, local_tensors
 from .client import CoordinatorClient, Lease
 from .config import PublisherConfig
 from .diff import compute_delta
-from .errors import LeaseError
+from .errors import LeaseError, VersionTaken
 from .format import TensorDelta
-from .layout import version_of_key
 from .lora import ADAPTER_PREFIX, AdapterNames, adapter_state
 from .manifest import AdapterEntry, DeltaManifest
 from .names import NameMap
 from .runrecord import adopt_run, claim_run, record_epoch
 from .signing import SigningKey
 from .store import Store, open_store
-from .vocab import DTYPE_NAMES, Kind
+from .vocab import DTYPE_NAMES, MAX_VERSION, Kind
 from .writer import ObjectWriter
 
 __all__ = ["Publisher"]
@@ -243,15 +242,41 @@ class Publisher:
         return lease.run_id, lease.epoch
 
     def _first_version(self) -> int:
+        """Every rank: the first version to publish (rank 0 decides).
+
+        Raises:
+            VersionTaken: no version is left above the keys in the store (the publisher's lease is given back).
+        """
         version = self.config.start_version
+        problem: tuple[str, str, int] | None = None
         if version is None and self.rank == 0:
-            # above every version the ledger registered and every key in the store (committed or left behind
-            # by a crash): writes are create-only, so a version is never written twice
-            seen = [v for v in map(version_of_key, self._store_keys()) if v is not None]
-            version = max(seen, default=-1) + 1
+            keys = self._store_keys()
+            taken = taken_versions(keys)
             if self._lease is not None:
-                version = max(version, self._lease.lease.next_version)
-        version = self._broadcast(version)
+                # the ledger is the run's record of its versions: the first one above them that holds no key
+                # (a key above the ledger is a crash's leftover or a planted one, never the run's: no version is
+                # written twice, and a key planted far ahead does not use up the versions)
+                version = first_free_version(taken, self._lease.lease.next_version)
+            else:
+                # without a ledger, above every key in the store (committed, left by a crash, or planted)
+                version = first_free_version(set(), max(taken, default=-1) + 1)
+            if version is None:
+                top = max(taken)
+                key = min(k for k in keys if taken_versions([k]) == {top})
+                problem = (
+                    f"{self.store.uri}/{key}: a key at v{top} leaves this publisher no version to publish (it "
+                    f"starts above {'the ledger and ' if self._lease is not None else ''}every key in the store, "
+                    f"and v{MAX_VERSION} is the last). If no publisher of this run wrote it (a store writer "
+                    "planted it), delete it; else publish the run to a fresh store prefix",
+                    key,
+                    top,
+                )
+        version, problem = self._broadcast((version, problem))
+        if problem is not None:
+            if self._lease is not None:
+                self._lease.close()  # the next publisher need not wait for the lease to lapse
+            message, key, top = problem
+            raise VersionTaken(message, key=key, version=top)
         assert isinstance(version, int)
         return version
 
@@ -265,7 +290,9 @@ class Publisher:
 
     def publish(self, state: torch.nn.Module | Mapping[str, torch.Tensor], step: int | None = None) -> int:
         """Copy the weights of this step and queue them; returns the version they will have. Nothing is
-        written yet when it returns (see :meth:`flush`).
+        written yet when it returns (see :meth:`flush`). Where a store writer takes a key of that version first,
+        it and every later version move up past it (with a coordinator; see :meth:`_publish_object`): the
+        warning says so, and :attr:`published` holds the versions written.
 
         Blocks only for the copy (and while the queue is full, unless ``coalesce``).
 
@@ -406,17 +433,17 @@ class Publisher:
         new = item.buffers
         assert self._views is not None
         if self._snapshot is None:
-            self._publish_object(item.version, "anchor", dense_entries(new, self._views), base_version=None)
+            self._publish_object(item, "anchor", dense_entries(new, self._views), base_version=None)
             self._snapshot, spare = new, None
         else:
             changes = compute_delta(self._snapshot, new)
             deltas = [globalize(d, new[d.ckpt_name], self._views[d.ckpt_name]) for d in changes.values()]
-            self._bytes_since_anchor += self._publish_object(
-                item.version, "delta", deltas, base_version=self._last_version
-            )
+            self._bytes_since_anchor += self._publish_object(item, "delta", deltas, base_version=self._last_version)
             self._snapshot, spare = new, self._snapshot  # double buffering: no copy, no scatter
             if self._anchor_due(item.version):
-                self._publish_object(item.version, "anchor", dense_entries(new, self._views), base_version=None)
+                self._publish_object(
+                    item, "anchor", dense_entries(new, self._views), base_version=None, beside_delta=True
+                )
         self._last_version = item.version
         logger.info(
             "published v%d (step %s%s) in %.0f ms",
@@ -427,15 +454,67 @@ class Publisher:
         )
         return spare
 
-    def _publish_object(self, version: int, kind: Kind, deltas: list[TensorDelta], *, base_version: int | None) -> int:
+    def _publish_object(
+        self,
+        item: _Item,
+        kind: Kind,
+        deltas: list[TensorDelta],
+        *,
+        base_version: int | None,
+        beside_delta: bool = False,
+    ) -> int:
+        """Publish one object of ``item``'s version; returns its bytes.
+
+        A version whose key a store writer took first is skipped for the next free one, where the publisher holds
+        the run's lease (:meth:`RankCommit._decide`): this item and every later one move up alike on every rank.
+        An anchor beside its version's committed delta is not written then (the next version's check tries again).
+
+        Raises:
+            VersionTaken: a key is taken, and the publisher holds no lease (or no version is free).
+        """
         assert self._views is not None
-        total = self._commit.publish(
-            version, kind, deltas, base_version=base_version, views=self._views, dtype_name=DTYPE_NAMES[self.dtype]
-        )
+        while True:
+            try:
+                total = self._commit.publish(
+                    item.version,
+                    kind,
+                    deltas,
+                    base_version=base_version,
+                    views=self._views,
+                    dtype_name=DTYPE_NAMES[self.dtype],
+                )
+                break
+            except VersionTaken as exc:
+                if exc.next_free is None:
+                    raise
+                if beside_delta:
+                    logger.warning(
+                        "%s: no anchor at v%d (the next version's anchor check tries again)", exc, item.version
+                    )
+                    return 0
+                self._move_up(item, exc.next_free, exc)
         if kind == "anchor":
-            self._last_anchor = (version, total)
+            self._last_anchor = (item.version, total)
             self._bytes_since_anchor = 0
         return total
+
+    def _move_up(self, item: _Item, version: int, exc: VersionTaken) -> None:
+        """Publish ``item`` as ``version`` instead, and every version queued or published later as many up."""
+        with self._cond:
+            shift = version - item.version
+            for queued in [item, *self._queue]:
+                queued.version += shift
+            self._next_version += shift
+        logger.warning(
+            "%s: v%d is skipped, this version is published as v%d and every later one moves up by %d (publish() "
+            "returned the numbers before); the ledger never registers v%d, and the coordinator's gc deletes what is "
+            "under it",
+            exc,
+            exc.version,
+            version,
+            shift,
+            exc.version,
+        )
 
     def _anchor_due(self, version: int) -> bool:
         every, fraction = self.config.anchor_every, self.config.anchor_bytes_fraction

@@ -66,21 +66,19 @@ class Trust:
 
     verify_key: VerifyKey | None = None
     """Require each manifest to be signed by this key, and (without :attr:`run_id`) to belong to the run the
-    store's signed ``run.json`` names."""
+    store's signed ``run.json`` names (without a record the key signed: the one run its signed objects name)."""
     ledger: LedgerLookup | None = None
     """Require each manifest's sha256 to be the digest the coordinator registered."""
     run_id: str | None = None
-    """Require each manifest to belong to this run (one key often signs many runs: pin the one you read)."""
+    """Require each manifest to belong to this run (one key often signs many runs: pin the one you read). The
+    store's ``run.json`` is then never relied on."""
 
     def run_view(self, store: Store) -> RunView:
         """The run this trust pins in ``store`` and its publisher epochs (see :mod:`deltasync.runrecord`).
 
         A reader with the ledger needs no record (a fenced or foreign object was never registered), unless it
-        pins a run itself.
-
-        Raises:
-            ForeignObject: the store's run record names another run than :attr:`run_id`.
-            SignatureError: the store's run record is not signed by :attr:`verify_key`.
+        pins a run itself. What the store holds at ``run.json`` or under ``epochs/`` never makes this raise: a
+        record :attr:`verify_key` did not sign is ignored, with a warning.
         """
         if self.run_id is None and (self.ledger is not None or self.verify_key is None):
             return RunView(run_id=None)

@@ -83,16 +83,29 @@ class VerifyKey:
         return cls(key.public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw))
 
     def verify(
-        self, manifest_bytes: bytes, signature_file: bytes | None, *, name: str, context: bytes = _CONTEXT
+        self,
+        manifest_bytes: bytes,
+        signature_file: bytes | None,
+        *,
+        name: str,
+        context: bytes = _CONTEXT,
+        what: str = "manifest",
     ) -> None:
         """Check ``signature_file`` over ``manifest_bytes``.
+
+        Args:
+            manifest_bytes: the signed bytes.
+            signature_file: the signature file's bytes (``None``: there is none).
+            name: the signed object, for messages.
+            context: the signing context (:data:`RUN_CONTEXT` for a store's run records).
+            what: what the signed bytes are, for messages (``"manifest"``, ``"run record"``).
 
         Raises:
             SignatureError: no signature, a malformed one, another key's, or a wrong one.
         """
         if signature_file is None:
             raise SignatureError(
-                f"{name}: the manifest is not signed, and a public key was given; refusing it (a forged object, "
+                f"{name}: the {what} is not signed, and a public key was given; refusing it (a forged object, "
                 "or a publisher started without --signing-key)"
             )
         try:
@@ -110,7 +123,7 @@ class VerifyKey:
             _crypto().Ed25519PublicKey.from_public_bytes(self.raw).verify(sig, context + manifest_bytes)
         except InvalidSignature:
             raise SignatureError(
-                f"{name}: the signature does not match the manifest's bytes (a modified or forged manifest)"
+                f"{name}: the signature does not match the {what}'s bytes (a modified or forged {what})"
             ) from None
 
 

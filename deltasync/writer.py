@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .errors import ObjectExists, ObjectNotFound, StoreError, UnsafeObject, VersionTaken
 from .format import DEFAULT_ZSTD_LEVEL, TensorDelta, encode_shard, tensor_checksum
 from .layout import manifest_key, object_prefix, shard_file, signature_key
 from .manifest import AdapterEntry, ChecksumPart, DeltaManifest, ShardEntry, TensorEntry
@@ -132,9 +133,36 @@ class ObjectWriter:
         return out
 
     def put_shards(self, version: int, kind: Kind, shards: list[EncodedShard]) -> None:
-        """Create the shard files (one batch where the store has batches). Raises ObjectExists if one is taken."""
+        """Create the shard files (one batch where the store has batches).
+
+        Raises:
+            VersionTaken: a shard's key is taken (nothing of the object is committed).
+        """
         prefix = object_prefix(version, kind)
-        self.store.put_many([(prefix + s.entry.file, s.data) for s in shards])
+        items = [(prefix + s.entry.file, s.data) for s in shards]
+        try:
+            self.store.put_many(items)
+        except (ObjectExists, UnsafeObject) as exc:
+            raise self._taken(version, kind, [key for key, _ in items], exc) from None
+
+    def _taken(self, version: int, kind: Kind, keys: list[str], exc: StoreError) -> VersionTaken:
+        """The error for a create-only write that found one of ``keys`` taken, naming the key that is."""
+        key = keys[0]
+        for k in keys:
+            try:
+                if self.store.exists(k):
+                    key = k
+                    break
+            except StoreError:  # a file where a directory of the key goes (a local store): that key is taken
+                key = k
+                break
+        found = f"{key!r} exists; objects are create-only" if isinstance(exc, ObjectExists) else str(exc)
+        return VersionTaken(
+            f"{self.store.uri}/{key}: taken by an object this writer did not write, before it committed {kind} "
+            f"v{version} ({found})",
+            key=key,
+            version=version,
+        )
 
     def manifest(
         self,
@@ -176,16 +204,37 @@ class ObjectWriter:
             The manifest's bytes (register their sha256 with the coordinator).
 
         Raises:
-            ObjectExists: the object is already committed (another writer).
+            VersionTaken: the signature's or the manifest's key is taken (another writer, or a planted object):
+                nothing was committed, and this writer's signature is taken back.
         """
         data = manifest.to_json()
         DeltaManifest.from_json(data, name=f"{manifest.kind} v{manifest.version}")  # never commit what readers refuse
+        version, kind = manifest.version, manifest.kind
+        sig_key, key = signature_key(version, kind), manifest_key(version, kind)
         if self.signing_key is not None:
-            self.store.put(signature_key(manifest.version, manifest.kind), self.signing_key.sign(data))
+            try:
+                self.store.put(sig_key, self.signing_key.sign(data))
+            except (ObjectExists, UnsafeObject) as exc:
+                raise self._taken(version, kind, [sig_key], exc) from None
         if fence is not None:
             fence()
-        self.store.put(manifest_key(manifest.version, manifest.kind), data)
+        try:
+            self.store.put(key, data)
+        except (ObjectExists, UnsafeObject) as exc:
+            if self.signing_key is not None:
+                self._take_back(sig_key)
+            raise self._taken(version, kind, [key], exc) from None
         return data
+
+    def _take_back(self, key: str) -> None:
+        """Delete this writer's signature of a manifest it could not commit: a signature without its manifest
+        must never meet a manifest someone else puts at that key."""
+        try:
+            self.store.delete(key)
+        except ObjectNotFound:
+            pass
+        except StoreError as exc:  # it stays: it verifies only the manifest this writer never committed
+            logger.warning("%s/%s: could not take back this writer's signature (%s)", self.store.uri, key, exc)
 
     def write(
         self,

@@ -17,7 +17,6 @@ from deltasync import (
     FormatError,
     LocalStore,
     Publisher,
-    SignatureError,
     Trust,
     VerifyKey,
     list_versions,
@@ -125,15 +124,16 @@ def test_a_run_record_rewritten_by_someone_without_the_key_is_refused(
     tmp_path: Path, key: tuple[Path, VerifyKey]
 ) -> None:
     """The store's record pins the run only when the key signed it: a record swapped in by whoever can write
-    the bucket (to adopt planted objects) is refused, not believed."""
+    the bucket (to adopt planted objects) is ignored, with a warning, never believed."""
     key_path, verify_key = key
     a, b = tmp_path / "a", tmp_path / "b"
     _publish(a, key_path, 3, seed=0)
     _publish(b, key_path, 2, seed=1)
     signature = (b / RUN_KEY).read_bytes().split(b"\n")[1]  # B's own signature line, under A's run id
     (b / RUN_KEY).write_bytes(json.dumps({"format_version": "1.3", "run_id": _run_id(a)}).encode() + b"\n" + signature)
-    with pytest.raises(SignatureError, match="run.json: the signature does not match"):
-        read_weights(LocalStore(b), 1, trust=Trust(verify_key=verify_key))
+    _plant(a, b, "v00000002")  # A's object, which the swapped record names: never adopted
+    with pytest.raises(ForeignObject, match=r"run.json is ignored \(the signature does not match the record's"):
+        read_weights(LocalStore(b), 2, trust=Trust(verify_key=verify_key))
     # a record signed by the key for run A (copied whole) pins A: B's own objects are then refused, never
     # A's read as B's; a reader that knows its run says so with run_id and is told what the store holds
     shutil.copy(a / RUN_KEY, b / RUN_KEY)  # the record and its signature line
