@@ -53,10 +53,9 @@ def _cmd_coordinator(args: argparse.Namespace) -> int:
             "or ~/.pgpass"
         )
     try:
-        import uvicorn
         from deltasync_coordinator.app import create_app
         from deltasync_coordinator.db import Busy, DamagedLedger, LedgerLocked
-        from deltasync_coordinator.http import serve_options
+        from deltasync_coordinator.http import run, serve_options
         from deltasync_coordinator.settings import InsecureConfiguration, Settings
     except ImportError as exc:
         raise SystemExit(
@@ -77,18 +76,16 @@ def _cmd_coordinator(args: argparse.Namespace) -> int:
         return 2
     if settings.insecure and settings.host not in ("127.0.0.1", "localhost", "::1"):
         logger.warning("INSECURE on %s: every host that reaches this port controls the ledger", settings.host)
-    ssl: dict[str, Any] = {}
-    if settings.ssl_certfile is not None:
-        ssl = {"ssl_certfile": str(settings.ssl_certfile), "ssl_keyfile": str(settings.ssl_keyfile)}
-    uvicorn.run(
-        app,
-        host=settings.host,
-        port=settings.port,
-        log_level="info",
-        timeout_graceful_shutdown=5,
-        **serve_options(app),
-        **ssl,
-    )
+    try:
+        options = serve_options(app)  # TLS included: the bounded protocol serves it, never uvicorn's ssl_*
+    except OSError as exc:  # ssl.SSLError too
+        print(
+            f"deltasync coordinator: cannot load --ssl-certfile {settings.ssl_certfile} with --ssl-keyfile "
+            f"{settings.ssl_keyfile}: {exc}; give a PEM certificate chain and its private key",
+            file=sys.stderr,
+        )
+        return 1
+    run(app, host=settings.host, port=settings.port, log_level="info", timeout_graceful_shutdown=5, **options)
     return 0
 
 
@@ -159,6 +156,17 @@ def add_coordinator_parser(sub: Any) -> None:
     coord.add_argument(
         "--keep-alive-timeout-s", type=float, help="close kept-alive connections idle this long (default 5)"
     )
+    coord.add_argument(
+        "--tls-handshake-timeout-s",
+        type=float,
+        help="with --ssl-certfile: close connections whose TLS handshake is not done this long after they opened "
+        "(default 5)",
+    )
+    coord.add_argument(
+        "--trusted-proxies",
+        help="comma-separated addresses or networks of reverse proxies whose X-Forwarded-For is believed (only the "
+        "hop before them is used; default none: clients are logged by their socket's address)",
+    )
     coord.set_defaults(func=_cmd_coordinator)
     tools = coord.add_subparsers(dest="tool")
     backup = tools.add_parser("backup", help="a consistent online copy of a (running) coordinator's ledger")
@@ -185,7 +193,9 @@ def _cmd_agent(args: argparse.Namespace) -> int:
         signal.signal(sig, lambda *_: stop.set())
     target = HttpVllmTarget(args.vllm_url, pause_mode=config.pause_mode)
     token = os.environ.get("DELTASYNC_AGENT_TOKEN")
-    with CoordinatorClient(args.coordinator, token=token, ca_bundle=args.ca_bundle) as coordinator:
+    with CoordinatorClient(
+        args.coordinator, token=token, ca_bundle=args.ca_bundle, insecure_http=config.insecure_http
+    ) as coordinator:
         agent = Agent(
             store=open_store(args.store, s3_endpoint=args.s3_endpoint),
             coordinator=coordinator,
@@ -219,6 +229,12 @@ def add_agent_parser(sub: Any) -> None:
         "(sticky, failing over in order)",
     )
     agent.add_argument("--ca-bundle", help="CA certificates (PEM) for an https coordinator")
+    agent.add_argument(
+        "--insecure-http",
+        action="store_true",
+        default=None,
+        help="send the agent token to a plain http:// coordinator on another host, in clear (default: refused)",
+    )
     agent.add_argument("--store", required=True, help="store URI or path")
     add_s3_endpoint(agent)
     agent.add_argument("--agent-id", help="name shown by the coordinator, bound to its token (default agent-0)")

@@ -7,6 +7,7 @@ retried, on which replica, and why that is safe.
 
 from __future__ import annotations
 
+import ipaddress
 import logging
 import random
 import time
@@ -19,7 +20,7 @@ from pydantic import BaseModel, ValidationError
 from .errors import CoordinatorError, RunMismatch
 from .schemas import RUN_HEADER
 
-__all__ = ["ClientTransport"]
+__all__ = ["ClientTransport", "is_loopback"]
 
 # The client's logger: its retries, failovers and warnings are the client's (operators filter on this name).
 logger = logging.getLogger("deltasync.client")
@@ -82,18 +83,36 @@ def _parse_urls(urls: str | Sequence[str]) -> tuple[str, ...]:
     return tuple(out)
 
 
-def _warn_if_clear(urls: tuple[str, ...]) -> None:
-    """A token sent over plain HTTP to another host travels in clear: said loudly, once per client."""
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` (a URL's host) is this machine's loopback: an IP address in 127.0.0.0/8 or ``::1`` (an
+    IPv4-mapped one too), or the name ``localhost``. Decided by parsing, never by prefix:
+    ``127.0.0.1.coordinator.example`` is a name that any DNS may point anywhere."""
+    name = host.strip("[]").lower()
+    if name == "localhost":
+        return True
+    try:
+        address = ipaddress.ip_address(name)
+    except ValueError:
+        return False
+    mapped = getattr(address, "ipv4_mapped", None)
+    return address.is_loopback or (mapped is not None and mapped.is_loopback)
+
+
+def _refuse_if_clear(urls: tuple[str, ...], insecure_http: bool) -> None:
+    """A token sent over plain HTTP to another host travels in clear: refused, unless ``insecure_http`` (then
+    said loudly, once per client)."""
     for url in urls:
-        if not url.startswith("http://"):
+        if not url.startswith("http://") or is_loopback(httpx.URL(url).host):
             continue
-        host = httpx.URL(url).host
-        if host not in ("127.0.0.1", "localhost", "::1") and not host.startswith("127."):
-            logger.warning(
-                "coordinator %s is plain http:// on another host: the bearer token travels in clear; use https:// "
-                "(with ca_bundle= / --ca-bundle)",
-                url,
+        if not insecure_http:
+            raise ValueError(
+                f"coordinator {url} is plain http:// on another host: the bearer token would travel in clear; use "
+                "https:// (with ca_bundle= / --ca-bundle), or accept the risk with insecure_http=True / "
+                "--insecure-http"
             )
+        logger.warning(
+            "coordinator %s is plain http:// on another host: the bearer token travels in clear (insecure_http)", url
+        )
 
 
 def _outcome(response: httpx.Response) -> str:
@@ -120,6 +139,7 @@ class ClientTransport:
         http_client: httpx.Client | None = None,
         run_id: str | None = None,
         ca_bundle: str | None = None,
+        insecure_http: bool = False,
     ) -> None:
         if retries < 0 or backoff_s < 0 or timeout_s <= 0:
             raise ValueError(
@@ -128,7 +148,7 @@ class ClientTransport:
         self.urls: tuple[str, ...] = _parse_urls(base_url)
         """Every replica, in the order given."""
         if token:
-            _warn_if_clear(self.urls)
+            _refuse_if_clear(self.urls, insecure_http)
         headers = {"Authorization": f"Bearer {token}"} if token else {}
         verify: Any = True
         if ca_bundle is not None:

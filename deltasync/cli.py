@@ -214,16 +214,28 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
     return 0
 
 
-def _client(url: str, token_env: str, ca_bundle: str | None) -> Any:
+def _client(url: str, token_env: str, ca_bundle: str | None, insecure_http: bool = False) -> Any:
     from .client import CoordinatorClient
 
-    return CoordinatorClient(url, token=os.environ.get(token_env), ca_bundle=ca_bundle, retries=3)
+    token = os.environ.get(token_env)
+    return CoordinatorClient(url, token=token, ca_bundle=ca_bundle, retries=3, insecure_http=insecure_http)
+
+
+def _add_insecure_http(parser: Any) -> None:
+    """``--insecure-http`` (``CoordinatorClient(insecure_http=...)``), beside every ``--coordinator``."""
+    parser.add_argument(
+        "--insecure-http",
+        action="store_true",
+        help="send the token to a plain http:// coordinator on another host, in clear (default: refused)",
+    )
 
 
 def _cmd_verify(args: argparse.Namespace) -> int:
     store = open_store(args.store, s3_endpoint=args.s3_endpoint)
     verify_key = VerifyKey.from_file(args.public_key) if args.public_key else None
-    client = _client(args.coordinator, "DELTASYNC_TOKEN", args.ca_bundle) if args.coordinator else None
+    client = (
+        _client(args.coordinator, "DELTASYNC_TOKEN", args.ca_bundle, args.insecure_http) if args.coordinator else None
+    )
     ledger = None if client is None else client.registered_digest
     trust = Trust(verify_key=verify_key, ledger=ledger, run_id=args.run_id)
     try:
@@ -268,7 +280,7 @@ def _cmd_verify(args: argparse.Namespace) -> int:
 
 
 def _cmd_gc(args: argparse.Namespace) -> int:
-    with _client(args.coordinator, "DELTASYNC_PUBLISHER_TOKEN", args.ca_bundle) as client:
+    with _client(args.coordinator, "DELTASYNC_PUBLISHER_TOKEN", args.ca_bundle, args.insecure_http) as client:
         report = client.collect_garbage(dry_run=args.dry_run)
     out = {
         "dry_run": args.dry_run,
@@ -350,6 +362,7 @@ def _parser() -> argparse.ArgumentParser:
         "replicas of one ledger: URL1,URL2",
     )
     verify.add_argument("--ca-bundle", help="CA certificates (PEM) for an https coordinator")
+    _add_insecure_http(verify)
     verify.add_argument("--json", action="store_true", help="print JSON")
     add_s3_endpoint(verify)
     verify.set_defaults(func=_cmd_verify)
@@ -359,6 +372,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     gc.add_argument("--dry-run", action="store_true", help="prove the kept anchor and list what would go")
     gc.add_argument("--ca-bundle", help="CA certificates (PEM) for an https coordinator")
+    _add_insecure_http(gc)
     gc.add_argument("--json", action="store_true", help="print JSON")
     gc.set_defaults(func=_cmd_gc)
     keygen = sub.add_parser("keygen", help="make an Ed25519 key pair to sign manifests (PATH and PATH.pub)")

@@ -191,9 +191,12 @@ class CoordinatorClient(ClientTransport):
         run_id: pin the coordinator's run identity now (default: pinned from its first answer). Every answer
             names its run; one that names another raises :class:`~deltasync.errors.RunMismatch`.
         ca_bundle: a CA certificate file (PEM) to verify an ``https://`` coordinator with (default: the system's).
+        insecure_http: send ``token`` over plain ``http://`` to a host other than this one's loopback
+            (127.0.0.0/8, ``::1``, ``localhost``), where anyone on the path reads it; logged. By default refused.
 
     Raises:
-        ValueError: no URL, a URL without ``http://`` or ``https://``, a URL listed twice, or bad numbers.
+        ValueError: no URL, a URL without ``http://`` or ``https://``, a URL listed twice, a token for a plain
+            ``http://`` URL on another host without ``insecure_http``, or bad numbers.
 
     Example:
         >>> client = CoordinatorClient("http://127.0.0.1:8600", token="...")  # doctest: +SKIP

@@ -53,6 +53,9 @@ class AgentConfig:
     adapter_dir: str | None = None
     """Apply mode ``lora``: the absolute directory the adapter is served from (its requests' ``lora_path``); the
     engine keeps the served version there."""
+    insecure_http: bool = False
+    """Send the agent token to a plain ``http://`` coordinator on another host, in clear (an operator's decision,
+    logged); by default refused: use ``https://``. Loopback (127.0.0.0/8, ``::1``, ``localhost``) needs no flag."""
 
     def __post_init__(self) -> None:
         if self.poll_wait_s < 0:

@@ -29,6 +29,7 @@ from deltasync.store import open_store
 from .connections import KEPT_FOR_OTHERS, ConnectionLedger, fit_to_open_files, open_files_limit
 from .db import Busy, LedgerDatabase, open_database
 from .fleet import LAG_BUCKETS, Fleet
+from .http import SizeLimits
 from .registry import LEDGER_MIGRATIONS, Registry
 from .retention import Retention
 from .routes import agents, gc, lease, ops, versions
@@ -40,51 +41,6 @@ logger = logging.getLogger("deltasync.coordinator")
 
 _PROBE_EVERY_S = 1.0
 _EXPIRE_EVERY_S = 60.0
-
-
-class _SizeLimits:
-    """Refuse request headers over ``max_header_bytes`` (431) and bodies over ``max_bytes`` (413): by
-    Content-Length, and by reading the body (at most ``max_bytes + 1``) before the app sees it, so a chunked
-    upload cannot get past."""
-
-    def __init__(self, app: ASGIApp, max_bytes: int, max_header_bytes: int) -> None:
-        self.app, self.max_bytes, self.max_header_bytes = app, max_bytes, max_header_bytes
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        if sum(len(k) + len(v) for k, v in scope["headers"]) > self.max_header_bytes:
-            await _refuse(send, 431, f"request headers over {self.max_header_bytes} bytes")
-            return
-        length = dict(scope["headers"]).get(b"content-length")
-        if length is not None and (not length.isdigit() or int(length) > self.max_bytes):
-            await _refuse(send, 413, f"request body over {self.max_bytes} bytes")
-            return
-        body, more = bytearray(), True
-        while more:
-            message = await receive()
-            if message["type"] == "http.disconnect":
-                return
-            body += message.get("body", b"")
-            more = message.get("more_body", False)
-            if len(body) > self.max_bytes:
-                await _refuse(send, 413, f"request body over {self.max_bytes} bytes")
-                return
-        replayed = False
-
-        async def replay() -> MutableMapping[str, Any]:
-            nonlocal replayed
-            if replayed:
-                return await receive()  # after the body: wait for the disconnect
-            replayed = True
-            return {"type": "http.request", "body": bytes(body), "more_body": False}
-
-        await self.app(scope, replay, send)
-
-
-async def _refuse(send: Send, status: int, detail: str) -> None:
-    await JSONResponse({"detail": detail}, status_code=status)({"type": "http"}, _no_receive, send)
 
 
 async def _no_receive() -> MutableMapping[str, Any]:
@@ -192,7 +148,7 @@ def _metrics(
             )
             yield _counter(
                 "deltasync_requests_timed_out",
-                "connections closed because a request head or body was not received in time (408)",
+                "connections closed because a TLS handshake, a request head or a body did not complete in time",
                 "phase",
                 connections.timed_out,
             )
@@ -300,7 +256,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         health.db_problem = str(exc)
         return JSONResponse({"detail": f"{exc}; retry"}, status_code=503, headers={"Retry-After": "1"})
 
-    app.add_middleware(_SizeLimits, max_bytes=settings.max_body_bytes, max_header_bytes=settings.max_header_bytes)
+    app.add_middleware(SizeLimits, max_bytes=settings.max_body_bytes, max_header_bytes=settings.max_header_bytes)
     app.add_middleware(  # the outermost
         _Observe, run_id=registry.run_id, latency=latency, health=health, db_errors=db.errors
     )

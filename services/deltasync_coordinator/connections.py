@@ -1,10 +1,11 @@
-"""The coordinator's open connections: caps overall and per client address, the counts of refusals and read
-timeouts, and a refusal log that a flood cannot fill.
+"""The coordinator's open connections: caps overall and per client address, the counts of refusals and of TLS
+handshake and read timeouts, and a refusal log that a flood cannot fill.
 
 Every connection costs an open file. Past the process's open-files limit the server can no longer accept (nor
 open its own ledger files), so ``/healthz`` and authenticated requests would fail with resets while slow clients
 hold every descriptor. The caps keep the server below that limit and one client address below the overall cap;
-:mod:`.http` enforces them, and the request read timeouts, on each connection.
+:mod:`.http` enforces them on each connection from its TCP accept (before any TLS handshake), and times the
+handshake and the request reads. Addresses are always the socket's peer: no header can name another.
 """
 
 from __future__ import annotations
@@ -37,8 +38,9 @@ LOG_WINDOW_S = 60.0
 
 REASONS = ("max_connections", "max_connections_per_peer")
 """Why a connection was refused (the ``reason`` label of ``deltasync_connections_refused_total``)."""
-PHASES = ("head", "body")
-"""What was not received in time (the ``phase`` label of ``deltasync_requests_timed_out_total``)."""
+PHASES = ("handshake", "head", "body")
+"""What was not received in time (the ``phase`` label of ``deltasync_requests_timed_out_total``): the TLS
+handshake, a request head, a request body."""
 
 
 def open_files_limit() -> int:
@@ -82,22 +84,26 @@ class ConnectionLedger:
     Args:
         max_connections: the overall cap in force (see :func:`fit_to_open_files`).
         max_per_peer: the cap in force for one client address.
+        logger_name: where refusals and timeouts are logged (a service other than the coordinator names itself).
     """
 
-    def __init__(self, max_connections: int, max_per_peer: int) -> None:
+    def __init__(self, max_connections: int, max_per_peer: int, *, logger_name: str = logger.name) -> None:
         self.max_connections, self.max_per_peer = max_connections, max_per_peer
+        self._logger = logging.getLogger(logger_name)
         self.open = 0
         """Connections open now."""
         self.refused = dict.fromkeys(REASONS, 0)
         """Connections refused so far, by reason."""
         self.timed_out = dict.fromkeys(PHASES, 0)
-        """Connections closed because a request head or body did not arrive in time, by phase."""
+        """Connections closed because a TLS handshake, a request head or a body did not complete in time, by
+        phase."""
         self._by_peer: dict[str, int] = {}
         self._bursts = {kind: _Burst() for kind in (*REASONS, *PHASES)}
 
-    def admit(self, peer: str) -> str | None:
-        """Count a new connection from ``peer`` (its address), or say why it is refused (the answer's detail;
-        then it is not counted as open, and the refusal is counted and logged)."""
+    def admit(self, peer: str, status: int | None = 503) -> str | None:
+        """Count a new connection from ``peer`` (its socket's address), or say why it is refused (the answer's
+        detail; then it is not counted as open, and the refusal is counted and logged as answered ``status``, or
+        closed without an answer when None: a TLS connection is refused before its handshake)."""
         held = self._by_peer.get(peer, 0)
         if self.open >= self.max_connections:
             reason, detail = "max_connections", f"too many connections ({self.open} open, max_connections)"
@@ -110,7 +116,7 @@ class ConnectionLedger:
             return None
         detail += "; retry after 1 s"
         self.refused[reason] += 1
-        self.log(reason, peer, 503, detail)
+        self.log(reason, peer, status, detail)
         return detail
 
     def release(self, peer: str) -> None:
@@ -131,7 +137,7 @@ class ConnectionLedger:
         metrics count every one)."""
         admitted, more = self._bursts[kind].admit()
         if admitted:
-            logger.warning(
+            self._logger.warning(
                 "connection from %s closed%s: %s%s",
                 peer,
                 f" with {status}" if status is not None else "",

@@ -1,5 +1,5 @@
 """The HTTP protocol the coordinator serves with: uvicorn's httptools protocol, bounded against slow and greedy
-clients.
+clients (the Wordle demo's rollout service serves with it too).
 
 - **Head size**: httptools buffers an unfinished header line without limit (uvicorn's
   ``h11_max_incomplete_event_size`` applies only to h11), so one connection sending an endless header could grow
@@ -14,23 +14,60 @@ clients.
 - **Connection caps**: connections past the :class:`~.connections.ConnectionLedger`'s caps (overall and per
   client address, below the open-files limit) are answered 503 at once and closed, before they cost more than
   a moment's descriptor. uvicorn's ``limit_concurrency`` answers only after a complete head, too late.
+- **TLS**: asyncio (given ``ssl=`` by uvicorn) waits 60 s for a handshake and calls the HTTP protocol only
+  once it is done, so connections that never send a ClientHello held descriptors past every cap above,
+  unlogged. Here the protocol serves TLS itself: it counts the connection in the ledger at its TCP accept
+  (past the caps it is closed at once: a 503 in clear would mean nothing to a TLS client), then upgrades it
+  with ``loop.start_tls`` bounded by ``tls_handshake_timeout_s`` (closed and logged like a head timeout after
+  it). Give uvicorn no ``ssl_*`` options: :func:`serve_options` and :func:`run` carry TLS.
+- **Client addresses** are the socket's peer. uvicorn believes ``X-Forwarded-For`` from 127.0.0.1 by default
+  (its ``forwarded_allow_ips``), so a loopback client could have its refusals logged under any address;
+  :func:`proxy_options` trusts the header only from the proxies an operator lists, and then takes only the hop
+  before them.
+- **Bodies** (:class:`SizeLimits`, ASGI): over ``max_body_bytes`` get 413, by Content-Length before a byte of
+  the body is read, and while reading one without it.
 
-Every refusal is JSON ``{"detail": ...}`` with ``connection: close`` and names the run, like every answer.
+Every refusal the protocol answers is JSON ``{"detail": ...}`` with ``connection: close`` and names the run,
+like every answer (a TLS connection past the caps is closed before its handshake: it could read no answer).
 """
 
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import json
+import logging
+import os
+import ssl
+from collections.abc import MutableMapping, Sequence
 from typing import Any
 
+import uvicorn
+from starlette.responses import JSONResponse
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
 
 from deltasync.schemas import RUN_HEADER
 
 from .connections import ConnectionLedger
 
-__all__ = ["protocol", "serve_options"]
+__all__ = [
+    "SizeLimits",
+    "parse_trusted_proxies",
+    "protocol",
+    "proxy_options",
+    "refuse",
+    "run",
+    "serve_options",
+    "tls_context",
+]
+
+_Scope = MutableMapping[str, Any]
+
+
+logger = logging.getLogger("deltasync.coordinator")
+
+_MAX_STRAY_BYTES = 64 << 10
+"""Raw bytes kept for the TLS layer before it takes the transport over: a ClientHello is far smaller."""
 
 
 class _GuardedHttp(HttpToolsProtocol):
@@ -40,13 +77,24 @@ class _GuardedHttp(HttpToolsProtocol):
     run_header: tuple[bytes, bytes] | None = None
     ledger = ConnectionLedger(1 << 20, 1 << 20)  # replaced by protocol(): one ledger per served app
 
+    tls: ssl.SSLContext | None = None  # serve TLS, the handshake bounded by tls_handshake_timeout_s
+    tls_handshake_timeout_s = 5.0
+
     _peer: str | None = None  # the client address, while the ledger counts this connection
     _timer: asyncio.TimerHandle | None = None
     _phase: str | None = None  # "head" or "body": what the timer waits for
     _head_bytes = 0  # received since the head's clock started
     _head_begun = False  # the parser has seen this head's first byte (it may have come with the request before)
+    _raw: asyncio.Transport | None = None  # the TCP transport until its TLS handshake is done
+    _handshake: asyncio.Task[None] | None = None
+    _tls_phase: str | None = None  # "accepted" (the raw transport is ours), "handshake" (start_tls has it)
+    _stray: bytes = b""  # raw bytes received in phase "accepted", for the TLS layer
+    _early: bytes = b""  # decrypted bytes that arrived between the handshake's end and the HTTP start
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        if self.tls is not None and not transport.get_extra_info("sslcontext"):
+            self._accept_tls(transport)
+            return
         super().connection_made(transport)
         peer = self.client[0] if self.client else "a local socket"
         refusal = self.ledger.admit(peer)
@@ -56,14 +104,116 @@ class _GuardedHttp(HttpToolsProtocol):
         self._peer = peer
         self._start_head_clock()
 
+    def _accept_tls(self, raw: asyncio.Transport) -> None:
+        """Count the connection from its TCP accept, before its handshake: a client that never sends a
+        ClientHello holds a place under the caps for ``tls_handshake_timeout_s`` at most, and one past them is
+        closed at once."""
+        peername = raw.get_extra_info("peername")
+        peer = str(peername[0]) if isinstance(peername, tuple) and peername else "a local socket"
+        if self.ledger.admit(peer, status=None) is not None:
+            raw.abort()
+            return
+        raw.pause_reading()  # asyncio honours it; uvloop starts reading after connection_made anyway (data_received)
+        self._peer, self._raw, self._tls_phase = peer, raw, "accepted"
+        self.connections.add(self)  # uvicorn's shutdown reaches it through shutdown() below
+        self._handshake = self.loop.create_task(self._start_tls(raw, peer))
+
+    async def _start_tls(self, raw: asyncio.Transport, peer: str) -> None:
+        assert self.tls is not None
+        timeout_s = self.tls_handshake_timeout_s
+        if self._stray:  # start_tls has set its TLS layer as raw's protocol when this runs: hand it these first
+            self.loop.call_soon(self._hand_over_stray, raw)
+        self._tls_phase = "handshake"
+        try:
+            transport = await self.loop.start_tls(
+                raw, self, self.tls, server_side=True, ssl_handshake_timeout=timeout_s
+            )
+        except ConnectionAbortedError:  # the handshake timer fired
+            self.ledger.record_timeout(
+                "handshake", peer, None, f"TLS handshake not completed within {timeout_s:g} s (tls_handshake_timeout_s)"
+            )
+            self._end_handshake()
+            return
+        except Exception as exc:  # noqa: BLE001 - not TLS, or gone mid-handshake: it asked nothing of HTTP
+            logger.debug("TLS handshake with %s failed: %r", peer, exc)
+            self._end_handshake()
+            return
+        except BaseException:  # cancelled: the server is stopping
+            self._end_handshake()
+            raise
+        if self._raw is None or transport is None or transport.is_closing():  # lost as it completed
+            self._end_handshake()
+            return
+        self._raw = self._handshake = self._tls_phase = None
+        super().connection_made(transport)
+        self._start_head_clock()
+        early, self._early = self._early, b""
+        if early:
+            self.data_received(early)
+
+    def _hand_over_stray(self, raw: asyncio.Transport) -> None:
+        """The bytes uvloop delivered here before the TLS layer took the transport (a ClientHello sent at once),
+        into that layer, ahead of anything it reads itself (it keeps them until its own connection_made)."""
+        layer, data, self._stray = raw.get_protocol(), self._stray, b""
+        if layer is self or raw.is_closing():
+            return
+        if hasattr(layer, "get_buffer"):  # asyncio's TLS layer and uvloop's are buffered protocols
+            while data:
+                buffer = memoryview(layer.get_buffer(len(data)))
+                n = min(len(buffer), len(data))
+                buffer[:n] = data[:n]
+                layer.buffer_updated(n)  # type: ignore[attr-defined]
+                data = data[n:]
+        else:
+            layer.data_received(data)  # type: ignore[attr-defined]
+
+    def _end_handshake(self) -> None:
+        """A connection that closes before it speaks HTTP: uvicorn's protocol never saw it; only the ledger did.
+        Idempotent."""
+        raw, self._raw, self._handshake, self._tls_phase = self._raw, None, None, None
+        if raw is not None:
+            raw.abort()
+        self.connections.discard(self)
+        if self._peer is not None:
+            self.ledger.release(self._peer)
+            self._peer = None
+
+    def shutdown(self) -> None:
+        if self._raw is not None:  # still in its handshake: nothing to finish
+            self._raw.abort()
+            return
+        super().shutdown()
+
     def connection_lost(self, exc: Exception | None) -> None:
+        if self.transport is None:  # never spoke HTTP: refused before its handshake, or lost during it
+            if self._handshake is not None and self._tls_phase == "accepted":
+                self._handshake.cancel()  # lost before start_tls began
+            self._end_handshake()
+            return
         self._stop_clock()
         if self._peer is not None:
             self.ledger.release(self._peer)
             self._peer = None
         super().connection_lost(exc)
 
+    def pause_writing(self) -> None:
+        if self.flow is not None:  # the TLS layer's own writes, before HTTP started, need no flow control
+            super().pause_writing()
+
+    def resume_writing(self) -> None:
+        if self.flow is not None:
+            super().resume_writing()
+
     def data_received(self, data: bytes) -> None:
+        if self._tls_phase is not None:
+            if self._tls_phase == "accepted":  # TLS bytes from the raw transport, before start_tls took it over
+                self._stray += data
+                self._raw.pause_reading()  # type: ignore[union-attr]
+                if len(self._stray) > _MAX_STRAY_BYTES:
+                    self._end_handshake()
+            else:  # decrypted by the TLS layer: what came with the client's last handshake message
+                self._early += data
+            return
         if self.cycle is None or self.cycle.response_complete:  # bytes between requests start the next head
             self._start_head_clock()
         if self._phase == "head":
@@ -165,11 +315,16 @@ def protocol(
     ledger: ConnectionLedger | None = None,
     head_timeout_s: float = 10.0,
     body_timeout_s: float = 30.0,
+    tls: ssl.SSLContext | None = None,
+    tls_handshake_timeout_s: float = 5.0,
 ) -> type[asyncio.Protocol]:
     """An httptools protocol class (pass it as uvicorn's ``http``) that refuses request heads over
     ``max_head_bytes`` (431), answers 408 to heads and bodies not received within ``head_timeout_s`` and
     ``body_timeout_s``, and counts its connections in ``ledger`` (503 past its caps; default: a ledger of its own
-    without practical caps)."""
+    without practical caps). With ``tls`` (:func:`tls_context`) it serves TLS itself, counted from the TCP accept,
+    each handshake bounded by ``tls_handshake_timeout_s``; then give uvicorn no ``ssl_*`` options."""
+    if not tls_handshake_timeout_s > 0:
+        raise ValueError(f"tls_handshake_timeout_s must be > 0, got {tls_handshake_timeout_s}")
     header = (RUN_HEADER.lower().encode(), run_id.encode()) if run_id else None
     attributes = {
         "max_head_bytes": max_head_bytes,
@@ -177,20 +332,154 @@ def protocol(
         "ledger": ledger or ConnectionLedger(1 << 20, 1 << 20),
         "head_timeout_s": head_timeout_s,
         "body_timeout_s": body_timeout_s,
+        "tls": tls,
+        "tls_handshake_timeout_s": tls_handshake_timeout_s,
     }
     return type("DeltasyncHttp", (_GuardedHttp,), attributes)
 
 
+def tls_context(certfile: str | os.PathLike[str], keyfile: str | os.PathLike[str]) -> ssl.SSLContext:
+    """A server context for :func:`protocol`: the certificate chain and its key (PEM), TLS 1.2 or later.
+
+    Raises:
+        OSError: a file is missing or unreadable; ``ssl.SSLError``: not a certificate and its key.
+    """
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    context.minimum_version = ssl.TLSVersion.TLSv1_2
+    context.load_cert_chain(certfile, keyfile)
+    return context
+
+
+def parse_trusted_proxies(value: str | Sequence[str] | None) -> tuple[str, ...]:
+    """``"10.0.0.5, 10.1.0.0/16"`` (or a list) -> the proxies whose ``X-Forwarded-For`` is believed.
+
+    Raises:
+        ValueError: an entry that is not an IP address or network (``*`` too: trusting every address would let
+            any client name its own).
+    """
+    parts = value.split(",") if isinstance(value, str) else list(value or ())
+    out: list[str] = []
+    for part in (p.strip() for p in parts):
+        if not part:
+            continue
+        try:
+            out.append(str(ipaddress.ip_address(part) if "/" not in part else ipaddress.ip_network(part, strict=False)))
+        except ValueError:
+            raise ValueError(
+                f"trusted proxy {part!r} is not an IP address or network (e.g. 10.0.0.5 or 10.1.0.0/16); list the "
+                "addresses of the reverse proxies in front of this service, never '*'"
+            ) from None
+    return tuple(out)
+
+
+def proxy_options(trusted_proxies: Sequence[str]) -> dict[str, Any]:
+    """uvicorn options for client addresses: the socket's peer, unless it is one of ``trusted_proxies``
+    (:func:`parse_trusted_proxies`); then the ``X-Forwarded-For`` hop just before the trusted ones."""
+    if not trusted_proxies:
+        return {"proxy_headers": False}
+    return {"proxy_headers": True, "forwarded_allow_ips": list(trusted_proxies)}
+
+
 def serve_options(app: object) -> dict[str, Any]:
     """uvicorn options for serving a coordinator app built by ``create_app``: the bounded protocol (its
-    connections counted in the app's ledger, which ``/metrics`` reports) and the keep-alive timeout."""
+    connections counted in the app's ledger, which ``/metrics`` reports; TLS when the settings name a
+    certificate), the keep-alive timeout, and whose ``X-Forwarded-For`` is believed."""
     state = app.state  # type: ignore[attr-defined]
     settings = state.settings
+    tls = None if settings.ssl_certfile is None else tls_context(settings.ssl_certfile, settings.ssl_keyfile)
     http = protocol(
         settings.max_header_bytes,
         state.registry.run_id,
         ledger=state.connections,
         head_timeout_s=settings.request_head_timeout_s,
         body_timeout_s=settings.request_body_timeout_s,
+        tls=tls,
+        tls_handshake_timeout_s=settings.tls_handshake_timeout_s,
     )
-    return {"http": http, "timeout_keep_alive": settings.keep_alive_timeout_s}
+    return {
+        "http": http,
+        "timeout_keep_alive": settings.keep_alive_timeout_s,
+        **proxy_options(parse_trusted_proxies(settings.trusted_proxies)),
+    }
+
+
+class _Server(uvicorn.Server):
+    """uvicorn's server, announcing ``https://`` when the protocol serves TLS (uvicorn, given no ``ssl_*``
+    options, would say ``http://``)."""
+
+    def _log_started_message(self, listeners: Sequence[Any]) -> None:
+        http = self.config.http
+        if not getattr(http, "tls", None):
+            super()._log_started_message(listeners)
+            return
+        host = self.config.host
+        port = self.config.port or listeners[0].getsockname()[1]
+        logging.getLogger("uvicorn.error").info(
+            "Uvicorn running on https://%s:%d (TLS served by the bounded protocol; Press CTRL+C to quit)",
+            f"[{host}]" if ":" in host else host,
+            port,
+        )
+
+
+def run(app: Any, **options: Any) -> None:
+    """``uvicorn.run(app, **options)`` for an app served with :func:`protocol` (``options["http"]``)."""
+    server = _Server(uvicorn.Config(app, **options))
+    try:
+        server.run()
+    except KeyboardInterrupt:
+        pass
+    if not server.started:
+        raise SystemExit(3)
+
+
+class SizeLimits:
+    """ASGI middleware refusing request headers over ``max_header_bytes`` (431) and bodies over ``max_bytes``
+    (413): by Content-Length, and by reading the body (at most ``max_bytes + 1``) before the app sees it, so a
+    chunked upload cannot get past. ``close``: refusals end the connection (else the rest of a body refused by
+    its Content-Length is read and dropped, bounded by the body timeout)."""
+
+    def __init__(self, app: Any, max_bytes: int, max_header_bytes: int, close: bool = False) -> None:
+        self.app, self.max_bytes, self.max_header_bytes = app, max_bytes, max_header_bytes
+        self.headers = [(b"connection", b"close")] if close else []
+
+    async def __call__(self, scope: _Scope, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        if sum(len(k) + len(v) for k, v in scope["headers"]) > self.max_header_bytes:
+            await refuse(send, 431, f"request headers over {self.max_header_bytes} bytes", self.headers)
+            return
+        length = dict(scope["headers"]).get(b"content-length")
+        if length is not None and (not length.isdigit() or int(length) > self.max_bytes):
+            await refuse(send, 413, f"request body over {self.max_bytes} bytes", self.headers)
+            return
+        body, more = bytearray(), True
+        while more:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return
+            body += message.get("body", b"")
+            more = message.get("more_body", False)
+            if len(body) > self.max_bytes:
+                await refuse(send, 413, f"request body over {self.max_bytes} bytes", self.headers)
+                return
+        replayed = False
+
+        async def replay() -> _Scope:
+            nonlocal replayed
+            if replayed:
+                return await receive()  # type: ignore[no-any-return]  # after the body: wait for the disconnect
+            replayed = True
+            return {"type": "http.request", "body": bytes(body), "more_body": False}
+
+        await self.app(scope, replay, send)
+
+
+async def refuse(send: Any, status: int, detail: str, headers: Sequence[tuple[bytes, bytes]] = ()) -> None:
+    """Answer ``{"detail": detail}`` with ``status`` (and ``headers``) from an ASGI middleware."""
+    extra = {k.decode("latin-1"): v.decode("latin-1") for k, v in headers}
+    await JSONResponse({"detail": detail}, status_code=status, headers=extra)({"type": "http"}, _no_receive, send)
+
+
+async def _no_receive() -> _Scope:
+    return {"type": "http.disconnect"}

@@ -66,7 +66,7 @@ class Coordinator:
             **settings,
         )
         self.app = create_app(self.settings)
-        self.url = f"http://127.0.0.1:{port}"
+        self.url = f"{'https' if self.settings.ssl_certfile is not None else 'http'}://127.0.0.1:{port}"
         config = uvicorn.Config(self.app, host="127.0.0.1", port=port, log_level="warning", **serve_options(self.app))
         self._server = uvicorn.Server(config)
         self._thread = threading.Thread(target=self._server.run, name="deltasync-coordinator", daemon=True)

@@ -8,6 +8,7 @@ from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from .connections import KEPT_FOR_OTHERS
+from .http import parse_trusted_proxies
 
 __all__ = ["InsecureConfiguration", "Settings", "check_credentials"]
 
@@ -75,6 +76,18 @@ class Settings(BaseSettings):
     keep_alive_timeout_s: float = Field(
         5.0, gt=0, le=600, description="a kept-alive connection idle this long is closed"
     )
+    tls_handshake_timeout_s: float = Field(
+        5.0,
+        gt=0,
+        le=600,
+        description="with ssl_certfile: a TLS handshake not completed this long after the connection opened is "
+        "closed (every connection counts against the connection caps from its TCP accept)",
+    )
+    trusted_proxies: str = Field(
+        "",
+        description="comma-separated addresses or networks of reverse proxies whose X-Forwarded-For is believed "
+        "(only the hop before them is used); by default none: every client is the socket's peer",
+    )
     host: str = Field("127.0.0.1", description="interface `deltasync coordinator` binds")
     port: int = Field(8600, ge=0, le=65535, description="port `deltasync coordinator` binds")
     ssl_certfile: Path | None = Field(None, description="serve HTTPS with this certificate (PEM)")
@@ -87,6 +100,11 @@ class Settings(BaseSettings):
         if isinstance(value, str) and value.startswith(("postgresql://", "postgres://")):
             return value
         return Path(value) if isinstance(value, str) else value
+
+    @field_validator("trusted_proxies")
+    @classmethod
+    def _proxies(cls, value: str) -> str:
+        return ",".join(parse_trusted_proxies(value))
 
     @model_validator(mode="after")
     def _tls_pair(self) -> Settings:

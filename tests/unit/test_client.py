@@ -191,14 +191,17 @@ def test_invalid_arguments() -> None:
 
 
 def test_tokens_never_travel_in_clear_by_accident(caplog: pytest.LogCaptureFixture) -> None:
-    """Issue 21: a replica list mixing https:// and http:// is refused (a failover would send the token in clear);
-    a token to plain http:// on another host is warned about, loopback is not."""
+    """A replica list mixing https:// and http:// is refused (a failover would send the token in clear); a token
+    to plain http:// on another host is refused unless insecure_http (then warned about), loopback is not
+    (tests/unit/test_plain_http_refused.py has the rest)."""
     with pytest.raises(ValueError, match="mix https:// and http://: a failover would send the token in clear"):
         CoordinatorClient("https://a:8600,http://b:8600", token="t")
+    with pytest.raises(ValueError, match="the bearer token would travel in clear"):
+        CoordinatorClient("http://coordinator:8600", token="t")
     with caplog.at_level(logging.WARNING, logger="deltasync.client"):
         CoordinatorClient("http://127.0.0.1:8600", token="t").close()
         assert not caplog.records
-        CoordinatorClient("http://coordinator:8600", token="t").close()
+        CoordinatorClient("http://coordinator:8600", token="t", insecure_http=True).close()
     assert any("the bearer token travels in clear" in r.getMessage() for r in caplog.records)
 
 
