@@ -8,6 +8,7 @@ imported lazily, so ``import deltasync`` stays light (no torch.distributed, no h
 from __future__ import annotations
 
 import typing as _typing
+from importlib import metadata as _metadata
 
 from .diff import compute_delta
 from .errors import (
@@ -45,7 +46,11 @@ if _typing.TYPE_CHECKING:
     from .publisher import Publisher
     from .targets import InMemoryTarget
 
-__version__ = "0.2.0"
+try:
+    __version__ = _metadata.version("deltasync")
+    """The installed distribution's version (pyproject.toml): the one version string."""
+except _metadata.PackageNotFoundError:  # imported from a source tree that was never installed
+    __version__ = "0+unknown"
 
 _LAZY = {
     "Agent": "deltasync.agent",

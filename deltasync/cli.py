@@ -324,9 +324,16 @@ def _cmd_token(args: argparse.Namespace) -> int:
 
 
 def _parser() -> argparse.ArgumentParser:
+    from . import __version__
     from ._cli_run import add_agent_parser, add_coordinator_parser, add_s3_endpoint
 
-    parser = argparse.ArgumentParser(prog="deltasync", description=__doc__)
+    parser = argparse.ArgumentParser(
+        prog="deltasync",
+        description="Bit-exact sparse weight sync for asynchronous RL: list, inspect and verify the versions a "
+        "publisher wrote to a store; run the coordinator or an engine's agent; collect garbage; make signing keys "
+        "and agent tokens. Each command's --help says more.",
+    )
+    parser.add_argument("--version", action="version", version=f"deltasync {__version__}")
     parser.add_argument("--debug", action="store_true", help="show tracebacks and debug logs")
     sub = parser.add_subparsers(dest="command", required=True)
     ls = sub.add_parser("ls", help="list the committed versions of a store")

@@ -21,7 +21,10 @@ nearest builtin, so ``except FileNotFoundError`` or ``except ValueError`` keep w
     +-- CoordinatorError(DeltaSyncError)               the coordinator answered with an error
     |   +-- RunMismatch(CoordinatorError)              the coordinator's run identity is not the pinned one
     |   +-- LeaseError(CoordinatorError)               another publisher holds the run, or this one was fenced
+    |   +-- AdapterRefused(UpdateRefused)              a staged adapter is not a version of the served one
     +-- ApplyError(DeltaSyncError, RuntimeError)       failed past the first write: do not serve until an anchor
+    |   +-- MapCorruption(ApplyError)                  building the patch map changed live weights
+    |   +-- AdapterWriteFailed(ApplyError)             a LoRA slot's write failed part-way; the adapter left it
     +-- EngineUnproven(DeltaSyncError, ConnectionError) the server at the engine's address did not prove it is it
 
 Messages name the object first, then what was expected, what was found, and what to do.
@@ -32,6 +35,8 @@ from __future__ import annotations
 import enum
 
 __all__ = [
+    "AdapterRefused",
+    "AdapterWriteFailed",
     "ApplyError",
     "CoordinatorError",
     "DeltaSyncError",
@@ -41,6 +46,7 @@ __all__ = [
     "FormatError",
     "IntegrityError",
     "LeaseError",
+    "MapCorruption",
     "ObjectExists",
     "ObjectNotFound",
     "ObjectTooLarge",
@@ -229,6 +235,26 @@ class LeaseError(CoordinatorError):
 
 class ApplyError(DeltaSyncError, RuntimeError):
     """Applying failed past the first write: the receiver must not serve until an anchor restores it."""
+
+
+class MapCorruption(ApplyError):
+    """Building the patch map changed live weights it had not swapped: the model serves wrong weights until an
+    anchor restores it."""
+
+
+class AdapterWriteFailed(ApplyError):
+    """Writing a served LoRA adapter's slot failed part-way (past the first write): the adapter was deactivated,
+    so no request uses a mix; its next use activates the new version whole. Reset the prefix cache as after a
+    replace."""
+
+
+class AdapterRefused(UpdateRefused):
+    """A staged LoRA adapter is not a version of the served one (other modules, shapes or rank), or the served
+    one is not loaded; nothing was written (reason ``model``, or ``unsupported`` for what cannot be replaced in
+    place)."""
+
+    def __init__(self, message: str, *, reason: RefusalReason = RefusalReason.MODEL) -> None:
+        super().__init__(message, reason=reason)
 
 
 class EngineUnproven(DeltaSyncError, ConnectionError):

@@ -35,6 +35,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from ..errors import AdapterRefused, AdapterWriteFailed
+
 if TYPE_CHECKING:
     from ..manifest import AdapterEntry
 
@@ -51,16 +53,6 @@ __all__ = [
 
 ADAPTER_FILE = "adapter_model.safetensors"
 CONFIG_FILE = "adapter_config.json"
-
-
-class AdapterRefused(ValueError):
-    """The staged adapter is not a version of the served one (other modules, shapes or rank), or the served one
-    is not loaded; nothing was written."""
-
-
-class AdapterWriteFailed(RuntimeError):
-    """Writing the slot failed part-way (past the first write): the adapter was deactivated, so no request uses a
-    mix; its next use activates the new version whole. Reset the prefix cache as after a replace."""
 
 
 def _managers(worker: Any) -> tuple[Any, Any]:

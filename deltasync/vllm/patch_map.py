@@ -31,10 +31,14 @@ import torch
 
 try:
     from .._cpus import parallel_map
+    from ..errors import MapCorruption
 except ImportError:  # loaded alone (benchmarks/gpu/bench_scatter.py, on a host with torch only): one thread
 
     def parallel_map(fn: Callable[[Any], Any], items: Any, elements: int = 0, cost: Any = None) -> list[Any]:  # type: ignore[misc]
         return [fn(item) for item in items]
+
+    class MapCorruption(RuntimeError):  # type: ignore[no-redef]
+        """:class:`deltasync.errors.MapCorruption`, where the package is not installed."""
 
 
 if TYPE_CHECKING:
@@ -47,11 +51,6 @@ logger = logging.getLogger("vllm.deltasync.patch_map")
 # a block index in a parameter or checkpoint name: Llama-style ``layers.N``, GPT-2/Falcon/Bloom ``h.N``, MPT
 # ``blocks.N``, BERT ``layer.N`` (probing swaps one block at a time: the rest of the model stays as it is)
 _LAYER = re.compile(r"(?:^|\.)(?:layers|layer|h|blocks|block)\.(\d+)\.")
-
-
-class MapCorruption(RuntimeError):
-    """Building the map changed live weights it had not swapped: the model serves wrong weights until an
-    anchor restores it."""
 
 
 @dataclasses.dataclass(frozen=True)
