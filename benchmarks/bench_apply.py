@@ -24,14 +24,12 @@ import json
 import os
 import shutil
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-sys.path.insert(0, str(Path(__file__).parents[1]))  # tests.support: the launchers and the update stream
 PROFILE = os.environ.get("DELTASYNC_BENCH_PROFILE") == "1"
 if PROFILE:
     os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"  # collective_rpc of this script's functions
@@ -218,11 +216,11 @@ class Bench:
 def run_engine(tmp: Path, model: Path, label: str, args: argparse.Namespace, figures: dict[str, Any]) -> list[Any]:
     """One engine with its own run (coordinator, store, stream); everything it holds is freed on return."""
     from deltasync.client import CoordinatorClient
+    from deltasync.testing.credentials import PUBLISHER_TOKEN, TOKENS_ENV, agent_token
+    from deltasync.testing.launchers import CoordinatorProcess, offline_llm
+    from deltasync.testing.models import QWEN3_0_6B_CONFIG, qwen3_shapes
+    from deltasync.testing.stream import UpdateStream
     from deltasync.vllm.plain import ENV
-    from tests.support.credentials import PUBLISHER_TOKEN, TOKENS_ENV, agent_token
-    from tests.support.launchers import CoordinatorProcess, offline_llm
-    from tests.support.models import QWEN3_0_6B_CONFIG, qwen3_shapes
-    from tests.support.stream import UpdateStream
 
     rows: list[dict[str, Any]] = []
     os.environ[ENV] = "1" if label == "plain" else "0"
@@ -286,7 +284,7 @@ def main() -> None:
     parser.add_argument("--modes", nargs="+", choices=("patches", "inplace"), default=["patches", "inplace"])
     args = parser.parse_args()
 
-    from tests.support.models import write_config_only_model
+    from deltasync.testing.models import write_config_only_model
 
     tmp = Path(tempfile.mkdtemp(prefix="deltasync-bench-apply-"))
     rows: list[dict[str, Any]] = []

@@ -9,7 +9,8 @@ runs), so a pass is :func:`~deltasync.sketch.sketch_range` over every tensor; a 
 layer's ``down_proj`` half. Also: xxh3-128 of the model, the proof the sketch does not replace (it proves
 whole tensors only). Ends with one JSON line.
 
-    python benchmarks/bench_audit.py [--repeat 3] [--threads 2]
+    python benchmarks/bench_audit.py [--repeat 3] [--threads 2] [--layers 28]
+    python benchmarks/bench_audit.py --repeat 1 --layers 1      # the smallest real run (seconds)
 """
 
 from __future__ import annotations
@@ -17,38 +18,13 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import time
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).parents[1]))
-
-from deltasync.format import tensor_checksum  # noqa: E402
-from deltasync.sketch import sketch_at, sketch_range  # noqa: E402
-
-
-def qwen3_06b_shapes() -> dict[str, tuple[int, ...]]:
-    """Qwen3-0.6B's checkpoint tensors (tied embeddings): 310 tensors, 596,049,920 elements."""
-    hidden, inter, layers, heads, kv, head_dim, vocab = 1024, 3072, 28, 16, 8, 128, 151_936
-    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (vocab, hidden), "model.norm.weight": (hidden,)}
-    for i in range(layers):
-        p = f"model.layers.{i}."
-        shapes |= {
-            p + "self_attn.q_proj.weight": (heads * head_dim, hidden),
-            p + "self_attn.k_proj.weight": (kv * head_dim, hidden),
-            p + "self_attn.v_proj.weight": (kv * head_dim, hidden),
-            p + "self_attn.o_proj.weight": (hidden, heads * head_dim),
-            p + "self_attn.q_norm.weight": (head_dim,),
-            p + "self_attn.k_norm.weight": (head_dim,),
-            p + "mlp.gate_proj.weight": (inter, hidden),
-            p + "mlp.up_proj.weight": (inter, hidden),
-            p + "mlp.down_proj.weight": (hidden, inter),
-            p + "input_layernorm.weight": (hidden,),
-            p + "post_attention_layernorm.weight": (hidden,),
-        }
-    return shapes
+from deltasync.format import tensor_checksum
+from deltasync.sketch import sketch_at, sketch_range
+from deltasync.testing.models import QWEN3_0_6B_CONFIG, qwen3_shapes
 
 
 def timed(fn, repeat: int) -> float:  # type: ignore[no-untyped-def]
@@ -64,10 +40,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
+    parser.add_argument("--layers", type=int, default=28, help="decoder layers of the Qwen3-0.6B shapes (28: all)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     gen = torch.Generator().manual_seed(0)
-    model = {n: (torch.randn(s, generator=gen) * 0.02).to(torch.bfloat16) for n, s in qwen3_06b_shapes().items()}
+    shapes = qwen3_shapes({**QWEN3_0_6B_CONFIG, "num_hidden_layers": args.layers})
+    model = {n: (torch.randn(s, generator=gen) * 0.02).to(torch.bfloat16) for n, s in shapes.items()}
     numel = sum(t.numel() for t in model.values())
     copies = {n: torch.empty_like(t) for n, t in model.items()}
 
@@ -84,7 +62,7 @@ def main() -> None:
             tensor_checksum(t)
 
     memcpy()  # warm
-    f: dict[str, float] = {"threads": args.threads, "elements": numel}
+    f: dict[str, float] = {"threads": args.threads, "layers": args.layers, "elements": numel}
     f["memcpy_s"] = timed(memcpy, args.repeat)
     f["sketch_s"] = timed(sketch_pass, args.repeat)
     f["xxh3_s"] = timed(xxh3_pass, args.repeat)
@@ -94,7 +72,10 @@ def main() -> None:
     f["sketch_at_ns_per_element"] = timed(lambda: sketch_at(values, index), args.repeat) / values.numel() * 1e9
     f["sketch_ns_per_element"] = f["sketch_s"] / numel * 1e9
     f["sketch_over_memcpy"] = f["sketch_s"] / f["memcpy_s"]
-    print(f"Qwen3-0.6B shapes: {numel:,} elements, {args.threads} threads, median of {args.repeat}")
+    print(
+        f"Qwen3-0.6B shapes, {args.layers} of 28 layers: {numel:,} elements, {args.threads} threads, "
+        f"median of {args.repeat}"
+    )
     print(f"  memcpy of the model      {f['memcpy_s'] * 1e3:8.0f} ms")
     print(f"  sketch of every element  {f['sketch_s'] * 1e3:8.0f} ms  ({f['sketch_over_memcpy']:.1f}x the memcpy)")
     print(f"  xxh3-128 of every tensor {f['xxh3_s'] * 1e3:8.0f} ms")

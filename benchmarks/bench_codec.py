@@ -7,12 +7,14 @@ memcpy of the whole model measured in the same run (into an existing buffer, and
 clone) and against plain torch `!=` + `nonzero`; encode and decode+apply throughput; the time to read
 the delta file from disk (cold: page cache dropped); peak RSS. Ends with one JSON line of the figures.
 
-    python benchmarks/bench_codec.py [--steps 6] [--lr 1e-6] [--out bench-out]
+    python benchmarks/bench_codec.py [--steps 6] [--lr 1e-6] [--out bench-out]    # `make bench` (~4 min, ~17 GB)
+    python benchmarks/bench_codec.py --steps 2      # the smallest real run: one step measured after the warm-up
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import lzma
@@ -20,6 +22,7 @@ import os
 import resource
 import shutil
 import statistics
+import tempfile
 import time
 from pathlib import Path
 
@@ -28,8 +31,8 @@ import torch
 import zstandard
 
 from deltasync import _codec, compute_delta, decode_shard, encode_shard, tensor_checksum
-from tests.support.models import QWEN3_0_6B_CONFIG, qwen3_shapes
-from tests.support.stream import UpdateStream
+from deltasync.testing.models import QWEN3_0_6B_CONFIG, qwen3_shapes
+from deltasync.testing.stream import UpdateStream
 
 
 def _timed(fn, repeat: int = 1):
@@ -153,11 +156,16 @@ def _measure_step(step, curr, snapshot, host, scratch, out: Path):
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument(
+        "--steps", type=int, default=6, help="steps; the figures are medians over 2..N (step 1: Adam's warm-up)"
+    )
     parser.add_argument("--lr", type=float, default=1e-6)
-    parser.add_argument("--out", type=Path, default=Path("bench-out"))
+    parser.add_argument(
+        "--out", type=Path, default=Path("bench-out"), help="scratch for the delta files (a subdirectory, removed)"
+    )
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
+    scratch_dir = Path(tempfile.mkdtemp(prefix="bench-codec-", dir=args.out))
 
     shapes = qwen3_shapes(QWEN3_0_6B_CONFIG)
     t0 = time.perf_counter()
@@ -180,7 +188,7 @@ def main() -> None:
     rows = []
     alternatives: dict[str, float] = {}
     for step in range(1, args.steps + 1):
-        row, changes = _measure_step(step, stream.step(), snapshot, host, scratch, args.out)
+        row, changes = _measure_step(step, stream.step(), snapshot, host, scratch, scratch_dir)
         rows.append(row)
         print(
             f"{step:4d} {row['changed_fraction']:8.3%} {row['raw_B_per_elem']:8.3f} {row['packed_B_per_elem']:7.3f} "
@@ -220,7 +228,9 @@ def main() -> None:
         f"{summary['decode_apply_over_2x_cold_raw_read']:.2f}); peak RSS {summary['peak_rss_GB']:.1f} GB"
     )
     print(json.dumps(summary))
-    shutil.rmtree(args.out, ignore_errors=True)
+    shutil.rmtree(scratch_dir)
+    with contextlib.suppress(OSError):  # --out is removed only if this run made it and left it empty
+        args.out.rmdir()
 
 
 if __name__ == "__main__":

@@ -6,6 +6,8 @@ coordinator A. Ends with one JSON line of the figures per backend.
 
     python benchmarks/bench_coordinator.py [--registrations 2000] [--heartbeats 3000] [--rounds 5]
                                            [--plan-versions 100000] [--postgres | --db postgresql://...]
+    python benchmarks/bench_coordinator.py --registrations 50 --heartbeats 50 --rounds 1 --plan-versions 200
+                                           # the smallest real run (seconds)
 
 ``--postgres`` starts a throwaway PostgreSQL server as the tests do (initdb in a temporary directory; needs its
 binaries); ``--db URL`` uses an existing database, which is EMPTIED between phases. The client runs on the same
@@ -21,17 +23,15 @@ import json
 import os
 import sqlite3
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import httpx
 
-sys.path.insert(0, str(Path(__file__).parents[1]))
-from tests.support.credentials import PUBLISHER_TOKEN, TOKENS_ENV, agent_token  # noqa: E402
-from tests.support.launchers import CoordinatorProcess  # noqa: E402
-from tests.support.postgres import PostgresServer  # noqa: E402
+from deltasync.testing.credentials import PUBLISHER_TOKEN, TOKENS_ENV, agent_token
+from deltasync.testing.launchers import CoordinatorProcess
+from deltasync.testing.postgres import PostgresServer
 
 PUB = {"Authorization": f"Bearer {PUBLISHER_TOKEN}"}
 

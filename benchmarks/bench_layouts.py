@@ -4,6 +4,7 @@ anchor, on the DESIGN section 7 workload with Qwen3-0.6B layer shapes but only `
 vocabulary kept), so it runs in a few GB on a shared CPU. Decode = ``decode_shard`` + the host-copy write.
 
     python benchmarks/bench_layouts.py [--layers 4] [--steps 3] [--lr 1e-6]
+    python benchmarks/bench_layouts.py --layers 1 --steps 1      # the smallest real run (~20 s, ~6 GB)
 """
 
 from __future__ import annotations
@@ -16,8 +17,8 @@ import time
 import torch
 
 from deltasync import TensorDelta, compute_delta, decode_shard, encode_shard, tensor_checksum
-from tests.support.models import QWEN3_0_6B_CONFIG, qwen3_shapes
-from tests.support.stream import UpdateStream
+from deltasync.testing.models import QWEN3_0_6B_CONFIG, qwen3_shapes
+from deltasync.testing.stream import UpdateStream
 
 
 def _decode_s(data: bytes, host: dict[str, torch.Tensor]) -> float:

@@ -15,14 +15,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
-sys.path.insert(0, str(Path(__file__).parents[1]))
 
 MODULES = {  # PEFT module -> (in, out) at Qwen3-0.6B shapes
     "self_attn.q_proj": (1024, 2048),
@@ -69,8 +67,8 @@ def main() -> None:
     from vllm import SamplingParams
     from vllm.lora.request import LoRARequest
 
-    from tests.support.launchers import offline_llm
-    from tests.support.models import QWEN3_0_6B_CONFIG, write_config_only_model
+    from deltasync.testing.launchers import offline_llm
+    from deltasync.testing.models import QWEN3_0_6B_CONFIG, write_config_only_model
 
     layers = int(QWEN3_0_6B_CONFIG["num_hidden_layers"])
     merged = layers * sum(i * o for i, o in MODULES.values())  # elements B @ A moves: every one of each matrix

@@ -24,7 +24,6 @@ import argparse
 import json
 import os
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -32,7 +31,6 @@ from typing import Any
 
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 os.environ.setdefault("DELTASYNC_VLLM_PLAIN_WEIGHTS", "1")  # the merged path in place, through the patch map
-sys.path.insert(0, str(Path(__file__).parents[1]))
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
@@ -72,8 +70,8 @@ def run_path(path: str, tmp: Path, model_dir: Path, model: Any, args: argparse.N
     from deltasync.config import AgentConfig, PublisherConfig
     from deltasync.lora import adapter_entry
     from deltasync.store import LocalStore
-    from tests.support.credentials import PUBLISHER_TOKEN, TOKENS_ENV, agent_token
-    from tests.support.launchers import CoordinatorProcess, offline_llm
+    from deltasync.testing.credentials import PUBLISHER_TOKEN, TOKENS_ENV, agent_token
+    from deltasync.testing.launchers import CoordinatorProcess, offline_llm
 
     lora = path == "adapter"
     served = tmp / f"served-{path}"
@@ -154,7 +152,7 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=1e-4)
     parser.add_argument("--paths", nargs="+", default=["adapter", "merged"], choices=["adapter", "merged"])
     args = parser.parse_args()
-    from tests.support.models import write_config_only_model
+    from deltasync.testing.models import write_config_only_model
 
     with tempfile.TemporaryDirectory() as tmp_name:
         tmp = Path(tmp_name)

@@ -23,7 +23,6 @@ import argparse
 import gc
 import json
 import os
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -32,7 +31,6 @@ from typing import Any
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 os.environ["DELTASYNC_VLLM_PLAIN_WEIGHTS"] = "1"
 os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"  # collective_rpc of a function (this script's own)
-sys.path.insert(0, str(Path(__file__).parents[1]))  # tests.support: the launchers and the model configs
 
 QWEN3_1_7B = {"hidden_size": 2048, "intermediate_size": 6144, "num_attention_heads": 16, "num_key_value_heads": 8}
 QWEN3_8B = {
@@ -121,8 +119,8 @@ def _build(worker: Any) -> dict[str, Any]:
 
 
 def run(name: str, overrides: dict[str, Any], tmp: Path) -> dict[str, Any]:
-    from tests.support.launchers import offline_llm
-    from tests.support.models import QWEN3_0_6B_CONFIG, write_config_only_model
+    from deltasync.testing.launchers import offline_llm
+    from deltasync.testing.models import QWEN3_0_6B_CONFIG, write_config_only_model
 
     model = write_config_only_model(tmp / name, {**QWEN3_0_6B_CONFIG, **overrides})
     t0 = time.perf_counter()

@@ -5,7 +5,8 @@ against one memcpy of the bf16 model into an existing buffer, measured in the sa
 publish-to-registered latency with a local store and a real coordinator process. Then 2 FSDP2 ranks (gloo):
 per-rank bytes, blocked time and latency. Ends with one JSON line.
 
-    python benchmarks/bench_publish.py [--steps 5]
+    python benchmarks/bench_publish.py [--steps 5] [--layers 28]
+    python benchmarks/bench_publish.py --steps 2 --layers 1     # the smallest real run (about 30 s)
 """
 
 from __future__ import annotations
@@ -23,14 +24,14 @@ import torch
 from deltasync.client import CoordinatorClient
 from deltasync.config import PublisherConfig
 from deltasync.publisher import Publisher
-from tests.support.credentials import PUBLISHER_TOKEN, TOKENS_ENV
-from tests.support.launchers import CoordinatorProcess, free_port
-from tests.support.models import QWEN3_0_6B_CONFIG, qwen3_shapes
-from tests.support.stream import UpdateStream
+from deltasync.testing.credentials import PUBLISHER_TOKEN, TOKENS_ENV
+from deltasync.testing.launchers import CoordinatorProcess, free_port
+from deltasync.testing.models import QWEN3_0_6B_CONFIG, qwen3_shapes
+from deltasync.testing.stream import UpdateStream
 
 
-def single(steps: int, tmp: Path) -> dict:
-    stream = UpdateStream.from_shapes(qwen3_shapes(QWEN3_0_6B_CONFIG), seed=0)
+def single(steps: int, tmp: Path, config: dict) -> dict:
+    stream = UpdateStream.from_shapes(qwen3_shapes(config), seed=0)
     bf16 = stream.bf16()
     scratch = {k: torch.empty_like(v) for k, v in bf16.items()}
     scratch32 = {k: torch.empty_like(v) for k, v in stream.master.items()}
@@ -81,14 +82,14 @@ def single(steps: int, tmp: Path) -> dict:
     return {"rows": rows}
 
 
-def _rank(rank: int, world: int, port: int, tmp: str, steps: int) -> None:
+def _rank(rank: int, world: int, port: int, tmp: str, steps: int, config: dict) -> None:
     import torch.distributed as dist
     from torch.distributed.fsdp import fully_shard
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
     torch.set_num_threads(1)
-    shapes = qwen3_shapes(QWEN3_0_6B_CONFIG)
+    shapes = qwen3_shapes(config)
     model = torch.nn.Module()
     gen = torch.Generator().manual_seed(0)
     for name, shape in shapes.items():
@@ -134,10 +135,10 @@ def _rank(rank: int, world: int, port: int, tmp: str, steps: int) -> None:
     dist.destroy_process_group()
 
 
-def fsdp(steps: int, tmp: Path) -> dict:
+def fsdp(steps: int, tmp: Path, config: dict) -> dict:
     import torch.multiprocessing as mp
 
-    mp.spawn(_rank, args=(2, free_port(), str(tmp), steps), nprocs=2, join=True)
+    mp.spawn(_rank, args=(2, free_port(), str(tmp), steps, config), nprocs=2, join=True)
     out = {}
     for rank in range(2):
         rows = torch.load(tmp / f"fsdp-rank{rank}.pt")
@@ -154,11 +155,15 @@ def fsdp(steps: int, tmp: Path) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=5, help="published deltas after the first anchor (at least 2)")
+    parser.add_argument("--layers", type=int, default=28, help="decoder layers of the Qwen3-0.6B shapes (28: all)")
     args = parser.parse_args()
-    tmp = Path(tempfile.mkdtemp(prefix="deltasync-bench-publish-"))
-    two = fsdp(args.steps, tmp)  # first: the ranks are separate processes and need the memory
-    one = single(args.steps, tmp)
+    if args.steps < 2:
+        parser.error(f"--steps must be >= 2 (the figures are medians over versions 2..N), got {args.steps}")
+    config = {**QWEN3_0_6B_CONFIG, "num_hidden_layers": args.layers}
+    with tempfile.TemporaryDirectory(prefix="deltasync-bench-publish-") as tmp:
+        two = fsdp(args.steps, Path(tmp), config)  # first: the ranks are separate processes and need the memory
+        one = single(args.steps, Path(tmp), config)
     deltas = [r for r in one["rows"] if r["version"] >= 2]
     summary = {
         "blocked_ms": statistics.median(r["blocked_ms"] for r in deltas),
@@ -173,7 +178,7 @@ def main() -> None:
         f"memcpy of the fp32 master weights it reads; publish-to-registered "
         f"{summary['publish_to_registered_ms']:.0f} ms\n"
     )
-    print(json.dumps({**summary, "single": one, "fsdp2": two}))
+    print(json.dumps({**summary, "layers": args.layers, "single": one, "fsdp2": two}))
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ moto keeps objects in its own process and serves them over loopback HTTP, so the
 of this machine's CPUs (2 shared cores here), not of a network; the ratios are what the choice rests on.
 
     python benchmarks/bench_store.py [--repeat 3] [--only libraries|stores]    # part 1 also needs s3fs
+    python benchmarks/bench_store.py --repeat 1 --only stores     # the smallest real run (seconds)
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from tests.support.s3 import CREDENTIALS_ENV, MotoServer
+from deltasync.testing.s3 import CREDENTIALS_ENV, MotoServer
 
 SIZES = {"anchor_100MB": 100 * 10**6, "delta_12MB": 12 * 10**6}
 BUCKET = "bench"

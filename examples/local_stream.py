@@ -1,7 +1,10 @@
 """The local end-to-end demo: a realistic update stream on the tiny Qwen3, published to a local store,
-then listed, inspected and verified with the ``deltasync`` CLI (what ``make demo`` runs).
+then listed, inspected and verified with the ``deltasync`` CLI (what ``make demo-local`` runs).
 
-    python examples/local_stream.py --out demo-out --steps 12 --anchor-every 5
+    python examples/local_stream.py --out demo-out/local --steps 12 --anchor-every 5
+    python examples/local_stream.py --out /tmp/local --steps 2      # the smallest real run (seconds)
+
+``--out`` is replaced only if it is new, empty or an earlier run's output (``tiny-qwen3/`` and ``store/``).
 """
 
 from __future__ import annotations
@@ -16,8 +19,11 @@ from pathlib import Path
 from safetensors.torch import load_file
 
 from deltasync import LocalStore, compute_delta, write_anchor, write_delta
-from tests.support.models import build_tiny_model
-from tests.support.stream import UpdateStream
+from deltasync.testing.models import build_tiny_model
+from deltasync.testing.stream import UpdateStream
+
+_OUTPUT = ("store", "tiny-qwen3")
+"""What a run writes into ``--out``: a directory holding anything else is not replaced."""
 
 
 def _run(*args: str) -> None:
@@ -28,14 +34,23 @@ def _run(*args: str) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", type=Path, default=Path("demo-out"), help="output directory (replaced)")
+    parser.add_argument("--out", type=Path, default=Path("demo-out/local"), help="output directory (replaced)")
     parser.add_argument("--steps", type=int, default=12, help="optimizer steps to publish")
     parser.add_argument("--anchor-every", type=int, default=5, help="write a full anchor every K versions")
     parser.add_argument("--lr", type=float, default=1e-6, help="AdamW learning rate of the update stream")
     parser.add_argument("--encoding", choices=["packed", "raw"], default="packed")
     args = parser.parse_args()
-
-    shutil.rmtree(args.out, ignore_errors=True)
+    if args.steps < 1:
+        parser.error(f"--steps must be >= 1 (the last two versions are verified), got {args.steps}")
+    if args.out.exists():
+        others = sorted(p.name for p in args.out.iterdir()) if args.out.is_dir() else [args.out.name]
+        others = [name for name in others if name not in _OUTPUT]
+        if others:
+            parser.error(
+                f"{args.out} holds {', '.join(others[:5])}: not an earlier run's output, so it is not replaced; "
+                "give a new or empty --out"
+            )
+        shutil.rmtree(args.out)
     model_dir = build_tiny_model(args.out / "tiny-qwen3", seed=0)
     store = LocalStore(args.out / "store")
     weights = load_file(model_dir / "model.safetensors")

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from deltasync.store import LocalStore
-from tests.support.credentials import (  # noqa: F401 - re-exported for the tests
+from deltasync.testing.credentials import (  # noqa: F401 - re-exported for the tests
     AGENT_SECRET,
     AGENT_TOKEN,
     PUBLISHER_TOKEN,
@@ -19,9 +19,9 @@ from tests.support.credentials import (  # noqa: F401 - re-exported for the test
     agent_env,
     agent_token,
 )
-from tests.support.models import TINY_QWEN3_CONFIG, build_tiny_model, qwen3_shapes
-from tests.support.postgres import URL_ENV, PostgresServer
-from tests.support.stream import UpdateStream
+from deltasync.testing.models import TINY_QWEN3_CONFIG, build_tiny_model, qwen3_shapes
+from deltasync.testing.postgres import URL_ENV, PostgresServer
+from deltasync.testing.stream import UpdateStream
 
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 

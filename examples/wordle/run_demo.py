@@ -26,9 +26,9 @@ from typing import Any
 
 import httpx
 
+from deltasync.testing.launchers import VllmServerProcess, free_port, stop_process_group, wait_until_serving
+from deltasync.testing.models import build_tiny_model
 from deltasync.tokens import make_agent_token
-from tests.support.launchers import VllmServerProcess, free_port, stop_process_group, wait_until_serving
-from tests.support.models import build_tiny_model
 
 from .game import SYSTEM, allowed_words
 

@@ -46,9 +46,9 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from tests.support.launchers import VllmServerProcess
-from tests.support.s3_iam import read_credentials
-from tests.support.tls import make_ca
+from deltasync.testing.launchers import VllmServerProcess
+from deltasync.testing.s3_iam import read_credentials
+from deltasync.testing.tls import make_ca
 
 from .hosts import SUBNET, Host, Hosts, HostsUnavailable, from_machine, unavailable
 from .run_demo import _quantile, add_run_arguments, build_model, warm_start
@@ -208,11 +208,11 @@ class Deployment:
         h["inference"].own(token)
 
     def start_store(self) -> None:
-        """The S3 API on the store host (:mod:`tests.support.s3_iam`: moto, checking every request's signature and
+        """The S3 API on the store host (:mod:`deltasync.testing.s3_iam`: moto, checking every request's signature and
         IAM policy) with the run's bucket and a key for each of :data:`STORE_GRANTS`, which the operator takes from
         the store host (each is handed to its own host only)."""
         store = self.hosts["store"]
-        argv = [self.py, "-m", "tests.support.s3_iam", "--host", self.addr["store"], "--port", str(PORTS["store"])]
+        argv = [self.py, "-m", "deltasync.testing.s3_iam", "--host", self.addr["store"], "--port", str(PORTS["store"])]
         argv += ["--bucket", BUCKET, "--credentials", "store-keys"]
         for user, access in STORE_GRANTS.items():
             argv += ["--grant", f"{user}={access}"]

@@ -1,16 +1,21 @@
 """A scripted Wordle player that always wins within 6 guesses on the answer list: a decision tree built once.
 
 Each node holds the guess that splits the remaining candidate answers into the most feedback groups (ties go to
-words that could be the answer, then to the smaller largest group). Build it with
-``python -m examples.wordle.solver`` (a few minutes); it is committed as ``data/solver_tree.json``.
+words that could be the answer, then to the smaller largest group). It is committed as ``data/solver_tree.json``;
+the builder writes only where ``--out`` says, and replaces an existing file only with ``--force``:
+
+    python -m examples.wordle.solver --out /tmp/tree.json --answers 100    # the first 100 answers (~3 s)
+    python -m examples.wordle.solver --out examples/wordle/data/solver_tree.json --force  # the committed one (~8 min)
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import random
 import sys
 import time
+from collections.abc import Sequence
 from functools import cache
 from pathlib import Path
 
@@ -61,11 +66,12 @@ def _ranked_guesses(cands: list[str], pool: list[str], pool_codes: np.ndarray, t
     return [w for _, w in keyed[:top]]
 
 
-def build_tree(max_guesses: int = 6, top: int = 40) -> dict:
+def build_tree(max_guesses: int = 6, top: int = 40, answers: Sequence[str] | None = None) -> dict:
     """The whole decision tree, {"guess": w, "next": {feedback: subtree}}, winning within ``max_guesses``.
 
     Greedy (most feedback groups), with a bounded lookahead: where a subtree would need too many guesses,
-    the next-ranked guesses (up to ``top``) are tried until one fits.
+    the next-ranked guesses (up to ``top``) are tried until one fits. ``answers``: the words it must win
+    (default: the whole answer list).
     """
     pool = sorted(allowed_words())
     pool_codes = _encode(pool)
@@ -95,7 +101,7 @@ def build_tree(max_guesses: int = 6, top: int = 40) -> dict:
                 return {"guess": guess, "next": children}
         return None
 
-    tree = node(list(answer_words()), 1)
+    tree = node(list(answer_words() if answers is None else answers), 1)
     if tree is None:
         raise RuntimeError(f"no tree wins every answer within {max_guesses} guesses at top={top}")
     return tree
@@ -127,7 +133,28 @@ def depth(tree: dict) -> int:
     return 1 + max((depth(c) for c in tree["next"].values()), default=0)
 
 
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path, required=True, help="where to write the tree (JSON)")
+    parser.add_argument("--answers", type=int, help="win only the first N words of data/answers.txt (default: all)")
+    parser.add_argument("--force", action="store_true", help="replace --out if it exists")
+    args = parser.parse_args(argv)
+    every = answer_words()
+    if args.answers is not None and not 0 < args.answers <= len(every):
+        parser.error(f"--answers must be in 1..{len(every)}, got {args.answers}")
+    partial = args.answers is not None and args.answers < len(every)
+    if partial and args.out.resolve() == TREE.resolve():
+        parser.error(f"{args.out}: the demo's tree must win every answer; write a partial tree elsewhere")
+    if args.out.exists() and not args.force:
+        parser.error(f"{args.out} exists: pass --force to replace it")
+    start = time.monotonic()
+    tree = build_tree(answers=every[: args.answers] if partial else None)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(tree, separators=(",", ":"), sort_keys=True))
+    n = args.answers if partial else len(every)
+    print(f"wrote {args.out}: {n} answers, depth {depth(tree)}, {time.monotonic() - start:.0f} s", file=sys.stderr)
+    return 0
+
+
 if __name__ == "__main__":
-    tree = build_tree()
-    Path(TREE).write_text(json.dumps(tree, separators=(",", ":"), sort_keys=True))
-    print(f"wrote {TREE}: depth {depth(tree)}", file=sys.stderr)
+    sys.exit(main())

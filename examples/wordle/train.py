@@ -37,7 +37,7 @@ from deltasync.client import CoordinatorClient
 from deltasync.config import PublisherConfig
 from deltasync.integrations.trl import DeltaSyncWeightTransfer
 from deltasync.publisher import Publisher
-from tests.support.models import qwen3_effective_checksums
+from deltasync.testing.models import qwen3_effective_checksums
 
 from .game import render_messages
 from .grpo import grpo_tis_loss

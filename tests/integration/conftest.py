@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from tests.support.launchers import offline_llm
+from deltasync.testing.launchers import offline_llm
 
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 

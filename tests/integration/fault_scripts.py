@@ -26,8 +26,8 @@ def publish(args: argparse.Namespace) -> None:
     from deltasync.config import PublisherConfig
     from deltasync.publisher import Publisher
     from deltasync.store import LocalStore
-    from tests.support.models import TINY_QWEN3_CONFIG, qwen3_shapes
-    from tests.support.stream import UpdateStream
+    from deltasync.testing.models import TINY_QWEN3_CONFIG, qwen3_shapes
+    from deltasync.testing.stream import UpdateStream
 
     class PausingStore(LocalStore):
         def put(self, key: str, data: Any) -> None:

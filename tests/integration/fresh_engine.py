@@ -49,7 +49,7 @@ def fresh_run(model_dir: Path, weights: dict, ckpt: Path, prompts: list[str], tp
 
 
 if __name__ == "__main__":
-    from tests.support.launchers import offline_llm
+    from deltasync.testing.launchers import offline_llm
 
     model_dir, prompts = sys.argv[1], json.loads(sys.argv[2])
     tp = int(sys.argv[3]) if len(sys.argv) > 3 else 1

@@ -16,9 +16,9 @@ from safetensors.torch import load_file
 
 from deltasync import LocalStore
 from deltasync.client import CoordinatorClient
+from deltasync.testing.launchers import CoordinatorProcess, VllmServerProcess
+from deltasync.testing.models import qwen3_effective_checksums
 from tests.conftest import PUBLISHER_TOKEN, TOKENS_ENV, agent_env
-from tests.support.launchers import CoordinatorProcess, VllmServerProcess
-from tests.support.models import qwen3_effective_checksums
 from tests.support.world import StreamPublisher
 
 __all__ = ["TOKENS_ENV", "ServerStack", "StreamPublisher", "assert_served", "server_stack", "sidecar_command"]

@@ -29,8 +29,8 @@ from deltasync.lora import adapter_config_json, adapter_entry, adapter_state
 from deltasync.staging import StagedUpdate
 from deltasync.store import LocalStore
 from deltasync.targets import UNHEALTHY_LABEL, EngineClaim, OfflineLLMTarget
+from deltasync.testing.models import LORA_TARGETS, peft_model
 from deltasync.vllm.lora_slots import ADAPTER_FILE, CONFIG_FILE
-from tests.support.models import LORA_TARGETS, peft_model
 from tests.support.staging import stage_as_published
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
@@ -104,7 +104,7 @@ def _vllm_loads(worker: Any, adapter_dir: str) -> str:
 @pytest.fixture(scope="module")
 def rig(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Rig]:
     pytest.importorskip("vllm")
-    from tests.support.launchers import offline_llm
+    from deltasync.testing.launchers import offline_llm
 
     os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")

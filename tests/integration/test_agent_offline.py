@@ -30,9 +30,9 @@ from deltasync.layout import manifest_key
 from deltasync.reader import load_object, read_manifest
 from deltasync.staging import StagedUpdate, stage_object
 from deltasync.targets import UNHEALTHY_LABEL, OfflineLLMTarget
+from deltasync.testing.models import build_tiny_model, qwen3_effective_checksums
 from tests.conftest import PUBLISHER_TOKEN, ServerThread, agent_token, coordinator_settings, overwrite
 from tests.integration.fresh_engine import fresh_run, generate
-from tests.support.models import build_tiny_model, qwen3_effective_checksums
 from tests.support.staging import stage_as_published
 from tests.support.world import StreamPublisher
 

@@ -16,9 +16,9 @@ from deltasync.layout import manifest_key
 from deltasync.reader import load_object, read_manifest
 from deltasync.staging import StagedUpdate, stage_object
 from deltasync.targets import OfflineLLMTarget
+from deltasync.testing.launchers import offline_llm
 from tests.conftest import PUBLISHER_TOKEN, ServerThread, agent_token, coordinator_settings
 from tests.integration.fresh_engine import fresh_run, generate
-from tests.support.launchers import offline_llm
 from tests.support.world import StreamPublisher
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]

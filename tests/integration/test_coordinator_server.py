@@ -23,9 +23,9 @@ import pytest
 from deltasync import CoordinatorError
 from deltasync.client import CoordinatorClient
 from deltasync.schemas import VersionCreate
+from deltasync.testing.launchers import CoordinatorProcess, free_port
+from deltasync.testing.tls import make_certificates
 from tests.conftest import PUBLISHER_TOKEN, TOKENS_ENV, agent_token, version_body
-from tests.support.launchers import CoordinatorProcess, free_port
-from tests.support.tls import make_certificates
 
 pytestmark = pytest.mark.slow
 PUB = {"Authorization": f"Bearer {PUBLISHER_TOKEN}"}

@@ -27,11 +27,11 @@ from deltasync.config import AgentConfig, PublisherConfig
 from deltasync.publisher import Publisher
 from deltasync.schemas import VersionCreate
 from deltasync.targets import InMemoryTarget
+from deltasync.testing.launchers import CoordinatorProcess
+from deltasync.testing.models import qwen3_shapes
+from deltasync.testing.stream import UpdateStream
 from tests.conftest import PUBLISHER_TOKEN, SMALL_QWEN3, TOKENS_ENV, agent_token, assert_bit_equal, version_body
-from tests.support.launchers import CoordinatorProcess
-from tests.support.models import qwen3_shapes
 from tests.support.replicas import ReplicaStub
-from tests.support.stream import UpdateStream
 
 pytestmark = pytest.mark.slow
 

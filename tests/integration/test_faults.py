@@ -41,6 +41,9 @@ from deltasync.publisher import Publisher
 from deltasync.reader import load_object
 from deltasync.staging import StagedUpdate, stage_object
 from deltasync.targets import InMemoryTarget
+from deltasync.testing.launchers import CoordinatorProcess
+from deltasync.testing.models import qwen3_shapes
+from deltasync.testing.stream import UpdateStream
 from tests.conftest import (
     AGENT_TOKEN,
     PUBLISHER_TOKEN,
@@ -51,9 +54,6 @@ from tests.conftest import (
     overwrite,
     remove,
 )
-from tests.support.launchers import CoordinatorProcess
-from tests.support.models import qwen3_shapes
-from tests.support.stream import UpdateStream
 
 pytestmark = pytest.mark.slow
 ENV = TOKENS_ENV

@@ -11,8 +11,8 @@ import pytest
 from deltasync import list_versions, read_weights
 from deltasync.publisher import Publisher
 from deltasync.store.hub import HubBucketStore
+from deltasync.testing.stream import UpdateStream
 from tests.conftest import assert_bit_equal
-from tests.support.stream import UpdateStream
 
 pytestmark = pytest.mark.hub
 

@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from tests.support.models import LORA_TARGETS, peft_model
+from deltasync.testing.models import LORA_TARGETS, peft_model
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -30,7 +30,7 @@ def make_adapter(model_dir: Path, out: Path, seed: int, *, rank: int = 8, target
 @pytest.fixture(scope="module")
 def lora_llm(tiny_model_dir: Path) -> Iterator[Any]:
     pytest.importorskip("vllm")
-    from tests.support.launchers import offline_llm
+    from deltasync.testing.launchers import offline_llm
 
     os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
     llm = offline_llm(tiny_model_dir, enable_lora=True, max_loras=2, max_lora_rank=8)
@@ -154,8 +154,8 @@ def test_tp2_llama_each_rank_replaces_its_slice_bit_exact(
     pytest.importorskip("vllm")
     from vllm.lora.request import LoRARequest
 
-    from tests.support.launchers import offline_llm
-    from tests.support.models import build_tiny_model
+    from deltasync.testing.launchers import offline_llm
+    from deltasync.testing.models import build_tiny_model
 
     tiny_model_dir = build_tiny_model(tmp_path / "llama", seed=0, arch="llama")
 

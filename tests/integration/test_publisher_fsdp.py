@@ -15,8 +15,8 @@ from deltasync import LocalStore, list_versions, read_manifest, read_weights
 from deltasync.config import PublisherConfig
 from deltasync.publisher import Publisher
 from deltasync.sketch import tensor_sketch
+from deltasync.testing.launchers import free_port
 from tests.conftest import assert_bit_equal
-from tests.support.launchers import free_port
 
 pytestmark = pytest.mark.slow
 STEPS = 6

@@ -46,7 +46,7 @@ def test_the_quick_start_runs_as_written(tmp_path: Path, tiny_model_dir: Path) -
     assert route == "anchor"
     from safetensors.torch import load_file
 
-    from tests.support.models import qwen3_effective_checksums
+    from deltasync.testing.models import qwen3_effective_checksums
 
     expected = qwen3_effective_checksums(load_file(tiny_model_dir / "model.safetensors"), 2)["lm_head"]
     assert digest == expected  # vLLM computes with exactly the published weights

@@ -26,8 +26,8 @@ import httpx
 import pytest
 from deltasync_coordinator.connections import LOG_BURST
 
+from deltasync.testing.launchers import CoordinatorProcess
 from tests.conftest import PUBLISHER_TOKEN, TOKENS_ENV, agent_token
-from tests.support.launchers import CoordinatorProcess
 
 pytestmark = pytest.mark.slow
 

@@ -14,8 +14,8 @@ from deltasync import LocalStore, list_versions, read_weights
 from deltasync.client import CoordinatorClient
 from deltasync.integrations.trl import DeltaSyncCallback, DeltaSyncWeightTransfer
 from deltasync.publisher import Publisher
+from deltasync.testing.models import peft_model
 from tests.conftest import PUBLISHER_TOKEN, ServerThread, assert_bit_equal, coordinator_settings
-from tests.support.models import peft_model
 
 pytestmark = pytest.mark.slow
 

@@ -20,8 +20,8 @@ from deltasync.runrecord import claim_run, record_epoch
 from deltasync.schemas import VersionCreate
 from deltasync.signing import SigningKey
 from deltasync.targets import InMemoryTarget
+from deltasync.testing.stream import UpdateStream
 from tests.conftest import PUBLISHER_TOKEN, ServerThread, agent_token, coordinator_settings
-from tests.support.stream import UpdateStream
 
 __all__ = ["StreamPublisher", "World", "world"]
 

@@ -9,8 +9,9 @@ from pathlib import Path
 import pytest
 
 from deltasync.store.s3 import S3Store
+from deltasync.testing.s3 import CREDENTIALS_ENV, MotoServer
 from tests.support.asgi import Coordinator, make_settings, open_coordinator
-from tests.support.s3 import CREDENTIALS_ENV, ENDPOINT_ENV, MotoServer
+from tests.support.s3 import ENDPOINT_ENV
 
 S3_BUCKET = "deltasync-test"
 

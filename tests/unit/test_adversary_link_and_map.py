@@ -15,7 +15,7 @@ from deltasync._fetch import ObjectFetcher
 from deltasync.errors import FormatError
 from deltasync.layout import manifest_key, object_prefix
 from deltasync.staging import read_staged, stage_published
-from tests.support.stream import UpdateStream
+from deltasync.testing.stream import UpdateStream
 
 
 @pytest.fixture()

@@ -323,7 +323,7 @@ def test_an_adapter_above_its_declared_base_is_refused_whatever_the_holding() ->
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from tests.support.models import build_tiny_model
+    from deltasync.testing.models import build_tiny_model
 
     return build_tiny_model(tmp_path_factory.mktemp("adv-lora") / "tiny", seed=0)
 

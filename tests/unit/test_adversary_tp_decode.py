@@ -17,10 +17,10 @@ from deltasync.format import PartialBaseValues
 from deltasync.sketch import format_sketch, parse_sketch, sub_sketches
 from deltasync.staging import read_staged
 from deltasync.targets.base import combine_changes
+from deltasync.testing.stream import UpdateStream
 from deltasync.vllm.patch_map import PatchMap, Runs
 from deltasync.vllm.served import ServedValues
 from tests.support.staging import stage_as_published
-from tests.support.stream import UpdateStream
 
 SHAPES = {"w": (64, 32), "b": (64,)}
 TP = 2

@@ -12,8 +12,8 @@ from deltasync import LocalStore, compute_delta, write_anchor, write_delta
 from deltasync.errors import UpdateRefused
 from deltasync.staging import read_staged
 from deltasync.targets.base import combine_changes
+from deltasync.testing.stream import UpdateStream
 from tests.support.staging import stage_as_published
-from tests.support.stream import UpdateStream
 from tests.unit.test_adversary_tp_decode import TP, Rank
 
 proof = pytest.importorskip("deltasync.vllm.proof")

@@ -38,10 +38,10 @@ from deltasync.layout import manifest_key
 from deltasync.reader import load_object, read_manifest
 from deltasync.staging import StagedUpdate, stage_object
 from deltasync.targets import EngineClaim, InMemoryTarget
+from deltasync.testing.models import qwen3_shapes
+from deltasync.testing.stream import UpdateStream
 from deltasync.tokens import make_agent_token
 from tests.conftest import SMALL_QWEN3, ServerThread, agent_token, assert_bit_equal, coordinator_settings, overwrite
-from tests.support.models import qwen3_shapes
-from tests.support.stream import UpdateStream
 from tests.support.world import World, world
 
 

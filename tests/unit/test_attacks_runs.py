@@ -26,9 +26,9 @@ from deltasync import (
 from deltasync.config import PublisherConfig
 from deltasync.runrecord import RUN_KEY, claim_run
 from deltasync.signing import generate_key_files
+from deltasync.testing.models import qwen3_shapes
+from deltasync.testing.stream import UpdateStream
 from tests.conftest import SMALL_QWEN3, assert_bit_equal
-from tests.support.models import qwen3_shapes
-from tests.support.stream import UpdateStream
 
 
 @pytest.fixture

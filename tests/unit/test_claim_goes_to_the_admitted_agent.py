@@ -16,9 +16,9 @@ from deltasync.agent import Agent
 from deltasync.client import CoordinatorClient
 from deltasync.config import AgentConfig
 from deltasync.targets import InMemoryTarget
+from deltasync.testing.models import qwen3_shapes
+from deltasync.testing.stream import UpdateStream
 from tests.conftest import PUBLISHER_TOKEN, SMALL_QWEN3, ServerThread, agent_token, coordinator_settings
-from tests.support.models import qwen3_shapes
-from tests.support.stream import UpdateStream
 from tests.support.world import StreamPublisher, world
 
 

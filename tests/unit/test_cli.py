@@ -9,9 +9,9 @@ import pytest
 
 from deltasync import LocalStore, ObjectWriter, SigningKey, VerifyKey, compute_delta, write_anchor, write_delta
 from deltasync.cli import main
+from deltasync.testing.stream import UpdateStream
 from deltasync.tokens import agent_id_of
 from tests.conftest import PUBLISHER_TOKEN, ServerThread, coordinator_settings, overwrite
-from tests.support.stream import UpdateStream
 
 
 @pytest.fixture

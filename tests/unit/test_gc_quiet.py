@@ -14,9 +14,9 @@ import torch
 from deltasync._gc import quiet_gc
 from deltasync.staging import StagedUpdate
 from deltasync.targets import InMemoryTarget
+from deltasync.testing.models import qwen3_shapes
+from deltasync.testing.stream import UpdateStream
 from tests.conftest import SMALL_QWEN3, assert_bit_equal
-from tests.support.models import qwen3_shapes
-from tests.support.stream import UpdateStream
 from tests.support.world import World, world
 
 

@@ -17,8 +17,8 @@ from deltasync.config import AgentConfig, PublisherConfig
 from deltasync.errors import RefusalReason
 from deltasync.lora import adapter_entry, adapter_state
 from deltasync.store import LocalStore
+from deltasync.testing.models import peft_model
 from tests.conftest import assert_bit_equal
-from tests.support.models import peft_model
 
 peft = pytest.importorskip("peft")
 

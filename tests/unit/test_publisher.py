@@ -25,9 +25,9 @@ from deltasync.config import PublisherConfig
 from deltasync.names import NameMap, checkpoint_state
 from deltasync.publisher import Publisher
 from deltasync.sketch import tensor_sketch
+from deltasync.testing.models import TINY_QWEN3_CONFIG, qwen3_shapes
+from deltasync.testing.stream import UpdateStream
 from tests.conftest import SMALL_QWEN3, assert_bit_equal
-from tests.support.models import TINY_QWEN3_CONFIG, qwen3_shapes
-from tests.support.stream import UpdateStream
 
 
 def test_twenty_step_stream_every_version_exact(local_store: LocalStore, update_stream: UpdateStream) -> None:

@@ -22,9 +22,9 @@ from deltasync import (
 from deltasync.layout import manifest_key
 from deltasync.reader import read_chain
 from deltasync.sketch import tensor_sketch
+from deltasync.testing.stream import UpdateStream
 from deltasync.vocab import Kind
 from tests.conftest import assert_bit_equal, overwrite, remove
-from tests.support.stream import UpdateStream
 
 
 def _publish_stream(store: LocalStore, stream: UpdateStream, steps: int, *, encoding: str, anchor_every: int):

@@ -9,8 +9,8 @@ import shlex
 from pathlib import Path
 
 from deltasync.cli import _parser
+from deltasync.testing.launchers import VllmServerProcess
 from tests.integration.helpers import sidecar_command
-from tests.support.launchers import VllmServerProcess
 
 README = (Path(__file__).parents[2] / "README.md").read_text()
 

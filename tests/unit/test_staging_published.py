@@ -12,11 +12,11 @@ import torch
 from deltasync import FormatError, IntegrityError, LocalStore, compute_delta, write_anchor, write_delta
 from deltasync.apply import write
 from deltasync.staging import StagedObject, StagedUpdate, read_staged
+from deltasync.testing.stream import UpdateStream
 from deltasync.vllm.served import ServedValues, merge_changes
 from deltasync.vocab import Kind
 from tests.conftest import assert_bit_equal
 from tests.support.staging import stage_as_published
-from tests.support.stream import UpdateStream
 
 
 def _publish(store: LocalStore, stream: UpdateStream, steps: int) -> dict[int, dict[str, torch.Tensor]]:

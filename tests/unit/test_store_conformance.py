@@ -24,9 +24,9 @@ from deltasync.config import PublisherConfig
 from deltasync.publisher import Publisher
 from deltasync.store import LocalStore
 from deltasync.store.hub import HubBucketStore, parse_hub_uri
+from deltasync.testing.stream import UpdateStream
 from tests.conftest import assert_bit_equal
 from tests.fakes import FakeBucketApi
-from tests.support.stream import UpdateStream
 
 KINDS = ["local", "hub", "s3"]
 

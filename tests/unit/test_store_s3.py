@@ -17,8 +17,9 @@ from deltasync import ObjectExists, ObjectNotFound, ObjectTooLarge, StoreError, 
 from deltasync.cli import main
 from deltasync.publisher import Publisher
 from deltasync.store.s3 import S3Store, parse_bucket_uri, with_s3_endpoint
-from tests.support.s3 import FaultProxy, MotoServer
-from tests.support.stream import UpdateStream
+from deltasync.testing.s3 import MotoServer
+from deltasync.testing.stream import UpdateStream
+from tests.support.s3 import FaultProxy
 from tests.unit.conftest import S3_BUCKET
 
 

@@ -21,10 +21,10 @@ from deltasync import ObjectNotFound, Publisher, StoreError, read_weights
 from deltasync.cli import main
 from deltasync.layout import manifest_key
 from deltasync.store.s3 import S3Store
+from deltasync.testing.s3 import MotoServer
+from deltasync.testing.stream import UpdateStream
 from tests.conftest import assert_bit_equal
 from tests.support.asgi import PUB, Coordinator, make_settings, open_coordinator, weights_store
-from tests.support.s3 import MotoServer
-from tests.support.stream import UpdateStream
 from tests.unit.conftest import S3_BUCKET
 
 # Relative to the store's prefix. Each is a key S3 stores as given and obstore refuses to parse.

@@ -43,10 +43,10 @@ from deltasync.errors import VersionTaken
 from deltasync.runrecord import RUN_KEY, claim_run
 from deltasync.signing import RUN_CONTEXT, generate_key_files
 from deltasync.store.s3 import S3Store
+from deltasync.testing.models import qwen3_shapes
+from deltasync.testing.stream import UpdateStream
 from tests.conftest import PUBLISHER_TOKEN, SMALL_QWEN3, ServerThread, assert_bit_equal
 from tests.support.asgi import make_settings
-from tests.support.models import qwen3_shapes
-from tests.support.stream import UpdateStream
 from tests.unit.test_publisher import _ThreadRanks
 
 

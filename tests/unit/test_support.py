@@ -6,9 +6,9 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
+from deltasync.testing.models import QWEN3_0_6B_CONFIG, build_tiny_model, qwen3_shapes, write_config_only_model
+from deltasync.testing.stream import UpdateStream
 from tests.conftest import assert_bit_equal
-from tests.support.models import QWEN3_0_6B_CONFIG, build_tiny_model, qwen3_shapes, write_config_only_model
-from tests.support.stream import UpdateStream
 
 
 def test_tiny_model_is_deterministic_and_matches_its_shapes(tiny_model_dir: Path, tmp_path: Path) -> None:

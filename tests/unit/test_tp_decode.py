@@ -13,11 +13,11 @@ from deltasync import LocalStore, compute_delta, read_manifest, write_anchor, wr
 from deltasync.manifest import DeltaManifest
 from deltasync.staging import read_staged
 from deltasync.targets.base import combine_changes
+from deltasync.testing.stream import UpdateStream
 from deltasync.vllm.patch_map import PatchMap, Runs
 from deltasync.vllm.proof import ProvingEngine
 from deltasync.vllm.served import ServedValues
 from tests.support.staging import stage_as_published
-from tests.support.stream import UpdateStream
 
 
 def _runs(name: str, shape: tuple[int, ...], rank: int, ranks: int, by: str) -> list[Runs]:

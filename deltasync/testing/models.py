@@ -1,7 +1,8 @@
 """Deterministic tiny models (random Qwen3 weights, a locally trained tokenizer) and the shapes vLLM serves.
 
-No model can be downloaded here: tests, demos and benchmarks build them. Needs ``transformers`` and
-``tokenizers`` (the ``test`` extra).
+Tests, demos and benchmarks build their models instead of downloading them (nothing is fetched from the Hub).
+Building one needs ``transformers`` and ``tokenizers`` (the ``test`` extra), imported inside the functions;
+:func:`qwen3_shapes` and the configs need neither.
 """
 
 from __future__ import annotations
@@ -13,18 +14,18 @@ from typing import Any
 
 import torch
 
-from deltasync.format import tensor_checksum
+from ..format import tensor_checksum
 
 __all__ = [
-    "LORA_TARGETS",
-    "peft_model",
     "ARCHITECTURES",
+    "LORA_TARGETS",
     "QWEN3_0_6B_CONFIG",
     "TINY_LLAMA_CONFIG",
     "TINY_QWEN2_CONFIG",
-    "TINY_QWEN3_MOE_CONFIG",
     "TINY_QWEN3_CONFIG",
+    "TINY_QWEN3_MOE_CONFIG",
     "build_tiny_model",
+    "peft_model",
     "qwen3_effective",
     "qwen3_effective_checksums",
     "qwen3_shapes",
@@ -272,10 +273,10 @@ def peft_model(
 
     torch.manual_seed(seed)
     base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
-    settings = {"lora_alpha": 16, "target_modules": LORA_TARGETS, **config}
-    model = peft.get_peft_model(
-        base, peft.LoraConfig(r=rank, **({"init_lora_weights": False} if random else {}), **settings)
-    )
+    settings: dict[str, Any] = {"lora_alpha": 16, "target_modules": LORA_TARGETS, **config}
+    if random:
+        settings["init_lora_weights"] = False
+    model = peft.get_peft_model(base, peft.LoraConfig(r=rank, **settings))
     if random:
         with torch.no_grad():
             for name, p in model.named_parameters():

@@ -1,8 +1,8 @@
-"""The credentials test and benchmark coordinators run with (never use them anywhere else)."""
+"""The credentials test and benchmark coordinators run with: public, so never use them anywhere else."""
 
 from __future__ import annotations
 
-from deltasync.tokens import make_agent_token
+from ..tokens import make_agent_token
 
 __all__ = ["AGENT_SECRET", "AGENT_TOKEN", "PUBLISHER_TOKEN", "TOKENS_ENV", "agent_env", "agent_token"]
 

@@ -1,5 +1,8 @@
 """Real processes on 127.0.0.1 for tests, benchmarks and the demo: the coordinator, a vLLM server, and an
-offline ``vllm.LLM``; plus the health-poll loop and process-group stop they share."""
+offline ``vllm.LLM``; plus the health-poll loop and process-group stop they share.
+
+``vllm`` is imported only by :func:`offline_llm` (the servers run in their own processes), ``httpx`` only by the
+functions that make requests."""
 
 from __future__ import annotations
 
@@ -12,11 +15,12 @@ import sys
 import time
 from collections.abc import Mapping
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, TYPE_CHECKING, Any
 
-import httpx
+from ..targets import WORKER_EXTENSION
 
-from deltasync.targets import WORKER_EXTENSION
+if TYPE_CHECKING:
+    import httpx
 
 __all__ = [
     "WORKER_EXTENSION",
@@ -48,10 +52,11 @@ def wait_until_serving(
 ) -> None:
     """Poll ``url`` until it answers 200. Raises ``RuntimeError`` (naming ``what`` and its ``log``) if ``proc``
     exits first or ``timeout_s`` passes; stopping ``proc`` is the caller's choice."""
+    import ssl
+
     import httpx
 
     see = f"; see {log}" if log is not None else ""
-    import ssl
 
     context = ssl.create_default_context(cafile=verify) if isinstance(verify, str) else verify
     deadline = time.monotonic() + timeout_s
@@ -275,7 +280,9 @@ class VllmServerProcess:
 
     def admin(self, timeout_s: float = 60.0) -> httpx.Client:
         """An HTTP client for the administrative routes (signed with the engine credential, as the agent signs)."""
-        from deltasync.targets import EngineAuth
+        import httpx
+
+        from ..targets import EngineAuth
 
         return httpx.Client(base_url=self.url, timeout=timeout_s, auth=EngineAuth(self.engine_token))
 

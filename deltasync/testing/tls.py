@@ -1,17 +1,22 @@
-"""A throwaway certificate authority and a server certificate for 127.0.0.1, made in the test (cryptography)."""
+"""A throwaway certificate authority and server certificates for 127.0.0.1, made on the spot (``cryptography``,
+imported inside the functions)."""
 
 from __future__ import annotations
 
 import datetime
 import ipaddress
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from cryptography import x509
+if TYPE_CHECKING:
+    from cryptography import x509
 
 __all__ = ["make_ca", "make_certificates"]
 
 
 def _name(name: str) -> x509.GeneralName:
+    from cryptography import x509
+
     try:
         return x509.IPAddress(ipaddress.ip_address(name))
     except ValueError:
@@ -28,6 +33,7 @@ def make_certificates(directory: Path, names: tuple[str, ...] = ("127.0.0.1", "l
 def make_ca(directory: Path, servers: dict[str, tuple[str, ...]]) -> tuple[Path, dict[str, tuple[Path, Path]]]:
     """A CA (``ca.pem``; its key is never written) and one server certificate per entry of ``servers``
     (``NAME.pem`` and ``NAME.key``, for its IP addresses or DNS names) in ``directory``."""
+    from cryptography import x509
     from cryptography.hazmat.primitives import hashes, serialization
     from cryptography.hazmat.primitives.asymmetric import ec
     from cryptography.x509.oid import NameOID

@@ -1,7 +1,7 @@
 """A real S3 API that checks who asks: moto's server with its IAM enforcement on, for a store that several hosts
 share and only one may write.
 
-    python -m tests.support.s3_iam --host 10.77.0.10 --port 9000 --bucket wordle-run \\
+    python -m deltasync.testing.s3_iam --host 10.77.0.10 --port 9000 --bucket wordle-run \\
         --grant trainer=write --grant inference=read --credentials credentials
 
 Before it listens, the server makes the bucket and, for each ``--grant USER=ACCESS``, an IAM user whose inline
