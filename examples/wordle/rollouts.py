@@ -524,11 +524,24 @@ class RemoteRollouts:
         url: the service's base URL (``https://`` across hosts: the token and the groups cross the network).
         token: its bearer token (``WORDLE_ROLLOUT_TOKEN``), or ``None``.
         ca_bundle: CA certificates (PEM) for an ``https://`` service (default: the system's).
+        insecure_http: send the token over plain ``http://`` to another host anyway (refused otherwise: it would
+            travel in clear).
     """
 
-    def __init__(self, url: str, token: str | None = None, ca_bundle: str | None = None) -> None:
+    def __init__(
+        self, url: str, token: str | None = None, ca_bundle: str | None = None, *, insecure_http: bool = False
+    ) -> None:
         import ssl
 
+        from deltasync._client_transport import is_loopback
+
+        if token is not None and url.startswith("http://") and not is_loopback(httpx.URL(url).host):
+            if not insecure_http:
+                raise ValueError(
+                    f"rollout service {url} is plain http:// on another host: its token would travel in clear; use "
+                    "https:// (with --ca-bundle), or accept the risk with --insecure-http"
+                )
+            logger.warning("rollout service %s is plain http:// on another host: the token travels in clear", url)
         headers = {} if token is None else {"Authorization": f"Bearer {token}"}
         verify: ssl.SSLContext | bool = ssl.create_default_context(cafile=ca_bundle) if ca_bundle else True
         self._http = httpx.Client(base_url=url, timeout=60, headers=headers, verify=verify)

@@ -204,6 +204,11 @@ def run_parser(doc: str | None) -> argparse.ArgumentParser:
     parser.add_argument("--env-url", help="the environment (not needed with --rollouts-url)")
     parser.add_argument("--coordinator", required=True, help="URL, or replicas of one ledger: URL1,URL2")
     parser.add_argument("--ca-bundle", help="CA certificates (PEM) for an https coordinator (and rollout service)")
+    parser.add_argument(
+        "--insecure-http",
+        action="store_true",
+        help="send tokens over plain http:// to another host anyway (the coordinator's and the rollout service's)",
+    )
     parser.add_argument("--store", required=True)
     parser.add_argument("--out", type=Path, required=True)
     return parser
@@ -295,7 +300,9 @@ def main() -> None:
     served_model = args.adapter_name if adapter is not None else None
 
     token = os.environ.get("DELTASYNC_PUBLISHER_TOKEN")
-    coordinator = CoordinatorClient(args.coordinator, token=token, ca_bundle=args.ca_bundle)
+    coordinator = CoordinatorClient(
+        args.coordinator, token=token, ca_bundle=args.ca_bundle, insecure_http=args.insecure_http
+    )
     publisher = Publisher(args.store, coordinator, PublisherConfig(anchor_every=10, queue_size=2), adapter=adapter)
     transfer = DeltaSyncWeightTransfer(publisher, model=model if adapter is not None else None)
     if args.served_from == "coordinator":
@@ -304,7 +311,9 @@ def main() -> None:
         served = ServedVersions.from_vllm(args.vllm_url)
     rollouts: LocalRollouts | RemoteRollouts
     if args.rollouts_url:
-        rollouts = RemoteRollouts(args.rollouts_url, os.environ.get("WORDLE_ROLLOUT_TOKEN"), args.ca_bundle)
+        rollouts = RemoteRollouts(
+            args.rollouts_url, os.environ.get("WORDLE_ROLLOUT_TOKEN"), args.ca_bundle, insecure_http=args.insecure_http
+        )
     else:
         env = httpx.Client(base_url=args.env_url, timeout=60)
         vllm = httpx.Client(base_url=args.vllm_url, timeout=300)

@@ -261,10 +261,17 @@ def _serve_adapter_run(
             fresh_id = first_id + 1 + step
             served_out = _outputs(llm, policy)
             fresh_out = _outputs(llm, LoRARequest(f"fresh-v{version}", fresh_id, str(reference)))
-            assert served_out == fresh_out, f"v{version}: the served adapter computes otherwise than a fresh load"
+            # first what vLLM holds (exact, per rank), then what it computes: a failure says which differs
             slots, fresh_slots = _buffers(llm, first_id), _buffers(llm, fresh_id)
             assert {k.split("/")[0] for k in slots} == {str(r) for r in range(tp_size)}
             assert slots == fresh_slots, f"v{version}: {sorted(k for k in slots if slots[k] != fresh_slots.get(k))[:4]}"
+            proofs = llm.collective_rpc("deltasync_prove")  # every rank: the directory, the loaded copy, the slot
+            assert [(p["ok"], p.get("slots")) for p in proofs] == [(True, 1)] * tp_size, proofs
+            differ = [i for i, (a, b) in enumerate(zip(served_out, fresh_out, strict=True)) if a != b]
+            assert not differ, (
+                f"v{version}: the served adapter computes otherwise than a fresh load (prompts {differ}) although "
+                f"every rank's slot holds the same values: {[(served_out[i], fresh_out[i]) for i in differ]}"
+            )
         deltas = [m.version for m in pub.published if m.kind == "delta"]
         assert deltas == list(range(1, steps)), [(m.kind, m.version) for m in pub.published]
     return agent, model, entry, store, served, served_out

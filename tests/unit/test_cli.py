@@ -208,3 +208,18 @@ def test_a_database_password_on_the_command_line_is_recognised() -> None:
     assert not password_in_url("ledger.db") and not password_in_url(None)
     readme = (Path(__file__).parents[2] / "README.md").read_text()
     assert "--db postgresql://deltasync:PW@" not in readme
+
+
+def test_version_is_the_installed_distributions_and_help_is_plain_text(capsys: pytest.CaptureFixture[str]) -> None:
+    from importlib.metadata import version
+
+    import deltasync
+
+    with pytest.raises(SystemExit) as exc:
+        main(["--version"])
+    assert exc.value.code == 0 and capsys.readouterr().out == f"deltasync {version('deltasync')}\n"
+    assert deltasync.__version__ == version("deltasync")
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    out = capsys.readouterr().out
+    assert "Bit-exact sparse weight sync" in out and ":mod:" not in out and "``" not in out

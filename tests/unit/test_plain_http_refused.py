@@ -133,3 +133,13 @@ def test_the_agent_cli_refuses_a_plain_http_coordinator_on_another_host(tmp_path
         [sys.executable, "-m", "deltasync.cli", *args], env=env, capture_output=True, text=True, timeout=60
     )
     assert done.returncode == 2 and f"deltasync: error: coordinator {url} {REFUSED}" in done.stderr, done.stderr
+
+
+def test_the_demo_trainer_never_sends_the_rollout_token_over_plain_http_to_another_host() -> None:
+    """The Wordle trainer's client of the rollout service: the same rule as the coordinator's clients."""
+    from examples.wordle.rollouts import RemoteRollouts
+
+    with pytest.raises(ValueError, match="rollout service http://10.77.0.14:8700 is plain http:// on another host"):
+        RemoteRollouts("http://10.77.0.14:8700", "rollout-token-0123456789")
+    RemoteRollouts("http://127.0.0.1:8700", "rollout-token-0123456789").stop()
+    RemoteRollouts("http://10.77.0.14:8700", "rollout-token-0123456789", insecure_http=True).stop()
