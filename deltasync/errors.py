@@ -12,6 +12,7 @@ nearest builtin, so ``except FileNotFoundError`` or ``except ValueError`` keep w
     |       +-- FencedObject(IntegrityError)           a fenced publisher's late write, never registered
     +-- UpdateRefused(DeltaSyncError)                  refused before any write; ``reason`` says why
     |   +-- VersionGapError(UpdateRefused)             a delta's base is not the version held
+    |   +-- AdapterRefused(UpdateRefused)              a staged adapter is not a version of the served one
     +-- StoreError(DeltaSyncError, OSError)            the store could not read or write an object
     |   +-- ObjectNotFound(StoreError, FileNotFoundError)
     |   +-- ObjectExists(StoreError, FileExistsError)  writes are create-only: the key is taken
@@ -21,7 +22,6 @@ nearest builtin, so ``except FileNotFoundError`` or ``except ValueError`` keep w
     +-- CoordinatorError(DeltaSyncError)               the coordinator answered with an error
     |   +-- RunMismatch(CoordinatorError)              the coordinator's run identity is not the pinned one
     |   +-- LeaseError(CoordinatorError)               another publisher holds the run, or this one was fenced
-    |   +-- AdapterRefused(UpdateRefused)              a staged adapter is not a version of the served one
     +-- ApplyError(DeltaSyncError, RuntimeError)       failed past the first write: do not serve until an anchor
     |   +-- MapCorruption(ApplyError)                  building the patch map changed live weights
     |   +-- AdapterWriteFailed(ApplyError)             a LoRA slot's write failed part-way; the adapter left it
