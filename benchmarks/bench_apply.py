@@ -14,6 +14,8 @@ the work done before the pause (fetch, decode, stage, prepare). Ends with one JS
 
     python benchmarks/bench_apply.py [--steps 4] [--lr 1e-6 1e-5] [--tokens 64] [--anchor-encoding raw]
         [--modes inplace]    (DELTASYNC_BENCH_PROFILE=1: where the engine worker's time goes, first sync and updates)
+    python benchmarks/bench_apply.py --steps 1 --engines plain --modes inplace --lr 1e-6 --tokens 8
+                         # the smallest real run: one engine, one update (about a minute here)
 """
 
 from __future__ import annotations

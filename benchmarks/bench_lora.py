@@ -8,6 +8,7 @@ version: the replace time seen by the caller (one RPC), next to what the same ve
 same directory for reference.
 
     python benchmarks/bench_lora.py [--rank 16] [--versions 5]
+    python benchmarks/bench_lora.py --rank 8 --versions 1      # the smallest real run (about 30 s here)
 """
 
 from __future__ import annotations

@@ -16,6 +16,7 @@ agent's time before the pause and the pause, and for the adapter the first reque
 the new version then). Ends with one JSON line.
 
     python benchmarks/bench_lora_sync.py [--rank 16] [--steps 4] [--lr 1e-4]
+    python benchmarks/bench_lora_sync.py --rank 8 --steps 1 --paths adapter     # the smallest real run (~40 s here)
 """
 
 from __future__ import annotations

@@ -6,8 +6,11 @@ installed package, without ``PYTHONPATH``. The copy's ``tests`` package refuses 
 that reaches for the test suite fails here as it fails for a user who has only the package. ``--help`` must start
 no work: it returns at once and writes nothing.
 
-The entry points that start vLLM (bench_apply, bench_map, bench_lora, bench_lora_sync, bench_wordle_learning, the
-Wordle demos and their parts) run ``--help`` only: their smallest real runs take minutes on this CPU.
+The entry points that start vLLM run their smallest real invocation too where it takes about a minute here
+(bench_apply, bench_map, bench_lora, bench_lora_sync: 30-65 s each; the Wordle demo with 2 steps and no warm-up:
+about 60 s). The rest run ``--help`` only: bench_wordle_learning is several such demos, run_hosts needs root and
+takes minutes (tests/integration/test_wordle_hosts.py runs it), and train, check_served and rollout_server are the
+demo's own processes (run_demo starts them), train_async_trl needs CUDA.
 """
 
 from __future__ import annotations
@@ -125,6 +128,30 @@ def test_coordinator_benchmark_runs_on_a_throwaway_postgres(user_tree: Path) -> 
     cmd = ["benchmarks/bench_coordinator.py", "--registrations", "20", "--heartbeats", "20", "--rounds", "1"]
     out = _ok(_run([sys.executable, *cmd, "--plan-versions", "50", "--postgres"], user_tree, 600), " ".join(cmd))
     assert '"backend": "postgres' in out, out[-2000:]
+
+
+VLLM_RUNS = [
+    (["benchmarks/bench_map.py", "--only", "0.6B"], '"unmapped_count": 0'),
+    (["benchmarks/bench_apply.py", "--steps", "1", "--engines", "plain", "--modes", "inplace", "--lr", "1e-6",
+      "--tokens", "8"],
+     '{"model_elements"'),
+    (["benchmarks/bench_lora.py", "--rank", "8", "--versions", "1"], "median: replace"),
+    (["benchmarks/bench_lora_sync.py", "--rank", "8", "--steps", "1", "--paths", "adapter"], '{"rank": 8'),
+    (["-m", "examples.wordle.run_demo", "--steps", "2", "--warmup-steps", "0", "--out", "{tmp}"], "BIT-EXACT"),
+]  # fmt: skip
+"""The smallest real invocation of each entry point that starts vLLM and takes about a minute here, and what its
+output must hold (its figures, or the demo's final check)."""
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("cmd", "expect"), VLLM_RUNS, ids=[c[1] if c[0] == "-m" else Path(c[0]).name for c, _ in VLLM_RUNS]
+)
+def test_smallest_vllm_run_completes(user_tree: Path, tmp_path: Path, cmd: list[str], expect: str) -> None:
+    cmd = [arg.replace("{tmp}", str(tmp_path / "out")) for arg in cmd]
+    out = _ok(_run([sys.executable, *cmd], user_tree, 900), " ".join(cmd))
+    assert expect in out, out[-3000:]
 
 
 def test_solver_builds_a_small_tree_where_it_is_told(user_tree: Path, tmp_path: Path) -> None:
