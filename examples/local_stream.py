@@ -4,13 +4,12 @@ then listed, inspected and verified with the ``deltasync`` CLI (what ``make demo
     python examples/local_stream.py --out demo-out/local --steps 12 --anchor-every 5
     python examples/local_stream.py --out /tmp/local --steps 2      # the smallest real run (seconds)
 
-``--out`` is replaced only if it is new, empty or an earlier run's output (``tiny-qwen3/`` and ``store/``).
+``--out`` is replaced only if it is new, empty or an earlier run's output (:mod:`deltasync.testing.output_dir`).
 """
 
 from __future__ import annotations
 
 import argparse
-import shutil
 import subprocess
 import sys
 import time
@@ -20,10 +19,8 @@ from safetensors.torch import load_file
 
 from deltasync import LocalStore, compute_delta, write_anchor, write_delta
 from deltasync.testing.models import build_tiny_model
+from deltasync.testing.output_dir import fresh_output_dir
 from deltasync.testing.stream import UpdateStream
-
-_OUTPUT = ("store", "tiny-qwen3")
-"""What a run writes into ``--out``: a directory holding anything else is not replaced."""
 
 
 def _run(*args: str) -> None:
@@ -42,15 +39,10 @@ def main() -> None:
     args = parser.parse_args()
     if args.steps < 1:
         parser.error(f"--steps must be >= 1 (the last two versions are verified), got {args.steps}")
-    if args.out.exists():
-        others = sorted(p.name for p in args.out.iterdir()) if args.out.is_dir() else [args.out.name]
-        others = [name for name in others if name not in _OUTPUT]
-        if others:
-            parser.error(
-                f"{args.out} holds {', '.join(others[:5])}: not an earlier run's output, so it is not replaced; "
-                "give a new or empty --out"
-            )
-        shutil.rmtree(args.out)
+    try:
+        args.out = fresh_output_dir(args.out)
+    except ValueError as exc:
+        parser.error(str(exc))
     model_dir = build_tiny_model(args.out / "tiny-qwen3", seed=0)
     store = LocalStore(args.out / "store")
     weights = load_file(model_dir / "model.safetensors")

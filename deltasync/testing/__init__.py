@@ -12,7 +12,8 @@ the repository's ``tests/`` can use it:
 * :mod:`deltasync.testing.credentials`: the fixed tokens test and benchmark coordinators run with;
 * :mod:`deltasync.testing.tls`: a throwaway CA and server certificates;
 * :mod:`deltasync.testing.postgres`: a throwaway PostgreSQL server (``initdb`` + ``pg_ctl``);
-* :mod:`deltasync.testing.s3` and :mod:`deltasync.testing.s3_iam`: moto's S3 server, plain or with IAM enforced.
+* :mod:`deltasync.testing.s3` and :mod:`deltasync.testing.s3_iam`: moto's S3 server, plain or with IAM enforced;
+* :mod:`deltasync.testing.output_dir`: a demo's ``--out``, replaced only when an earlier run made it.
 
 Nothing here is for production: the credentials are public and the servers are throwaway. This package imports
 nothing heavy itself; each module imports ``transformers``, ``tokenizers``, ``peft``, ``vllm``, ``moto``,

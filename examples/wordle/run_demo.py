@@ -16,7 +16,6 @@ import argparse
 import json
 import os
 import secrets
-import shutil
 import signal
 import subprocess
 import sys
@@ -28,6 +27,7 @@ import httpx
 
 from deltasync.testing.launchers import VllmServerProcess, free_port, stop_process_group, wait_until_serving
 from deltasync.testing.models import build_tiny_model
+from deltasync.testing.output_dir import fresh_output_dir
 from deltasync.tokens import make_agent_token
 
 from .game import SYSTEM, allowed_words
@@ -408,9 +408,10 @@ def main() -> int:
     modes.add_argument("--sync", action="store_true", help="lock-step: vLLM serves each version before rollouts")
     modes.add_argument("--compare", action="store_true", help="sync, then async, same seed and steps; side by side")
     args = parser.parse_args()
-    out = args.out.absolute()
-    shutil.rmtree(out, ignore_errors=True)
-    out.mkdir(parents=True)
+    try:
+        out = fresh_output_dir(args.out)
+    except ValueError as exc:
+        parser.error(str(exc))
     signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
     try:
         print(f"[demo] building the tiny Qwen3 and its Wordle tokenizer in {out / 'model'}", flush=True)

@@ -47,6 +47,7 @@ from pathlib import Path
 from typing import Any
 
 from deltasync.testing.launchers import VllmServerProcess
+from deltasync.testing.output_dir import fresh_output_dir
 from deltasync.testing.s3_iam import read_credentials
 from deltasync.testing.tls import make_ca
 
@@ -517,9 +518,7 @@ def report(
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     """Build and warm-start the model, make the hosts, run the deployment, check, report, tear down."""
-    out = args.out.absolute()
-    shutil.rmtree(out, ignore_errors=True)
-    out.mkdir(parents=True)
+    out = args.out.absolute()  # made fresh by main()
     print(f"[hosts] building the tiny Qwen3 and its Wordle tokenizer in {out / 'model'}", flush=True)
     model = build_model(out / "model")
     if args.warmup_steps > 0:
@@ -568,6 +567,10 @@ def main() -> int:
     args = parser.parse_args()
     if args.lora_rank:  # its rollout workers run on the environment host, which names no adapter yet
         parser.error("--lora-rank runs on one machine for now: python -m examples.wordle.run_demo --lora-rank R")
+    try:
+        args.out = fresh_output_dir(args.out)
+    except ValueError as exc:
+        parser.error(str(exc))
     why = unavailable()
     if why is not None:
         print(f"[hosts] cannot run: {why}", file=sys.stderr)
