@@ -2,7 +2,7 @@
 pointed by mistake at a fresh engine, never holds it, so the engine's own agent takes it at once.
 
 Run here on the in-memory engine; the vLLM engine applies the same rules (:func:`deltasync.apply.refuse_model`,
-:func:`deltasync.apply.releases_claim`), attacked on a real vLLM in tests/integration/test_adversary_lora_engine.py."""
+:func:`deltasync.apply.releases_claim`), attacked on a real vLLM in tests/integration/test_lora_engine_drift_and_refusals.py."""
 
 from __future__ import annotations
 

@@ -1,3 +1,8 @@
+"""The codec's pieces (``deltasync._codec``): the bf16 ordinal, zigzag, byte planes, gaps and zstd frames round-trip
+exactly, and the byte planes joined Horner's way, with the packed decode that uses them, are lossless for every
+value and every plane count the header allows, including more planes than the values need (a writer other than
+ours may store them); a shard whose planes lie is refused."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -6,7 +11,8 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from deltasync import _codec
+from deltasync import FormatError, TensorDelta, _codec, decode_shard, encode_shard, tensor_checksum
+from deltasync import format as fmt
 
 pytestmark = pytest.mark.usefixtures("kernel_modes")  # the compiled loops and the numpy code alike
 
@@ -91,3 +97,119 @@ def test_undo_ordinal_delta_in_place_is_the_composed_definition(narrow: type, wi
     under = _codec.zigzag_encode(np.array([-1], dtype=signed), wide)
     highest_negative = _codec.from_ordinal(np.array([info.min], dtype=narrow))
     assert _codec.undo_ordinal_delta(highest_negative, under) is None
+
+
+_U = [np.uint8, np.uint16, np.uint32, np.uint64]
+
+
+@pytest.mark.parametrize("dtype", _U, ids=lambda d: d.__name__)
+def test_r6_planes_round_trip_every_plane_count_with_extreme_bytes(dtype: type) -> None:
+    """Every plane count from the fewest that hold the values up to the type's width; the values include 0,
+    the largest, every single-byte pattern 0x00..0xFF in every byte position, and random ones."""
+    width = np.dtype(dtype).itemsize
+    rng = np.random.default_rng(6)
+    for planes in range(width + 1):
+        top = (1 << (8 * planes)) - 1
+        vals = [0, top, top >> 1, (top >> 1) + 1 if planes else 0]
+        vals += [b << (8 * k) for k in range(planes) for b in range(256)]
+        raw = rng.integers(0, 2**63, size=5000, dtype=np.uint64) * np.uint64(2) + np.uint64(1)
+        vals += [int(x) & top for x in raw]
+        a = np.array(vals, dtype=dtype)
+        assert _codec.planes_needed(a) <= max(planes, 1)
+        for use in range(max(_codec.planes_needed(a), planes), width + 1):  # more planes than needed, too
+            back = _codec.join_planes(_codec.split_planes(a, use), a.size, use, dtype)
+            assert back.dtype == dtype and np.array_equal(back, a), (planes, use)
+        # into a wider type, as the decoder joins index gaps straight into uint64
+        back = _codec.join_planes(_codec.split_planes(a, max(planes, 1)), a.size, max(planes, 1), np.uint64)
+        assert np.array_equal(back, a.astype(np.uint64))
+    assert _codec.join_planes(b"", 0, 3, np.uint32).size == 0
+    assert _codec.join_planes(b"", 4, 0, np.uint32).tolist() == [0, 0, 0, 0]
+
+
+def _all_finite(dtype: torch.dtype) -> torch.Tensor:
+    """Every non-NaN bit pattern of a 16-bit dtype; for fp32 the edges and 200,000 random non-NaN patterns."""
+    if dtype == torch.float32:
+        g = np.random.default_rng(7)
+        edge = np.array(
+            [
+                0,
+                0x80000000,
+                1,
+                0x80000001,
+                0x7F7FFFFF,
+                0xFF7FFFFF,
+                0x7F800000,
+                0xFF800000,
+                0x00800000,
+                0x007FFFFF,
+                0x3F800000,
+                0xBF800000,
+            ],
+            dtype=np.uint32,
+        )
+        bits = np.concatenate([edge, g.integers(0, 2**32, size=200_000, dtype=np.uint64).astype(np.uint32)])
+        t = torch.from_numpy(bits.view(np.int32)).view(torch.float32)
+    else:
+        t = torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16).view(dtype)
+    return t[~torch.isnan(t)]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
+@pytest.mark.parametrize("extra", [False, True], ids=["fewest-planes", "widest-planes"])
+def test_r6_packed_round_trip_of_every_pattern_against_a_shuffled_base(
+    monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype, extra: bool
+) -> None:
+    """Every finite (and infinite, -0.0) pattern as a new value, coded as bits and as ordinal differences to a
+    shuffled base of every pattern (differences spanning the whole ordinal range), sparse and dense; with
+    ``extra`` the writer stores as many planes as the header allows, not the fewest."""
+    if extra:
+        widest = {1: 1, 2: 2, 4: 4, 8: 8}
+        monkeypatch.setattr(fmt._codec, "planes_needed", lambda v: widest[v.dtype.itemsize] if v.size else 0)
+    new = _all_finite(dtype)
+    g = torch.Generator().manual_seed(3)
+    old = new[torch.randperm(new.numel(), generator=g)]
+    n = new.numel()
+    idx = torch.randperm(n, generator=g)[: n // 3].sort().values
+    cs = tensor_checksum(new)
+    deltas = [
+        TensorDelta(ckpt_name="d", shape=(n,), dtype=dtype, indices=None, values=new, base_values=old, checksum=cs),
+        TensorDelta(ckpt_name="b", shape=(n,), dtype=dtype, indices=None, values=new, checksum=cs),
+        TensorDelta(
+            ckpt_name="s", shape=(n,), dtype=dtype, indices=idx, values=new[idx], base_values=old[idx], checksum=cs
+        ),
+    ]
+    buf = encode_shard(deltas, kind="delta", encoding="packed", base_version=1, target_version=2)
+    _, out = decode_shard(bytearray(buf), name="f", base={"d": old, "s": old})
+    ib = {2: torch.int16, 4: torch.int32}[new.element_size()]
+    assert torch.equal(out["d"].values.view(ib), new.view(ib))
+    assert torch.equal(out["b"].values.view(ib), new.view(ib))
+    assert torch.equal(out["s"].indices, idx) and torch.equal(out["s"].values.view(ib), new[idx].view(ib))
+
+
+def test_r6_a_top_plane_that_pushes_a_bf16_ordinal_out_of_range_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A packed bf16 ordinal-delta entry stored with 4 planes whose top byte is set: the decoded difference is
+    far outside bf16 and must be refused, not wrapped back into range."""
+    real = fmt._codec.split_planes
+
+    def forged(values: np.ndarray, planes: int) -> bytes:
+        out = bytearray(real(values, 4))
+        n = values.size
+        out[3 * n : 4 * n] = b"\x80" * n  # the top byte of every coded value
+        return bytes(out)
+
+    monkeypatch.setattr(fmt._codec, "planes_needed", lambda v: 4 if v.dtype == np.uint32 else 1)
+    monkeypatch.setattr(fmt._codec, "split_planes", lambda v, p: forged(v, p) if v.dtype == np.uint32 else real(v, p))
+    old = torch.tensor([1.0, -2.0, 0.0, 3.0], dtype=torch.bfloat16)
+    new = old + 1
+    d = TensorDelta(
+        ckpt_name="w",
+        shape=(4,),
+        dtype=torch.bfloat16,
+        indices=None,
+        values=new,
+        base_values=old,
+        checksum=tensor_checksum(new),
+    )
+    buf = encode_shard([d], kind="delta", encoding="packed", base_version=1, target_version=2)
+    with pytest.raises(FormatError, match="outside the BF16 range"):
+        decode_shard(buf, name="f", base={"w": old})

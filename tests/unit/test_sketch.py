@@ -304,7 +304,7 @@ def test_change_proof_edges(kernel_modes: str) -> None:
         proof.add("u", published[at][:2], served[at][:2], torch.tensor([-1, 5]))
     # unsorted indices whose first and last fall in chunk 0 and others in chunk 1: told sorted, the compiled
     # pass stops at the first word of chunk 1 and takes back what it added before the true pass (the numpy
-    # reference trusts the flag: test_adversary_r9_kernels's xfail)
+    # reference trusts the flag: the strict xfail in test_kernels.py)
     perm = torch.randperm(at.numel(), generator=torch.Generator().manual_seed(0))
     low = (at[perm] < 1 << 16).nonzero().squeeze(1)
     order = torch.cat([perm[low[:1]], perm[(at[perm] >= 1 << 16)], perm[low[1:]]])

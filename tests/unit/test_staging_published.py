@@ -1,20 +1,46 @@
 """Objects staged as published (the engine decodes them against what it serves): decoding against read values
-equals decoding against the base's whole tensors; a catch-up decodes each object against the ones before it; a
-staged shard that is not the published one is refused before anything is decoded."""
+equals decoding against the base's whole tensors, for dense, empty, fp32 and one-element tensors and FSDP span
+shards; a catch-up decodes each object against the ones before it and, after an anchor (whole or in spans), reads
+nothing the engine serves; a staged object that is not the published one (altered shards, another version or
+kind, links, paths outside its directory, FIFOs, a shard grown to gigabytes, a delta on another base) is refused
+before any served value is read; the engine decodes only the manifest it admitted; the overlay of earlier objects
+never mutates their values."""
 
 from __future__ import annotations
 
+import collections
+import dataclasses
+import os
+import shutil
+import threading
+import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 
-from deltasync import FormatError, IntegrityError, LocalStore, compute_delta, write_anchor, write_delta
-from deltasync.apply import write
-from deltasync.staging import StagedObject, StagedUpdate, read_staged
+from deltasync import (
+    FormatError,
+    IntegrityError,
+    LocalStore,
+    compute_delta,
+    read_manifest,
+    tensor_checksum,
+    write_anchor,
+    write_delta,
+)
+from deltasync._sharding import TensorView, dense_entries, globalize
+from deltasync.apply import Holding, write
+from deltasync.errors import RefusalReason, UpdateRefused
+from deltasync.format import TensorDelta
+from deltasync.manifest import DeltaManifest, TensorEntry
+from deltasync.sketch import tensor_sketch
+from deltasync.staging import StagedObject, StagedUpdate, read_staged, read_staged_manifest
 from deltasync.testing.stream import UpdateStream
 from deltasync.vllm.served import ServedValues, merge_changes
-from deltasync.vocab import Kind
+from deltasync.vocab import DTYPE_NAMES, Kind
+from deltasync.writer import ObjectWriter
 from tests.conftest import assert_bit_equal
 from tests.support.staging import stage_as_published
 
@@ -257,3 +283,554 @@ def test_a_local_store_shard_is_linked_unread_and_the_engine_hashes_it(tmp_path:
     # fetched where it cannot be linked unread (another store kind): read and hashed by the fetcher itself
     with pytest.raises(IntegrityError, match="sha256"):
         fetcher.shards([m1], skip=[[False] * len(m1.shards)])
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
+
+
+def _assert_bit_equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    assert set(a) == set(b)
+    for n in a:
+        assert a[n].shape == b[n].shape and a[n].dtype == b[n].dtype, n
+        assert torch.equal(_bits(a[n]), _bits(b[n])), f"{n} differs"
+
+
+def _step(state: dict[str, torch.Tensor], frac: float, gen: torch.Generator, names: set[str] | None = None):
+    out = {}
+    for k, v in state.items():
+        if names is not None and k not in names:
+            out[k] = v.clone()
+            continue
+        mask = torch.rand(v.shape, generator=gen) < frac
+        out[k] = torch.where(mask, v + (torch.randn(v.shape, generator=gen) * 1e-2).to(v.dtype), v)
+    return out
+
+
+def _publish_spans(
+    store: LocalStore,
+    prev: dict[str, torch.Tensor] | None,
+    curr: dict[str, torch.Tensor],
+    *,
+    version: int,
+    base_version: int | None,
+    kind: str,
+    world: int = 2,
+) -> DeltaManifest:
+    """What FSDP ranks publish (RankCommit, without torch.distributed): each rank its rows of every tensor, as one
+    shard per rank; tensors split across shards as dense spans (anchor) or span deltas (sparse or dense)."""
+    writer = ObjectWriter(store=store, encoding="packed")
+    shards, nnz, parts = [], collections.Counter(), {}
+    for rank in range(world):
+        deltas = []
+        for name, t in curr.items():
+            rows = t.shape[0]
+            row = t.numel() // rows
+            r0, r1 = rank * rows // world, (rank + 1) * rows // world
+            span = (r0 * row, r1 * row)
+            parts.setdefault(name, []).append((*span, tensor_checksum(t, span)))
+            view = TensorView(tuple(t.shape), span, True)
+            new = t[r0:r1].clone()
+            if kind == "anchor":
+                deltas += dense_entries({name: new}, {name: view})
+            else:
+                assert prev is not None
+                ch = compute_delta({name: prev[name][r0:r1].clone()}, {name: new}, dense_fraction=0.5)
+                if name in ch:
+                    deltas.append(globalize(ch[name], new, view))
+        for d in deltas:
+            nnz[d.ckpt_name] += d.nnz
+        s = writer.encode(
+            deltas, kind=kind, version=version, base_version=base_version, first_index=rank, grouped=False
+        )
+        writer.put_shards(version, kind, s)
+        shards += s
+    tensors = {
+        n: TensorEntry(
+            shape=tuple(t.shape),
+            dtype=DTYPE_NAMES[t.dtype],
+            nnz=nnz[n],
+            shards=(),
+            checksums=tuple(parts[n]),
+            sketch=tensor_sketch(t),
+        )
+        for n, t in curr.items()
+    }
+    m = writer.manifest(
+        kind=kind,
+        version=version,
+        base_version=base_version,
+        shards=[(s.entry, list(s.tensors)) for s in shards],
+        tensors=tensors,
+    )
+    writer.commit(m)
+    return m
+
+
+def _stage_in(store: LocalStore, root: Path, version: int, kind: str = "delta", sub: str = "") -> StagedObject:
+    return stage_as_published(store, root / f"{sub}v{version}-{kind}", version, kind)  # type: ignore[arg-type]
+
+
+class _Live:
+    """What an engine serves, read at sorted flat indices; every read recorded."""
+
+    def __init__(self, tensors: dict[str, torch.Tensor]) -> None:
+        self.tensors = tensors
+        self.reads: list[tuple[str, int]] = []
+        self.lock = threading.Lock()
+
+    def __call__(self, name: str, indices: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        with self.lock:
+            self.reads.append((name, indices.numel()))
+        t = self.tensors[name]
+        assert t.dtype == dtype
+        return t.reshape(-1).index_select(0, indices)
+
+
+def _refuses(name: str, indices: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    raise FormatError(f"tensor {name!r}: this engine cannot read what it serves (not a tensor of the served model)")
+
+
+# ---------------------------------------------------------------------------------------------- fixtures
+
+
+@pytest.fixture
+def mixed(tmp_path: Path) -> tuple[LocalStore, dict[int, dict[str, torch.Tensor]]]:
+    """A packed chain v0 (anchor) .. v4 over bf16 matrices, a float32 tensor, a 1-element and a 0-d tensor:
+    v1 sparse, v2 dense-layout (most elements changed) plus the tiny tensors, v3 empty, v4 sparse over all."""
+    gen = torch.Generator().manual_seed(0)
+    s0 = {
+        "a": (torch.randn(64, 48, generator=gen) * 0.02).bfloat16(),
+        "f": torch.randn(33, generator=gen),
+        "one": torch.randn(1, generator=gen).bfloat16(),
+        "sc": torch.randn((), generator=gen).bfloat16(),
+    }
+    store = LocalStore(tmp_path / "store")
+    truth = {0: s0}
+    base = write_anchor(store, s0, version=0, encoding="packed")
+    prev = {k: v.clone() for k, v in s0.items()}
+    plan = {1: (0.05, None), 2: (0.95, {"a", "one", "sc"}), 3: (0.0, set()), 4: (0.3, None)}
+    for v, (frac, names) in plan.items():
+        curr = _step(truth[v - 1], frac, gen, names)
+        base = write_delta(
+            store, compute_delta(prev, curr, update_prev=True), state=curr, version=v, base=base, encoding="packed"
+        )
+        truth[v] = curr
+    return store, truth
+
+
+@pytest.fixture
+def spans(tmp_path: Path) -> tuple[LocalStore, dict[int, dict[str, torch.Tensor]]]:
+    """FSDP-style objects (2 ranks, one shard each): anchor v1 in dense spans, v2 mostly changed (dense spans),
+    v3 sparse spans; a bf16 matrix and a float32 matrix."""
+    gen = torch.Generator().manual_seed(1)
+    s0 = {"a": (torch.randn(64, 48, generator=gen) * 0.02).bfloat16(), "f": torch.randn(10, 3, generator=gen)}
+    store = LocalStore(tmp_path / "store")
+    truth = {0: s0, 1: _step(s0, 0.05, gen)}
+    truth[2] = _step(truth[1], 0.9, gen)
+    truth[3] = _step(truth[2], 0.1, gen)
+    _publish_spans(store, None, truth[1], version=1, base_version=None, kind="anchor")
+    _publish_spans(store, truth[1], truth[2], version=2, base_version=1, kind="delta")
+    _publish_spans(store, truth[2], truth[3], version=3, base_version=2, kind="delta")
+    return store, truth
+
+
+# ---------------------------------------------------------------------------------------------- exact
+
+
+def test_exact_catch_up_over_dense_empty_f32_and_one_element_tensors(mixed, tmp_path: Path) -> None:
+    store, truth = mixed
+    m2 = read_manifest(store, 2)
+    assert m2.tensors["a"].nnz > 0.9 * m2.tensors["a"].numel  # dense layout
+    assert read_manifest(store, 3).shards == ()  # the empty delta
+    live = _Live({k: v.clone() for k, v in truth[0].items()})
+    source = ServedValues(live)
+    state = {k: v.clone() for k, v in truth[0].items()}
+    for v in (1, 2, 3, 4):
+        m, deltas = read_staged(_stage_in(store, tmp_path / "stg", v), root=tmp_path / "stg", base=source)
+        source.advance(deltas)
+        state = dict(write(state, m, deltas))
+        _assert_bit_equal(state, truth[v])
+    # what was recorded as read from the engine equals the served values (never the session's overlay)
+    for name, parts in source.served.items():
+        for at, values in parts:
+            assert torch.equal(_bits(values), _bits(truth[0][name].reshape(-1)[at]))
+
+
+def test_exact_fsdp_span_shards_decoded_against_served_values(spans, tmp_path: Path) -> None:
+    store, truth = spans
+    assert len(read_manifest(store, 2).shards) == 2 and read_manifest(store, 2).tensors["a"].shards == (0, 1)
+    live = _Live({k: v.clone() for k, v in truth[1].items()})
+    source = ServedValues(live)
+    state = {k: v.clone() for k, v in truth[1].items()}
+    for v in (2, 3):
+        m, deltas = read_staged(_stage_in(store, tmp_path / "stg", v), root=tmp_path / "stg", base=source)
+        source.advance(deltas)
+        state = dict(write(state, m, deltas))
+        _assert_bit_equal(state, truth[v])
+    for name, parts in source.served.items():  # one part per span shard of v2, read from the engine
+        assert len(parts) == 2
+        for at, values in parts:
+            assert torch.equal(_bits(values), _bits(truth[1][name].reshape(-1)[at]))
+
+
+def test_exact_span_anchor_then_deltas(spans, tmp_path: Path) -> None:
+    store, truth = spans
+    stale = {k: torch.zeros_like(v) for k, v in truth[0].items()}  # whatever is served is overwritten
+    source = ServedValues(_Live(stale))
+    state = None
+    for v, kind in ((1, "anchor"), (2, "delta"), (3, "delta")):
+        m, deltas = read_staged(_stage_in(store, tmp_path / "stg", v, kind), root=tmp_path / "stg", base=source)
+        source.advance(deltas)
+        state = dict(write(state, m, deltas))
+        _assert_bit_equal(state, truth[v])
+    assert source.served == {}
+
+
+def test_span_anchor_then_delta_reads_nothing_the_engine_serves(spans, tmp_path: Path) -> None:
+    store, truth = spans
+    source = ServedValues(_refuses)
+    for v, kind in ((1, "anchor"), (2, "delta")):
+        _, deltas = read_staged(_stage_in(store, tmp_path / "stg", v, kind), root=tmp_path / "stg", base=source)
+        source.advance(deltas)
+
+
+def test_whole_anchor_then_delta_reads_nothing_the_engine_serves(mixed, tmp_path: Path) -> None:
+    store, truth = mixed
+    write_anchor(store, truth[3], version=3, encoding="packed")
+    source = ServedValues(_refuses)
+    for v, kind in ((3, "anchor"), (4, "delta")):
+        _, deltas = read_staged(_stage_in(store, tmp_path / "stg", v, kind), root=tmp_path / "stg", base=source)
+        source.advance(deltas)
+    assert source.served == {}
+
+
+# ---------------------------------------------------------------------------------------------- nothing else
+
+
+def _refused(obj: StagedObject, root: Path, base: Any, match: str, exc: type = FormatError) -> None:
+    with pytest.raises(exc, match=match):
+        read_staged(obj, root=root, base=base)
+
+
+def test_altered_shards_are_refused_before_any_served_value_is_read(spans, tmp_path: Path) -> None:
+    store, truth = spans
+    root = tmp_path / "stg"
+    obj = _stage_in(store, root, 3)
+    other = _stage_in(store, root, 2)
+    live = _Live(truth[2])
+    base = ServedValues(live)
+    s0 = Path(obj.shard_paths[0])
+    good = s0.read_bytes()
+
+    def with_shard0(data: bytes) -> None:
+        s0.write_bytes(data)
+        _refused(obj, root, base, "size|sha256|more than")
+        s0.write_bytes(good)
+
+    flipped = bytearray(good)
+    flipped[len(flipped) // 2] ^= 0x10
+    with_shard0(bytes(flipped))
+    with_shard0(good[:-1])  # truncated
+    with pytest.raises(FormatError, match="more than"):
+        s0.write_bytes(good + b"\0")  # extended: refused by its size, before it is read
+        read_staged(obj, root=root, base=base)
+    s0.write_bytes(good)
+    with_shard0(Path(other.shard_paths[0]).read_bytes())  # another version's shard
+    # the shards listed in another order, another object's shards, fewer or more paths than the manifest
+    for paths in (
+        obj.shard_paths[::-1],
+        other.shard_paths,
+        obj.shard_paths[:1],
+        (*obj.shard_paths, obj.shard_paths[0]),
+    ):
+        bad = dataclasses.replace(obj, shard_paths=tuple(paths))
+        _refused(bad, root, base, "size|sha256|staged shards|more than")
+    assert live.reads == []
+    # shard 0 twice: refused too, but only after shard 0 was decoded against served values (shards are checked
+    # one at a time, each just before it is decoded; nothing is returned, so nothing decoded is used)
+    _refused(dataclasses.replace(obj, shard_paths=(obj.shard_paths[0],) * 2), root, base, "size|sha256|more than")
+    read_staged(obj, root=root, base=base)  # the intact object still decodes
+
+
+def test_manifest_of_another_version_or_kind_is_refused(mixed, tmp_path: Path) -> None:
+    store, truth = mixed
+    root = tmp_path / "stg"
+    write_anchor(store, truth[4], version=4, encoding="packed")
+    obj = _stage_in(store, root, 4)
+    anchor = _stage_in(store, root, 4, "anchor")
+    older = _stage_in(store, root, 2)
+    for info in (
+        {**obj.to_update_info(), "manifest_path": older.manifest_path},  # v2's manifest for a v3 -> v4 message
+        {**obj.to_update_info(), "manifest_path": anchor.manifest_path},  # the anchor's manifest for the delta
+        {**anchor.to_update_info(), "manifest_path": obj.manifest_path},
+        {**obj.to_update_info(), "base_version": 2},
+        {**obj.to_update_info(), "version": 5},
+    ):
+        bad = StagedObject.from_update_info(info)
+        with pytest.raises(FormatError, match="the update message says"):
+            read_staged_manifest(bad, root=root)
+
+
+def test_links_paths_outside_directories_and_fifos_are_refused(mixed, tmp_path: Path) -> None:
+    store, truth = mixed
+    root = tmp_path / "stg"
+    obj = _stage_in(store, root, 1)
+    base = ServedValues(_refuses)
+    shard = Path(obj.shard_paths[0])
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    shutil.copy(shard, outside / shard.name)
+    shutil.copy(obj.manifest_path, outside / "manifest.json")
+    link_file = root / "link.safetensors"
+    link_file.symlink_to(shard)
+    link_dir = root / "linkdir"
+    link_dir.symlink_to(outside)
+    (root / "adir").mkdir()
+    fifo = root / "fifo"
+    os.mkfifo(fifo)
+    for shard_path in (
+        str(outside / shard.name),
+        f"{root}/../outside/{shard.name}",
+        str(link_file),
+        str(link_dir / shard.name),
+        str(root / "adir"),
+        str(fifo),
+        str(root / "missing"),
+        "relative/path",
+    ):
+        bad = dataclasses.replace(obj, shard_paths=(shard_path,))
+        with pytest.raises(FormatError, match="not inside|not a regular file|cannot read"):
+            read_staged(bad, root=root, base=base)
+    for manifest_path in (
+        str(outside / "manifest.json"),
+        str(root / "adir"),
+        str(fifo),
+        str(link_dir / "manifest.json"),
+    ):
+        bad = dataclasses.replace(obj, manifest_path=manifest_path)
+        with pytest.raises(FormatError, match="not inside|not a regular file|cannot read"):
+            read_staged(bad, root=root, base=base)
+    with pytest.raises(FormatError, match="no staging directory"):
+        read_staged(obj, root=None, base=base)
+
+
+@pytest.mark.parametrize("value", [1, 0, "true", None, [True], 1.0])
+def test_published_of_a_wrong_type_is_refused(value: Any) -> None:
+    info = {
+        "kind": "delta",
+        "version": 2,
+        "base_version": 1,
+        "manifest_path": "/s/m",
+        "shard_paths": ["/s/x"],
+        "published": value,
+    }
+    with pytest.raises(ValueError, match="published must be a bool"):
+        StagedUpdate.from_update_info({"objects": [info]})
+
+
+@pytest.mark.parametrize(
+    "patch",
+    [
+        {"version": True},
+        {"version": 2.0},
+        {"base_version": "1"},
+        {"shard_paths": "/s/x"},
+        {"shard_paths": [b"/s/x"]},
+        {"shard_paths": [""]},
+        {"manifest_path": ""},
+        {"kind": "Delta"},
+        {"extra": 1},
+    ],
+)
+def test_malformed_messages_are_refused(patch: dict[str, Any]) -> None:
+    info = {"kind": "delta", "version": 2, "base_version": 1, "manifest_path": "/s/m", "shard_paths": ["/s/x"]}
+    with pytest.raises(ValueError):
+        StagedObject.from_update_info({**info, "published": True, **patch})
+
+
+def test_a_shard_grown_to_gigabytes_is_refused_by_its_size_without_reading(mixed, tmp_path: Path) -> None:
+    store, truth = mixed
+    root = tmp_path / "stg"
+    obj = _stage_in(store, root, 1)
+    shard = Path(obj.shard_paths[0])
+    with open(shard, "r+b") as f:
+        f.truncate(8 << 30)  # a sparse 8 GiB file: reading it would allocate 8 GiB
+    t0 = time.perf_counter()
+    with pytest.raises(FormatError, match="more than"):
+        read_staged(obj, root=root, base=ServedValues(_refuses))
+    assert time.perf_counter() - t0 < 5
+
+
+# ---------------------------------------------------------------------------------------------- the engine
+
+
+def _engine(root: Path, holding: Holding, live: Any) -> Any:
+    from deltasync.vllm.engine import DeltaSyncWeightTransferEngine
+
+    eng = DeltaSyncWeightTransferEngine.__new__(DeltaSyncWeightTransferEngine)
+    eng.staging_root = str(root)
+    eng._mode = "reload"
+    eng._map_failed = False
+    eng._staged = None
+    eng.allow_rollback = False
+    eng._served_reads = {}
+    eng.holding = lambda: holding
+    eng._served_values = live
+    return eng
+
+
+def test_engine_refuses_a_delta_on_another_base_before_reading_served_values(mixed, tmp_path: Path) -> None:
+    store, truth = mixed
+    root = tmp_path / "stg"
+    m0 = read_manifest(store, 0, "anchor")
+    live = _Live(truth[1])
+    eng = _engine(root, Holding(version=1, spec=m0.spec), live)
+    for objects in ([_stage_in(store, root, 4)], [_stage_in(store, root, 3), _stage_in(store, root, 4)]):
+        with pytest.raises(UpdateRefused) as caught:
+            eng._read(StagedUpdate(objects=tuple(objects)))
+        assert caught.value.reason == RefusalReason.BASE
+    assert live.reads == []
+    # the right base is read (only the changed elements) and decodes exactly
+    ((m, deltas),) = eng._read(StagedUpdate(objects=(_stage_in(store, root, 2),)))
+    _assert_bit_equal(dict(write({k: v.clone() for k, v in truth[1].items()}, m, deltas)), truth[2])
+    assert sum(n for _, n in live.reads) == m.nnz
+
+
+def test_engine_decodes_only_the_manifest_it_admitted(mixed, tmp_path: Path, monkeypatch) -> None:
+    store, truth = mixed
+    root = tmp_path / "stg"
+    obj = _stage_in(store, root, 2)
+    # another model's delta v1 -> v2 (another tensor set), as published to another store
+    gen = torch.Generator().manual_seed(7)
+    foreign = {"z": (torch.randn(40, 40, generator=gen) * 0.02).bfloat16()}
+    other = LocalStore(tmp_path / "other")
+    b = write_anchor(other, foreign, version=0)
+    prev = {k: v.clone() for k, v in foreign.items()}
+    f1 = _step(foreign, 0.1, gen)
+    b = write_delta(other, compute_delta(prev, f1, update_prev=True), state=f1, version=1, base=b)
+    f2 = _step(f1, 0.1, gen)
+    write_delta(other, compute_delta(prev, f2, update_prev=True), state=f2, version=2, base=b)
+    foreign_obj = _stage_in(other, tmp_path / "foreign", 2)
+
+    import deltasync.vllm.engine as engine_mod
+
+    admitted = engine_mod.read_staged_manifest
+
+    def then_swap(o: StagedObject, *, root: Any) -> DeltaManifest:
+        m = admitted(o, root=root)
+        # what a writer of the staging directory does right after the engine admitted the object
+        os.replace(shutil.copy(foreign_obj.manifest_path, Path(o.manifest_path).with_suffix(".x")), o.manifest_path)
+        for src, dst in zip(foreign_obj.shard_paths, o.shard_paths, strict=True):
+            os.replace(shutil.copy(src, dst + ".x"), dst)
+        return m
+
+    monkeypatch.setattr(engine_mod, "read_staged_manifest", then_swap)
+    m0 = read_manifest(store, 0, "anchor")
+    reads: list[str] = []
+
+    def live(name: str, indices: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        reads.append(name)
+        if name not in truth[1]:
+            return torch.zeros(indices.numel(), dtype=dtype)
+        return truth[1][name].reshape(-1).index_select(0, indices)
+
+    eng = _engine(root, Holding(version=1, spec=m0.spec), live)
+    try:
+        eng._read(StagedUpdate(objects=(obj,)))
+    except (UpdateRefused, ValueError):
+        pass
+    assert "z" not in reads, "a tensor of a manifest the engine never admitted was read from what it serves"
+
+
+# ---------------------------------------------------------------------------------------------- the overlay
+
+_D = TensorDelta(ckpt_name="t", shape=(64,), dtype=torch.bfloat16, indices=None, values=torch.zeros(64).bfloat16())
+"""A template entry of tensor ``t``."""
+
+
+def test_overlay_never_mutates_earlier_objects_values_and_records_only_live_reads() -> None:
+    n = 64
+    live_t = {"t": torch.arange(n, dtype=torch.float32).bfloat16()}
+    live = _Live(live_t)
+    src = ServedValues(live)
+
+    def delta(idx, vals, span=None):
+        return dataclasses.replace(
+            _D,
+            indices=None if idx is None else torch.tensor(idx, dtype=torch.int64),
+            values=torch.tensor(vals, dtype=torch.float32).bfloat16(),
+            span=span,
+        )
+
+    d1 = delta([1, 5, 9], [100.0, 500.0, 900.0])
+    got = src.values_at("t", (n,), torch.bfloat16, torch.tensor([1, 5, 9]))
+    assert torch.equal(got, live_t["t"][[1, 5, 9]])
+    src.advance([d1])
+    d2 = delta(None, list(range(1000, 1000 + n)))  # written whole
+    src.advance([d2])
+    keep2 = d2.values.clone()
+    d3 = delta(None, [7.0] * 8, span=(8, 16))  # a dense span on top of a whole tensor
+    src.advance([d3])
+    d4 = delta([0, 63], [-1.0, -2.0])
+    src.advance([d4])
+    assert torch.equal(_bits(d2.values), _bits(keep2)), "the whole tensor of an earlier object was changed"
+    got = src.values_at("t", (n,), torch.bfloat16, torch.tensor([0, 8, 20, 63]))
+    assert got.tolist() == [-1.0, 7.0, 1020.0, -2.0]
+    got = src.values_at("t", (n,), torch.bfloat16, torch.arange(n))
+    assert torch.equal(_bits(d2.values), _bits(keep2))
+    # only the first read (before any overlay) was recorded, with the live values
+    assert list(src.served) == ["t"] and len(src.served["t"]) == 1
+    assert torch.equal(src.served["t"][0][1], live_t["t"][[1, 5, 9]])
+    assert live.reads == [("t", 3)]
+
+
+def test_overlay_sparse_then_sparse_reads_live_without_recording_and_merges() -> None:
+    live_t = {"t": torch.arange(32, dtype=torch.float32).bfloat16()}
+    src = ServedValues(_Live(live_t))
+    first = dataclasses.replace(
+        _D, shape=(32,), indices=torch.tensor([2, 4]), values=torch.tensor([-2.0, -4.0]).bfloat16()
+    )
+    src.advance([first])
+    then = dataclasses.replace(
+        _D, shape=(32,), indices=torch.tensor([4, 6]), values=torch.tensor([40.0, 60.0]).bfloat16()
+    )
+    src.advance([then])
+    keep = first.values.clone()
+    got = src.values_at("t", (32,), torch.bfloat16, torch.tensor([2, 3, 4, 6]))
+    assert got.tolist() == [-2.0, 3.0, 40.0, 60.0]
+    assert torch.equal(first.values, keep)
+    assert src.served == {}  # overlay reads are never recorded as served values
+    assert live_t["t"][4].item() == 4.0  # the live tensor itself untouched
+
+
+def test_concurrent_values_at_records_every_first_read() -> None:
+    names = [f"t{i}" for i in range(64)]
+    tensors = {n: torch.randn(256).bfloat16() for n in names}
+    barrier = threading.Barrier(8)
+
+    def live(name: str, indices: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        time.sleep(0.0005)
+        return tensors[name].index_select(0, indices)
+
+    src = ServedValues(live)
+    errors: list[BaseException] = []
+
+    def work(k: int) -> None:
+        try:
+            barrier.wait()
+            for rep in range(4):
+                for n in names[k::8]:
+                    idx = torch.arange(rep, 256, 7)
+                    got = src.values_at(n, (256,), torch.bfloat16, idx)
+                    assert torch.equal(_bits(got), _bits(tensors[n][idx]))
+        except BaseException as exc:  # noqa: BLE001
+            errors.append(exc)
+
+    threads = [threading.Thread(target=work, args=(k,)) for k in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+    assert sorted(src.served) == sorted(names) and all(len(p) == 4 for p in src.served.values())

@@ -1,10 +1,11 @@
-"""Adversarial review of LoRA mode (issue 24), without vLLM: hostile format 1.4 manifests, adapter objects whose
-tensors are not the adapter their manifest names, the publisher's view of PEFT adapters vLLM cannot load, and the
-served directory's writes (renames, never in place; no planted link followed).
+"""LoRA mode without vLLM: the adapter served is the adapter published.
 
-Each test asserts a promise. The five holes the review found are closed; their tests failed before the fix:
-tensors that are not the adapter the manifest names, PEFT's ``lora_bias`` and ``trainable_token_indices``, a link
-planted at the temporary name, an integer alpha beyond any float (and, on the engine, the served configuration)."""
+A hostile format 1.4 adapter manifest is a FormatError naming the field (an integer alpha beyond any float
+included); an adapter object whose tensors are not the adapter its manifest names is refused; an adapter PEFT
+can publish but vLLM cannot load (``lora_bias``, ``trainable_token_indices``, embedding targets, DoRA) never
+reaches a LoRA receiver; the served directory holds the published version as PEFT loads it, its files replaced
+by rename, never written in place, and no link planted in it (at a served name or the temporary one) is
+followed."""
 
 from __future__ import annotations
 

@@ -1,7 +1,8 @@
-"""Adversarial review r6 of the linear sketch (float64 histograms, a direct path for few words, one matrix-vector
-product per block of chunks): compared word by word with an exact reference written from the module docstring's
-definition (its own splitmix64, uint64 arithmetic that wraps mod 2**64 exactly), over partitions in any order,
-chunk and 2**32-word boundaries, fp32 word pairs, extreme words, and the offsets table's growth across threads."""
+"""The linear sketch against an exact reference written from its definition (docs/FORMAT.md: its own splitmix64,
+uint64 arithmetic that wraps mod 2**64 exactly), word by word: ``sketch_range``, ``sketch_at`` and
+``sketch_change`` over partitions in any order, chunk and 2**32-word boundaries, fp32 word pairs and extreme words;
+the changed elements of tensors far larger than memory (past the chunk-offset table's cap); and the offsets
+table grown by two threads at once."""
 
 from __future__ import annotations
 
@@ -182,3 +183,103 @@ def test_r6_the_offsets_table_grown_by_two_threads_at_once_never_gives_a_wrong_s
     assert a_at_return.is_set() and b_done.is_set(), "the interleaving was not reached"
     want = _ref(_words(chunk5), np.arange(5 * S._CHUNK, 6 * S._CHUNK, dtype=np.uint64))
     assert result["a"] == want, f"thread A got {result['a']!r}, the definition says {want}"
+
+
+_M64 = (1 << 64) - 1
+_CHUNK = 1 << 16
+
+
+# --- the sketch from the changed elements far into huge tensors, against a vectorized reference ------------------
+
+
+def _sm(x: np.ndarray) -> np.ndarray:
+    with np.errstate(over="ignore"):
+        z = x + np.uint64(0x9E3779B97F4A7C15)
+        z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+        return z ^ (z >> np.uint64(31))
+
+
+def _ref_per_word(words: np.ndarray, word_idx: np.ndarray) -> tuple[int, int, int, int]:
+    """``sum_i words[i] * (W[i mod 2**16] + V[i // 2**16]) mod 2**64`` straight from docs/FORMAT.md's definition,
+    one weight per word (no histograms, no chunk table)."""
+    i = word_idx.astype(np.uint64)
+    k = np.arange(4, dtype=np.uint64)
+    with np.errstate(over="ignore"):
+        w = (
+            _sm((i % np.uint64(_CHUNK))[:, None] * np.uint64(4) + k + (np.uint64(1) << np.uint64(56))) >> np.uint64(45)
+        ) | np.uint64(1)
+        v = (
+            _sm((i // np.uint64(_CHUNK))[:, None] * np.uint64(4) + k + (np.uint64(2) << np.uint64(56))) >> np.uint64(45)
+        ) & ~np.uint64(1)
+        lanes = (words.astype(np.int64).astype(np.uint64)[:, None] * (w + v)).sum(0, dtype=np.uint64)
+    a, b, c, d = (int(x) & _M64 for x in lanes)
+    return a, b, c, d
+
+
+def _word_values(t: torch.Tensor) -> np.ndarray:
+    return t.reshape(-1).contiguous().view(torch.uint16).numpy().astype(np.int64)
+
+
+def _word_idx(idx: np.ndarray, per: int) -> np.ndarray:
+    return (idx[:, None] * per + np.arange(per)).reshape(-1) if per > 1 else idx
+
+
+def _bits_random(n: int, dtype: torch.dtype, g: torch.Generator) -> torch.Tensor:
+    ints = {2: torch.int16, 4: torch.int32, 8: torch.int64}[dtype.itemsize]
+    info = torch.iinfo(ints)
+    return torch.randint(info.min, info.max, (n,), generator=g, dtype=torch.int64).to(ints).view(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32, torch.float64], ids=str)
+@pytest.mark.parametrize(
+    "where",
+    [
+        "one-element",
+        "two-chunks-apart",
+        "straddles-the-table-cap",  # first chunk below 2**16 chunks, last beyond: the table and computed offsets
+        "far-beyond-the-table-cap",
+        "dense-run-across-a-chunk-edge-far-away",
+    ],
+)
+def test_sketch_change_and_sketch_at_far_into_huge_tensors_match_the_definition(dtype: torch.dtype, where: str) -> None:
+    """``_weighted`` reads chunk offsets from a table capped at 2**16 chunks and computes the rest: the changed
+    elements of a tensor far larger than memory (indices only), in either order, known increasing or not, with
+    negative differences (any bits), must move the sketch exactly as the definition says."""
+    g = torch.Generator().manual_seed(hash((str(dtype), where)) & 0xFFFF)
+    per = dtype.itemsize // 2
+    cap_elements = (_CHUNK << 16) // per  # the first element whose words lie past the table's last chunk
+    idx = {
+        "one-element": np.array([cap_elements + 12_345]),
+        "two-chunks-apart": np.array([65_535 // per, 3 * _CHUNK // per + 1]),
+        "straddles-the-table-cap": np.array(
+            [cap_elements - 3 * _CHUNK // per - 1, cap_elements - 1, cap_elements, cap_elements + 70_000]
+        ),
+        "far-beyond-the-table-cap": np.sort(
+            np.unique(np.array([2**34 + 5, 2**34 + _CHUNK, 2**34 + 3 * _CHUNK + 9, 2**34 + 7 * _CHUNK]))
+        ),
+        "dense-run-across-a-chunk-edge-far-away": np.arange(2**35 - 500, 2**35 + 700),
+    }[where].astype(np.int64)
+    n = idx.size
+    new, old = _bits_random(n, dtype, g), _bits_random(n, dtype, g)
+    at = torch.from_numpy(idx)
+    wi = _word_idx(idx, per)
+    want_change = _ref_per_word(_word_values(new) - _word_values(old), wi)
+    for increasing in (False, True):
+        assert sketch_change(new, old, at, increasing=increasing) == want_change, increasing
+    perm = torch.randperm(n, generator=g)
+    assert sketch_change(new[perm], old[perm], at[perm]) == want_change  # unsorted: the scatter path
+    assert sketch_at(new, at) == _ref_per_word(_word_values(new), wi)
+    assert sub_sketches(sketch_at(new[perm], at[perm]), sketch_at(old, at)) == want_change
+    if where.startswith("dense-run"):  # a contiguous run: sketch_range (per-chunk offsets, no table) agrees
+        assert add_sketches(sketch_range(old, int(idx[0])), want_change) == sketch_range(new, int(idx[0]))
+
+
+def test_sketch_change_of_nothing_and_of_no_change_is_zero_anywhere() -> None:
+    """Empty, and a 'change' to the same bits at indices past the table cap, move nothing."""
+    for dtype in (torch.bfloat16, torch.float32):
+        empty = torch.empty(0, dtype=dtype)
+        assert sketch_change(empty, empty, torch.empty(0, dtype=torch.int64), increasing=True) == (0, 0, 0, 0)
+        same = _bits_random(5, dtype, torch.Generator().manual_seed(1))
+        at = torch.tensor([3, 2**20, 2**33, 2**33 + 1, 2**33 + 5 * 2**16])
+        assert sketch_change(same, same.clone(), at, increasing=True) == (0, 0, 0, 0)

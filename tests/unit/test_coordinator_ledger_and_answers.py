@@ -1,6 +1,9 @@
-"""Attacks on the control plane's promises (issue 12), found by an adversarial review of 0374e40 that saw only
-the public interface (its scripts started real coordinators; the cases that need a server process are in
-``tests/integration/test_coordinator_server.py``). Each test replays the reviewer's artifact."""
+"""The coordinator's ledger and answers, attacked through the public interface (the cases that need a server
+process are in ``tests/integration/test_coordinator_server.py``): one ledger file has one coordinator, by whatever
+path it is reached, with no lock file to plant; a file or database that is not this ledger is refused clearly;
+weak or contradictory credentials are refused; one forged report does not degrade the ledger for good; health never
+touches a locked database; pins, plans and the shared answer cache are bounded; refusals name the run and say
+why."""
 
 from __future__ import annotations
 

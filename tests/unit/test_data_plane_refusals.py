@@ -1,6 +1,10 @@
-"""Attacks on the data plane's promises (issue 11), found by an adversarial review of 0374e40 that saw only the
-public interface. Each test replays the reviewer's artifact: before the fix it lost data, served weights no
-publisher registered, or crashed the agent; now it must be refused with a clear error or be harmless."""
+"""The data plane serves only what a publisher registered, and loses nothing: staged files are never written
+through a planted link or outside the staging directory; a malformed or swapped staged file never serves; the
+engine's version is never relabelled; two runs signed by one key are never mixed; one planted anchor does not
+break the registered chain; tensor names cannot forge a fingerprint collision; a deeply nested signature or
+directory is refused or skipped; the agent outlives an answer it cannot parse; a failed fetch leaves nothing
+staged. Each test plants what a store writer or a network client can, then checks the refusal is clear or the
+attack harmless."""
 
 from __future__ import annotations
 

@@ -1,5 +1,6 @@
-"""Adversarial review: the ranks' changes to tensors held in parts are added up before the first write (promise 1c),
-through the real ``ProvingEngine._prove`` (built by hand, no vLLM) and ``_VllmTarget.prepare``."""
+"""The ranks' changes to tensors held in parts are added up before the first write, through the engine's real
+proof (``ProvingEngine._prove``, built by hand, no vLLM) and ``_VllmTarget.prepare``; a drifted base at a changed
+element is the documented limit."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from deltasync.staging import read_staged
 from deltasync.targets.base import combine_changes
 from deltasync.testing.stream import UpdateStream
 from tests.support.staging import stage_as_published
-from tests.unit.test_adversary_tp_decode import TP, Rank
+from tests.unit.test_tp_decode import TP, Rank
 
 proof = pytest.importorskip("deltasync.vllm.proof")
 

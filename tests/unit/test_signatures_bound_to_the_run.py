@@ -1,4 +1,4 @@
-"""Signatures bound to a run (issue 21): one signing key often serves many runs (a team's key), so a reader that
+"""Signatures bound to a run: one signing key often serves many runs (a team's key), so a reader that
 trusts the key but has no coordinator must still never read another run's validly signed objects as this run's.
 Each test plants real objects of run A, published by a real Publisher with the shared key, into run B's store."""
 

@@ -1,12 +1,16 @@
-"""Adversarial review of LoRA mode (issue 24) on a real vLLM (CPU, ``enable_lora``, ``max_lora_rank=8``).
+"""LoRA mode on a real vLLM (CPU, ``enable_lora``, ``max_lora_rank=8``): the served adapter is exactly the version.
+
+A catch-up across an anchor after a restart and an rsLoRA adapter with a fractional alpha serve as a fresh load
+does; any change to the served configuration, or a stray write into what vLLM computes with, is drift; a failure
+past the first write unlabels the engine until an anchor; what the engine cannot serve (an adapter above
+``max_lora_rank``, an engine without ``enable_lora``, an adapter object for a full-weights engine or the reverse,
+another base, a first anchor whose tensors are not its adapter) is refused before any write, and an agent for
+another base never keeps a fresh engine's claim.
 
 One engine for the module. Each test starts from a fresh deltasync engine in it (what a vLLM restart gives the
 deltasync backend: nothing known, the served directory as the last engine left it), claims it in ``lora`` mode on
 its own served directory, and drives it with objects staged as an agent stages them. No test generates with an
-adapter the engine should have refused: vLLM's engine core dies on an adapter its loader refuses.
-
-The holes it found are closed (a first anchor whose tensors are not its adapter; a served configuration that differs
-from the version, now drift); their tests failed before the fix."""
+adapter the engine should have refused: vLLM's engine core dies on an adapter its loader refuses."""
 
 from __future__ import annotations
 
