@@ -6,7 +6,8 @@ published objects against what it serves (one rank or tensor parallel ranks in p
 fetched, and the agent keeps no copy of the model; for another (pipeline parallel in place), the agent decodes each
 object against its host copy, proves it against the manifest's checksums, and stages it decoded. The engine, not
 the agent, is the truth about what is served: its version, health, run and the highest version it has served come
-from it on every sync.
+from it on every sync. The steps before the pause (fetch, admit, stage, and the host copy) are
+:class:`~deltasync._stager.Stager`'s; this module is the state machine around them.
 
 What it promises (docs/RELIABILITY.md):
 
@@ -27,20 +28,17 @@ from __future__ import annotations
 import dataclasses
 import logging
 import secrets
-import shutil
 import tempfile
 import threading
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from . import apply
-from ._fetch import ObjectFetcher
 from ._gc import quiet_gc
-from ._localfs import ensure_dir
+from ._stager import Stager
 from .client import CoordinatorClient, SyncPlan
 from .config import AgentConfig
 from .errors import (
@@ -48,17 +46,14 @@ from .errors import (
     CoordinatorError,
     DeltaSyncError,
     EngineUnproven,
-    IntegrityError,
     RefusalReason,
     RunMismatch,
     UpdateRefused,
     VersionGapError,
 )
-from .layout import object_prefix
-from .manifest import DeltaManifest, ShardEntry
-from .reader import Trust, decode_object, read_manifest, read_weights
+from .reader import Trust, read_manifest
 from .signing import VerifyKey
-from .staging import StagedObject, StagedUpdate, in_memory, stage_object, stage_published
+from .staging import StagedUpdate
 from .store.base import Store
 from .targets.base import EngineClaim, EngineState, EngineTarget
 from .targets.vllm import OfflineLLMTarget
@@ -125,30 +120,31 @@ class Agent:
         self.verify_key = verify_key
         root = self.config.staging_dir or tempfile.mkdtemp(prefix="deltasync-agent-")
         self.staging = Path(root).resolve()  # no symlink on the way: engines accept files only from under it
-        self.host: dict[str, torch.Tensor] | None = None
-        """The agent's copy of the engine's weights (``packed`` deltas decode against it)."""
-        self.host_version: int | None = None
-        self.fetcher = ObjectFetcher(
+        self.stager = Stager(
             store,
-            self.staging / "cache",
+            self.staging,
+            self.config,
             verify_key=verify_key,
-            retries=self.config.retries,
-            backoff_s=self.config.backoff_s,
-            workers=self.config.fetch_workers,
-            name=self.config.agent_id,
+            in_process=getattr(target, "in_process", False),
         )
+        """Fetches, admits and stages each update, and keeps the host copy (:mod:`deltasync._stager`)."""
         self.started = False
         self.needs_anchor = False
         self.last_version: int | None = None
         """The engine's version at the end of the last sync."""
         self.last_error: str | None = None
         self._paused_for_lag = False
-        self._integrity_failures = 0
         self.session = secrets.token_hex(8)
         """This agent process's claim on its engine (:class:`~deltasync.targets.EngineClaim`)."""
         self.drift: str | None = None
         """The last drift a proof found, reported with every heartbeat until a whole-state proof passes again."""
         self._proved_at: float | None = None  # monotonic time of the last whole-state proof that passed
+
+    @property
+    def host(self) -> dict[str, torch.Tensor] | None:
+        """The agent's copy of the engine's weights (``packed`` deltas decode against it); ``None`` while the
+        engine decodes published objects itself, or until the copy is rebuilt."""
+        return self.stager.host
 
     @classmethod
     def for_llm(
@@ -297,7 +293,7 @@ class Agent:
         timings: dict[str, float] = {}
         with quiet_gc():  # no full collection of a large host process in the middle of an update (deltasync._gc)
             try:
-                update, staged = self._prepare(plan, st, timings)
+                update, staged = self.stager.prepare(plan, st, timings)
             except UpdateRefused as exc:
                 self._release_if_not_ours(exc, st)
                 raise
@@ -315,10 +311,10 @@ class Agent:
             else:
                 failed = False
             finally:
-                self._cleanup(staged)
+                self.stager.cleanup(staged)
         if failed:
             return self._restore_from_anchor(st.version, timings)
-        self._integrity_failures = 0
+        self.stager.integrity_failures = 0
         self.last_version = plan.to_version
         if self.drift is not None:
             self._proved_at = None  # restored: prove the whole state at the next sync, then stop reporting drift
@@ -434,38 +430,12 @@ class Agent:
                     reason=RefusalReason.ROLLBACK,
                 ) from None
             raise
-        if plan.route == "deltas" and held is not None and self.host_version != held and not self._stages_published(st):
-            if self._rebuild_host(held) is None:  # the delta route needs the engine's version in host memory
+        stager = self.stager
+        if plan.route == "deltas" and held is not None and not stager.stages_published(st):
+            # the delta route needs the engine's version in host memory
+            if stager.host_version != held and not stager.rebuild_host(held, self._trust()):
                 plan = self.coordinator.plan(None)
         return plan
-
-    def _rebuild_host(self, held: int) -> int | None:
-        """The engine's version in host memory (the delta route needs it), authenticated against the ledger."""
-        try:
-            self.host = read_weights(self.store, held, trust=self._trust())
-            self.host_version = held
-            self._integrity_failures = 0
-            return held
-        except IntegrityError as exc:
-            self._integrity_failures += 1
-            if self._integrity_failures < self.config.integrity_fallback_after:
-                raise
-            logger.warning(
-                "agent %s: v%d cannot be rebuilt from the store (%s; %d times): catching up from an anchor",
-                self.config.agent_id,
-                held,
-                exc,
-                self._integrity_failures,
-            )
-        except (DeltaSyncError, OSError) as exc:
-            logger.warning(
-                "agent %s: cannot rebuild v%d on the host (%s): catching up from an anchor",
-                self.config.agent_id,
-                held,
-                exc,
-            )
-        self.host, self.host_version = None, None
-        return None
 
     def _check_rollback(self, plan: SyncPlan, st: EngineState) -> None:
         if st.high_water is None or plan.to_version >= st.high_water:
@@ -497,110 +467,6 @@ class Agent:
             self.target.pause()
             self._paused_for_lag = True
 
-    def _stages_published(self, st: EngineState) -> bool:
-        """Whether objects go to the engine as fetched (it decodes them against what it serves, and this agent
-        keeps no copy of the model), or decoded against this agent's host copy."""
-        return st.decodes and not getattr(self.target, "in_process", False)
-
-    def _prepare(self, plan: SyncPlan, st: EngineState, timings: dict[str, float]) -> tuple[StagedUpdate, list[Path]]:
-        """Fetch, authenticate, admit, then stage: as fetched for an engine that decodes, otherwise decoded into
-        the host copy and checked against the manifest's checksums. No engine calls."""
-        t0 = time.perf_counter()
-        manifests = [self.fetcher.manifest(step.version, step.kind, step.checksum) for step in plan.steps]
-        holding = apply.Holding(
-            version=st.version if st.healthy else None,
-            healthy=st.healthy,
-            run_id=st.run_id,
-            high_water=st.high_water,
-            model_id=st.model_id,
-            adapter_base=st.adapter_base,
-            adapter=st.adapter,
-        )
-        for m, _ in manifests:  # refuse another model's or run's objects before fetching a single shard
-            if st.fingerprint is not None and m.model_fingerprint != st.fingerprint:
-                raise UpdateRefused(
-                    f"{self.store.uri}: {m.kind} v{m.version} is for another model (fingerprint "
-                    f"{m.model_fingerprint[:19]}...), the engine serves {st.fingerprint[:19]}...; point this agent "
-                    "at the run of the model it serves",
-                    reason=RefusalReason.MODEL,
-                )
-            apply.admit(
-                m,
-                holding,
-                where=f"{self.store.uri}/{object_prefix(m.version, m.kind)}",
-                target=plan.to_version,
-                allow_rollback=self.config.allow_rollback,
-            )
-            holding = holding.after(m)
-        objects: list[StagedObject] = []
-        dirs: list[Path] = []
-        if self._stages_published(st):
-            self.host, self.host_version = None, None  # the engine decodes against what it serves
-            # a local store's shards are linked unread: the engine hashes each against the manifest before decoding
-            dirs = [self._staging_dir(m) for m, _ in manifests]
-            try:
-                linked = [
-                    [self.fetcher.link_unread(m, e, d / e.file) for e in m.shards]
-                    for (m, _), d in zip(manifests, dirs, strict=True)
-                ]
-                shards = self.fetcher.shards([m for m, _ in manifests], skip=linked)
-                t1 = time.perf_counter()
-                for (m, data), blobs, d, done in zip(manifests, shards, dirs, linked, strict=True):
-                    objects.append(stage_published(d, m, data, blobs, link=self._linker(m, done)))
-            except BaseException:  # a fetch that failed: nothing of this update stays staged
-                for d in dirs:
-                    shutil.rmtree(d, ignore_errors=True)
-                raise
-            timings.update(fetch=t1 - t0, decode=0.0, stage=time.perf_counter() - t1)
-            return StagedUpdate(objects=tuple(objects)), dirs
-        shards = self.fetcher.shards([m for m, _ in manifests])
-        t1 = time.perf_counter()
-        stage_s = 0.0
-        host, host_version = self.host, self.host_version
-        in_process = getattr(self.target, "in_process", False)  # an engine in this process takes the objects
-        try:
-            for (m, data), blobs in zip(manifests, shards, strict=True):
-                where = f"{self.store.uri}/{object_prefix(m.version, m.kind)}"
-                # the fetcher checked each shard's size and sha256 as it fetched (ObjectFetcher._shard)
-                deltas = decode_object(m, blobs, where=where, base=host, checked=True)
-                host = dict(apply.write(host, m, deltas))  # the agent's own copy, proven below
-                if m.kind == "anchor" and in_process:  # own it: the staged entries must keep this version's values
-                    host = {n: t.clone() for n, t in host.items()}
-                apply.verify(host, m, names=None if m.kind == "anchor" else {d.ckpt_name for d in deltas})
-                host_version = m.version
-                ts = time.perf_counter()
-                if in_process:
-                    objects.append(in_memory(m, deltas))
-                else:
-                    directory = self._staging_dir(m)
-                    # files only: the host copy (whose tensors an anchor's entries are) moves on with later objects
-                    objects.append(dataclasses.replace(stage_object(directory, m, data, deltas), deltas=None))
-                    dirs.append(directory)
-                stage_s += time.perf_counter() - ts
-        except BaseException:
-            self.host, self.host_version = None, None  # partly updated: rebuild on the next sync
-            raise
-        self.host, self.host_version = host, host_version
-        timings.update(fetch=t1 - t0, decode=time.perf_counter() - t1 - stage_s, stage=stage_s)
-        return StagedUpdate(objects=tuple(objects)), dirs
-
-    def _linker(self, m: DeltaManifest, done: list[bool]) -> Callable[[ShardEntry, Path], bool]:
-        """How :func:`stage_published` names object ``m``'s shards: linked already (``done``, by position), else a
-        link to the fetched, verified bytes (the fetcher's cached copy), else ``False`` (it writes them)."""
-        position = {e.file: k for k, e in enumerate(m.shards)}
-
-        def link(entry: ShardEntry, path: Path) -> bool:
-            return done[position[entry.file]] or self.fetcher.link_shard(m, entry, path)
-
-        return link
-
-    def _staging_dir(self, m: DeltaManifest) -> Path:
-        """A fresh directory of this agent's own (unpredictable name): nothing planted can redirect its writes."""
-        name = f"v{m.version:08d}" + ("-anchor-" if m.kind == "anchor" else "-")
-        directory = Path(tempfile.mkdtemp(prefix=name, dir=ensure_dir(self.staging)))
-        directory.chmod(0o755)  # the engine may run as another user
-        return directory
-
     def _apply(self, update: StagedUpdate, timings: dict[str, float]) -> None:
         """Prepare (engines that read and plan before the pause), pause, apply, resume, audit (engines that read
         their live parameters back). On a refusal the engine resumes with its old weights and label; on a
@@ -611,7 +477,7 @@ class Agent:
             try:
                 prepare(update)  # a refusal here comes before the pause: the engine keeps serving
             except VersionGapError:
-                self.host, self.host_version = None, None  # re-planned from the engine's real version
+                self.stager.forget_host()  # re-planned from the engine's real version
                 raise
             timings["prepare"] = time.perf_counter() - tp
         t0 = time.perf_counter()
@@ -623,7 +489,7 @@ class Agent:
             self.needs_anchor = False
         except VersionGapError:
             # the engine holds another version than it reported: re-plan from its real version
-            self.host, self.host_version = None, None
+            self.stager.forget_host()
             raise
         except UpdateRefused as exc:
             if exc.reason is not RefusalReason.UNHEALTHY:
@@ -667,7 +533,7 @@ class Agent:
         the anchor route), the host copy no longer matches it, and it stays paused meanwhile (``pause=False``:
         the caller holds it paused already)."""
         self.needs_anchor = True
-        self.host, self.host_version = None, None
+        self.stager.forget_host()
         if pause:
             self.target.pause()
 
@@ -688,22 +554,17 @@ class Agent:
         self._heartbeat(None, "unhealthy", last_error=self.target.state().detail[:_MAX_ERROR_CHARS])
         plan = self.coordinator.plan(None)
         st = self.target.state()
-        update, staged = self._prepare(plan, st, timings)
+        update, staged = self.stager.prepare(plan, st, timings)
         try:
             self._apply(update, timings)
         finally:
-            self._cleanup(staged)
+            self.stager.cleanup(staged)
         self.last_version = plan.to_version
         self._proved_at = None  # prove the restored state whole at the next sync
         self._heartbeat(plan.to_version, "idle", timings=timings)
         return SyncResult(
             from_version=before, to_version=plan.to_version, route="anchor", timings=timings, bytes=plan.bytes
         )
-
-    def _cleanup(self, objects: list[Path]) -> None:
-        for directory in objects:
-            shutil.rmtree(directory, ignore_errors=True)
-        self.fetcher.clear()
 
     def _heartbeat(
         self,
