@@ -7,6 +7,7 @@ import hashlib
 import json
 import secrets
 import threading
+import time
 from collections.abc import Generator
 
 import httpx
@@ -60,16 +61,19 @@ class EngineAuth(httpx.Auth):
                 counter = self._counter
             target = request.url.raw_path.decode("ascii")
             body = hashlib.sha256(request.content).hexdigest()
-            mac = request_mac(self._token, nonce, counter, request.method, target, body)
-            request.headers[ENGINE_AUTH_HEADER] = f"v1 {nonce} {counter} {mac}"
+            signed_ms = int(time.time() * 1000)
+            mac = request_mac(self._token, (nonce, counter, signed_ms), request.method, target, body)
+            request.headers[ENGINE_AUTH_HEADER] = f"v1 {nonce} {counter} {signed_ms} {mac}"
             response = yield request
             response.read()
-            self._verify(request, response, nonce, counter)
             if response.status_code == 401 and _code(response) == "nonce" and attempt == 0:
+                # the server restarted, the nonce aged, or a request came out of order: nothing of this answer is
+                # believed; the next attempt proves the server again before it signs anything
                 with self._lock:
                     if self._nonce == nonce:
-                        self._nonce = None  # the server restarted, or the nonce aged: prove it again
+                        self._nonce = None
                 continue
+            self._verify(request, response, nonce, counter)
             return
 
     def _challenge(self, request: httpx.Request) -> Generator[httpx.Request, httpx.Response, str]:

@@ -21,9 +21,10 @@ process on the host may bind it) would receive a credential sent in a header. de
 1. ``GET /deltasync/guard?challenge=C`` (C: the client's random hex) answers a server nonce N and
    ``HMAC(credential, "deltasync-engine-proof-v1" C N)``: a server that cannot compute it is not the engine, and
    the client stops there, having revealed nothing;
-2. every administrative request carries ``X-DeltaSync-Engine-Auth: v1 N K M`` with a counter K (never twice
-   per nonce) and ``M = HMAC(credential, ... N K method path?query sha256(body))``: the request, not the
-   credential, is authenticated, and a captured one cannot be replayed or altered;
+2. every administrative request carries ``X-DeltaSync-Engine-Auth: v1 N K T M`` with a counter K (above the last
+   one accepted under N), the client's time T and ``M = HMAC(credential, ... N K T method path?query
+   sha256(body))``: the request, not the credential, is authenticated; a captured one cannot be altered,
+   replayed, reordered, or delayed by more than :data:`REQUEST_WINDOW_S`;
 3. every answer to an authenticated request carries ``X-DeltaSync-Engine-Proof: HMAC(credential, ... N K status
    sha256(body))``: the client believes no answer the engine did not sign.
 
@@ -42,7 +43,6 @@ import os
 import re
 import secrets
 import time
-from collections import OrderedDict
 from collections.abc import Mapping
 from typing import Any
 from urllib.parse import parse_qs
@@ -72,15 +72,19 @@ ENGINE_TOKEN_FILE_ENV = "DELTASYNC_ENGINE_TOKEN_FILE"
 ENGINE_TOKEN_HEADER = "X-DeltaSync-Engine-Token"
 """The request header that carries it (an operator's tool; deltasync's clients sign instead)."""
 ENGINE_AUTH_HEADER = "X-DeltaSync-Engine-Auth"
-"""A signed administrative request: ``v1 <nonce> <counter> <mac>`` (:func:`request_mac`)."""
+"""A signed administrative request: ``v1 <nonce> <counter> <ms> <mac>`` (:func:`request_mac`)."""
 ENGINE_PROOF_HEADER = "X-DeltaSync-Engine-Proof"
 """The server's signature of its answer to a signed request (:func:`response_proof`)."""
 GUARD_ROUTE = "/deltasync/guard"
 """``GET``: open; says that the guard is installed; with ``?challenge=`` the server proves it holds the credential."""
 NONCE_TTL_S = 3600.0
 """How long a server nonce signs requests (a client asks for a new one when refused)."""
-MAX_SIGNED_BODY = 16 << 20
-"""A signed request's body is read whole to be verified: larger ones are refused (413) before they are read."""
+MAX_SIGNED_BODY = 1 << 20
+"""A signed request's body is read whole to be verified (the agent's are a few KiB): larger ones are refused (413)
+before they are read, and only under a nonce this server issued."""
+REQUEST_WINDOW_S = 30.0
+"""A signed request is accepted within this many seconds of the time it was signed at (the agent and vLLM share a
+host, and its clock), and only after every request signed before it under the same nonce."""
 _CHALLENGE = re.compile(r"[0-9a-f]{32,128}")
 MIN_TOKEN_CHARS = 16
 LOG_BURST = 20
@@ -197,9 +201,12 @@ def challenge_proof(token: str, challenge: str, nonce: str) -> str:
     return _mac(token, "deltasync-engine-proof-v1", challenge, nonce)
 
 
-def request_mac(token: str, nonce: str, counter: int, method: str, target: str, body_sha256: str) -> str:
-    """The signature of one administrative request (``target``: the path and, after ``?``, the raw query)."""
-    return _mac(token, "deltasync-engine-request-v1", nonce, str(counter), method.upper(), target, body_sha256)
+def request_mac(token: str, signed: tuple[str, int, int], method: str, target: str, body_sha256: str) -> str:
+    """The signature of one administrative request: ``signed`` is (nonce, counter, the client's time in ms);
+    ``target`` the path and, after ``?``, the raw query."""
+    nonce, counter, signed_ms = signed
+    parts = (nonce, str(counter), str(signed_ms), method.upper(), target, body_sha256)
+    return _mac(token, "deltasync-engine-request-v1", *parts)
 
 
 def response_proof(token: str, nonce: str, counter: int, status: int, body_sha256: str) -> str:
@@ -209,12 +216,15 @@ def response_proof(token: str, nonce: str, counter: int, status: int, body_sha25
 
 class _Nonces:
     """Server nonces: stateless to issue (anyone may ask), checked by their own HMAC under a secret of this
-    process and their age; the counters seen with each are kept only for nonces that signed a valid request
-    (a bounded set, grown only by the credential's holder), so no request is accepted twice."""
+    process and their age. Requests signed under a nonce must come in the order they were signed (a counter
+    above the last one accepted) and within :data:`REQUEST_WINDOW_S` of their own time: whoever relays them (a
+    process on vLLM's port) can delay one by that much at most, never reorder two, never replay one. The last
+    counter is kept per nonce while a request signed under it could still be fresh; only valid signatures (the
+    credential's holders) add to that state."""
 
     def __init__(self) -> None:
         self._secret = secrets.token_bytes(32)
-        self._seen: OrderedDict[str, tuple[int, set[int]]] = OrderedDict()
+        self._last: dict[str, tuple[int, float]] = {}  # nonce -> (last counter accepted, when)
 
     def issue(self) -> str:
         body = f"{int(time.time()):x}.{secrets.token_hex(16)}"
@@ -232,19 +242,17 @@ class _Nonces:
             return False
         return secrets.compare_digest(want, parts[2]) and -60 <= age <= NONCE_TTL_S
 
-    def fresh(self, nonce: str, counter: int, window: int = 4096) -> bool:
-        """Record ``counter`` for ``nonce``; False if it was seen, or is too far behind the newest (replay)."""
-        top, seen = self._seen.pop(nonce, (0, set()))
-        if counter in seen or counter <= top - window:
-            self._seen[nonce] = (top, seen)
+    def accept(self, nonce: str, counter: int, signed_ms: int) -> bool:
+        """Record a validly signed request; False if it is out of order, replayed, or not fresh."""
+        now = time.time()
+        if abs(now - signed_ms / 1000) > REQUEST_WINDOW_S:
             return False
-        seen.add(counter)
-        top = max(top, counter)
-        if len(seen) > 2 * window:
-            seen = {c for c in seen if c > top - window}
-        self._seen[nonce] = (top, seen)
-        while len(self._seen) > 256:
-            self._seen.popitem(last=False)
+        for key in [k for k, (_, at) in self._last.items() if now - at > 2 * REQUEST_WINDOW_S]:
+            del self._last[key]  # any request still signed under it is stale by its own time
+        last, _ = self._last.get(nonce, (0, now))
+        if counter <= last:
+            return False
+        self._last[nonce] = (counter, now)
         return True
 
 
@@ -362,12 +370,17 @@ class EngineGuard:
         assert self._token is not None
         fields = auth.split(" ")
         length = headers.get(b"content-length", b"0")
-        if len(fields) != 4 or fields[0] != "v1" or not fields[2].isdigit() or not length.isdigit():
+        if len(fields) != 5 or fields[0] != "v1" or not (fields[2] + fields[3] + length.decode()).isdigit():
             await self._refuse(scope, send, "http", method, path, True)
             return
-        _, nonce, counter_text, mac = fields
+        if not self._nonces.valid(fields[1]):  # before a byte of the body is read: only nonces this server issued
+            stale = "deltasync: this server did not issue that nonce, or it expired: ask for a new one (a challenge)"
+            await _send_json(send, 401, {"error": stale, "code": "nonce"})
+            return
+        _, nonce, counter_text, signed_ms, mac = fields
+        too_large = {"error": f"deltasync: a signed request's body is at most {MAX_SIGNED_BODY} bytes"}
         if int(length) > MAX_SIGNED_BODY:  # refused by its length, before a byte of it is read
-            await _send_json(send, 413, {"error": f"deltasync: a signed request's body is at most {MAX_SIGNED_BODY}"})
+            await _send_json(send, 413, too_large)
             return
         chunks, size, more = [], 0, True
         while more:
@@ -377,9 +390,7 @@ class EngineGuard:
             chunk = message.get("body", b"")
             size += len(chunk)
             if size > MAX_SIGNED_BODY:
-                await _send_json(
-                    send, 413, {"error": f"deltasync: a signed request's body is at most {MAX_SIGNED_BODY}"}
-                )
+                await _send_json(send, 413, too_large)
                 return
             chunks.append(chunk)
             more = bool(message.get("more_body", False))
@@ -389,13 +400,18 @@ class EngineGuard:
         signed_path = raw_path.decode("latin-1") if isinstance(raw_path, bytes) else path
         target = f"{signed_path}?{query}" if query else signed_path
         counter = int(counter_text)
-        want = request_mac(self._token, nonce, counter, method, target, hashlib.sha256(body).hexdigest())
+        signed = (nonce, counter, int(signed_ms))
+        want = request_mac(self._token, signed, method, target, hashlib.sha256(body).hexdigest())
         if not secrets.compare_digest(want, mac):
             await self._refuse(scope, send, "http", method, path, True)
             return
-        if not self._nonces.valid(nonce) or not self._nonces.fresh(nonce, counter):
-            detail = {"error": "deltasync: the nonce is unknown, expired or used with this counter: ask for a new one"}
-            await _send_signed(send, self._token, nonce, counter, 401, {**detail, "code": "nonce"})
+        if not self._nonces.accept(nonce, counter, int(signed_ms)):
+            detail = {
+                "error": "deltasync: a signed request out of order, replayed, or signed more than "
+                f"{REQUEST_WINDOW_S:g} s ago: sign it again (after a new challenge)",
+                "code": "nonce",
+            }
+            await _send_signed(send, self._token, nonce, counter, 401, detail)
             return
         delivered = False
 

@@ -208,3 +208,58 @@ def test_a_signed_client_reads_inference_routes_too() -> None:
     with _client(EngineGuard(inner, token=TOKEN)) as client:
         assert client.post("/v1/completions", json={"prompt": "x"}).json()["path"] == "/v1/completions"
         assert client.get("/health").status_code == 200
+
+
+def _signed_headers(path: str, body: bytes, *, counter: int, signed_ms: int, nonce: str) -> dict[str, str]:
+    import hashlib
+
+    from deltasync.vllm.guard import request_mac
+
+    mac = request_mac(TOKEN, (nonce, counter, signed_ms), "POST", path, hashlib.sha256(body).hexdigest())
+    return {ENGINE_AUTH_HEADER: f"v1 {nonce} {counter} {signed_ms} {mac}"}
+
+
+def _nonce(client: httpx.Client) -> str:
+    answer = client.get("/deltasync/guard", params={"challenge": "ab" * 16}).json()
+    return str(answer["nonce"])
+
+
+def test_a_relay_cannot_reorder_delay_or_replay_signed_requests() -> None:
+    """A relay on vLLM's port holds a signed request back and delivers it after a later one, or late, or twice
+    (after the guard has seen many other nonces): each is refused; the engine sees the requests in the order
+    they were signed, each once, and only while fresh."""
+    import time
+
+    inner = _Recorder()
+    guard = EngineGuard(inner, token=TOKEN)
+    with _served(guard) as client:
+        nonce = _nonce(client)
+        now = int(time.time() * 1000)
+        held = _signed_headers("/update_weight_version", b"5", counter=1, signed_ms=now, nonce=nonce)
+        later = _signed_headers("/update_weight_version", b"6", counter=2, signed_ms=now, nonce=nonce)
+        assert client.post("/update_weight_version", content=b"6", headers=later).status_code == 200
+        late = client.post("/update_weight_version", content=b"5", headers=held)
+        assert late.status_code == 401 and late.json()["code"] == "nonce"  # out of order
+        stale = _signed_headers("/pause", b"", counter=3, signed_ms=now - 60_000, nonce=nonce)
+        assert client.post("/pause", headers=stale).status_code == 401  # signed a minute ago
+        for _ in range(300):  # many other clients' nonces do not push this one's state out
+            _nonce(client)
+        assert client.post("/update_weight_version", content=b"6", headers=later).status_code == 401  # replay
+    assert [body for _, _, body in inner.seen] == [b"6"]
+
+
+def test_a_junk_signature_costs_no_body_read_and_bodies_are_capped() -> None:
+    """A caller without the credential sends large bodies under a made-up or a real (open) nonce: refused by the
+    header alone, or by its length, before the body is read."""
+    import time
+
+    from deltasync.vllm.guard import MAX_SIGNED_BODY
+
+    inner = _Recorder()
+    with _served(EngineGuard(inner, token=TOKEN)) as client:
+        big = b"x" * (MAX_SIGNED_BODY + 1)
+        junk = client.post("/pause", content=big, headers={ENGINE_AUTH_HEADER: "v1 a.b.c 1 1 00"})
+        assert junk.status_code == 401 and junk.json()["code"] == "nonce"
+        headers = _signed_headers("/pause", big, counter=1, signed_ms=int(time.time() * 1000), nonce=_nonce(client))
+        assert client.post("/pause", content=big, headers=headers).status_code == 413
+    assert inner.seen == []
