@@ -1,6 +1,6 @@
 """Apply benchmark (run by hand; asserts nothing): the serving pause per update, side by side, on vLLM's CPU build
-at Qwen3-0.6B shapes (``load_format="dummy"``), kept current by the in-process agent from the DESIGN section 7
-update stream.
+at Qwen3-0.6B shapes (``load_format="dummy"``), kept current by the in-process agent from the update stream of
+``deltasync.testing.stream``.
 
 Two engines, one after the other:
 

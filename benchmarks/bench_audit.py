@@ -1,5 +1,5 @@
 """Whole-state proof benchmark (run by hand; asserts nothing): what one audit pass costs at Qwen3-0.6B shapes
-(DESIGN section 7: 310 tensors, 596M bf16 elements), against a warm memcpy of the model measured in the same
+(310 tensors, 596M bf16 elements), against a warm memcpy of the model measured in the same
 process.
 
 One pass is what every rank does every ``--audit-interval-s``: the linear sketch (:mod:`deltasync.sketch`) of

@@ -1,4 +1,4 @@
-"""Codec benchmark on the DESIGN section 7 workload at Qwen3-0.6B size (run by hand; asserts nothing).
+"""Codec benchmark on the update stream of ``deltasync.testing`` at Qwen3-0.6B size (run by hand; asserts nothing).
 
 Per step (2..N; step 1 is Adam's warm-up): changed fraction; bytes per changed element and file size
 for `raw`, `packed` and the peer baselines computed on the same deltas (TRL-style int32 indices + bf16

@@ -1,7 +1,7 @@
 """Unit costs for docs/SCALING.md (run by hand; asserts nothing but bit-exactness): bytes and decode time per
 element of one delta in each layout (sparse, dense) and encoding (raw, packed = byte planes + zstd), and of an
-anchor, on the DESIGN section 7 workload with Qwen3-0.6B layer shapes but only ``--layers`` layers (the full
-vocabulary kept), so it runs in a few GB on a shared CPU. Decode = ``decode_shard`` + the host-copy write.
+anchor, on the update stream of ``deltasync.testing`` with Qwen3-0.6B layer shapes but only ``--layers`` layers
+(the full vocabulary kept), so it runs in a few GB on a shared CPU. Decode = ``decode_shard`` + the host-copy write.
 
     python benchmarks/bench_layouts.py [--layers 4] [--steps 3] [--lr 1e-6]
     python benchmarks/bench_layouts.py --layers 1 --steps 1      # the smallest real run (~20 s, ~6 GB)
@@ -47,7 +47,7 @@ def main() -> None:
     rows = []
     for step in range(1, args.steps + 2):
         curr = stream.step()
-        if step == 1:  # Adam's warm-up step (DESIGN section 7): not reported
+        if step == 1:  # Adam's warm-up step: not reported
             prev = curr
             continue
         for layout, fraction in (("sparse", 0.5), ("dense", 1e-9)):

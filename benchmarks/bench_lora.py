@@ -1,4 +1,4 @@
-"""LoRA adapter replaced in place in a running vLLM (issue 24's engine side; run by hand, asserts nothing).
+"""LoRA adapter replaced in place in a running vLLM (the engine side; run by hand, asserts nothing).
 
 A Qwen3-0.6B engine (dummy weights, vLLM on CPU, ``enable_lora``) serves a rank-16 adapter on all seven linear
 modules of every layer (about 10M adapter parameters, 20 MB in bf16); each version replaces it in its slot

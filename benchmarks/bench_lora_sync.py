@@ -1,4 +1,4 @@
-"""LoRA sync, side by side in one run (issue 24; run by hand, asserts nothing): the adapter itself against today's
+"""LoRA sync, side by side in one run (run by hand, asserts nothing): the adapter itself against today's
 merged path, at Qwen3-0.6B shapes, rank 16 on all seven linear modules of every layer.
 
 One trainer (a PEFT model on the Qwen3-0.6B architecture, random bf16 base, float32 adapters as PEFT keeps them)

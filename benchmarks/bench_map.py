@@ -1,5 +1,5 @@
 """Patch map build benchmark (run by hand; asserts nothing): what one engine pays at start to learn where each
-checkpoint element lives (issue 22), on vLLM's CPU build with plain weights (``DELTASYNC_VLLM_PLAIN_WEIGHTS=1``,
+checkpoint element lives, on vLLM's CPU build with plain weights (``DELTASYNC_VLLM_PLAIN_WEIGHTS=1``,
 ``load_format="dummy"``), next to its memory floor measured in the same worker: one copy of the model's
 parameters (``clone``, one parameter at a time).
 

@@ -1,4 +1,5 @@
-"""Publisher benchmark on the DESIGN section 7 workload at Qwen3-0.6B shapes (run by hand; asserts nothing).
+"""Publisher benchmark on the update stream of ``deltasync.testing`` at Qwen3-0.6B shapes (run by hand; asserts
+nothing).
 
 One process: the time ``publish`` blocks the training thread (copy + cast of fp32 master weights to bf16)
 against one memcpy of the bf16 model into an existing buffer, measured in the same run, and the
@@ -98,7 +99,7 @@ def _rank(rank: int, world: int, port: int, tmp: str, steps: int, config: dict) 
     fully_shard(model)
     names = {n.replace(".", "__"): n for n in shapes}
     params = dict(model.named_parameters())
-    # the DESIGN section 7 update stream, run by each rank on its own rows
+    # the update stream, run by each rank on its own rows
     stream = UpdateStream({k: p.to_local() for k, p in params.items()}, seed=rank)
     rows = []
     with Publisher(

@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 import math
 
-MODELS = {"0.6B": 596e6, "8B": 8.2e9, "70B": 70.6e9, "1T": 1.0e12}  # elements (0.6B: DESIGN section 7)
+MODELS = {"0.6B": 596e6, "8B": 8.2e9, "70B": 70.6e9, "1T": 1.0e12}  # elements (0.6B: Qwen3-0.6B, 310 tensors)
 REPLICAS = (10, 100, 1000)
 MIB_64 = 64 << 20  # an agent reports fetching/applying heartbeats for plans this large (agent.py)
 
@@ -28,7 +28,7 @@ def _f(x: float) -> str:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--changed-fraction", type=float, default=0.02, help="assumption (DESIGN: 1-3%%)")
+    p.add_argument("--changed-fraction", type=float, default=0.02, help="assumption (1-3%% in real RL runs)")
     p.add_argument("--delta-B-per-elem", type=float, default=1.23, help="measured, packed sparse, 2.0%% changed")
     p.add_argument("--anchor-B-per-elem", type=float, default=1.42, help="measured, packed anchor")
     p.add_argument("--anchor-every", type=int, default=20, help="PublisherConfig default")

@@ -1,7 +1,7 @@
 """GPU check of the engine's update path with deltasync's own code (run by hand; asserts nothing but its own
 bit-exactness and the proof's verdicts): the patch map's build, an engine's first sync from a ``raw`` anchor, and
 steady ``packed`` deltas at ~2.5% changed elements, each part next to its memory floor measured in the same process
-(issue 22: "``benchmarks/gpu/`` gains the same for a GPU").
+(the GPU counterpart of ``benchmarks/bench_map.py`` and ``benchmarks/bench_apply.py``).
 
 The GPU machines this runs on have torch but no vLLM (and nothing can be installed there but carried wheels:
 zstandard), so the engine's own methods (``deltasync.vllm.proof``, which imports vLLM) cannot run there. This

@@ -1,4 +1,4 @@
-"""A realistic update stream (DESIGN section 7): fp32 master weights trained by AdamW on noise, cast to bf16."""
+"""A realistic update stream: fp32 master weights trained by AdamW on noise, cast to bf16."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ __all__ = ["UpdateStream"]
 class UpdateStream:
     """A realistic stream of bf16 weights: fp32 master weights trained by AdamW on noise.
 
-    DESIGN section 7: AdamW (betas 0.9/0.999, eps 1e-8, no weight decay), gradients
+    The workload every benchmark and bit-exact test uses: AdamW (betas 0.9/0.999, eps 1e-8, no weight decay), gradients
     ~N(0, grad_std), a bf16 cast after each step. With lr 1e-6 about 1-3% of bf16 elements
     change per step, as measured in real RL runs. Deterministic for a given seed.
 

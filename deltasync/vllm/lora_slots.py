@@ -1,4 +1,4 @@
-"""A served LoRA adapter's weights replaced in place, in the slot vLLM already holds it in (issue 24, first part).
+"""A served LoRA adapter's weights replaced in place, in the slot vLLM already holds it in.
 
 vLLM keeps each active adapter in one slot of per-layer stacked buffers (``lora_a_stacked[i][slot, 0, :r, :in]``,
 ``lora_b_stacked[i][slot, 0, :out, :r]``, one per packed slice, sliced per rank at TP > 1), with the scaling

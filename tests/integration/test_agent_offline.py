@@ -1,5 +1,5 @@
 """The in-process agent keeps an offline vLLM (CPU, reload mode) bit-exact over a realistic stream, and the
-real engine refuses what it must refuse (issue 11 row 2: another model; a failure past the first write)."""
+real engine refuses what it must refuse (another model; a failure past the first write)."""
 
 from __future__ import annotations
 
@@ -238,9 +238,9 @@ def foreign(tmp_path_factory: pytest.TempPathFactory) -> LocalStore:
 def test_another_models_anchor_and_delta_are_refused_before_any_write(
     vllm_engine: Any, world: World, foreign: LocalStore
 ) -> None:
-    """Issue 11 row 2, with the real engine (observed on 30759d7): the foreign anchor went unchecked into the
-    engine (embed_tokens, lm_head, norms), which then reported unhealthy while still serving its old label, and
-    a later good anchor never restored health."""
+    """An anchor of another model, with the real engine, is refused before it reaches the engine (embed_tokens,
+    lm_head, norms): the engine never reports unhealthy while serving its old label, and a later good anchor
+    leaves it healthy."""
     at = world.publisher.version
     target = OfflineLLMTarget(vllm_engine)
     before = effective(vllm_engine)
@@ -266,7 +266,7 @@ def test_another_models_anchor_and_delta_are_refused_before_any_write(
 def test_a_failure_past_the_first_write_unlabels_the_engine_until_an_anchor_restores_it(
     vllm_engine: Any, world: World, agent: Agent
 ) -> None:
-    """Issue 11 row 2: after any failure past the first write, the engine never serves under the old label; a
+    """After any failure past the first write, the engine never serves under the old label; a
     successful anchor restores health."""
     at = world.publisher.version
     new = world.publisher.step(anchor=True)
@@ -294,8 +294,8 @@ def test_a_failure_past_the_first_write_unlabels_the_engine_until_an_anchor_rest
 
 
 def test_the_offline_target_closes_its_own_dangling_session(vllm_engine: Any, world: World, agent: Agent) -> None:
-    """Issue 11 row 2 (observed): the offline engine could not close its own session (vLLM leaves its update
-    flag set when finish raises); the agent now closes a dangling session without a restart."""
+    """A dangling update session (vLLM leaves its update flag set when finish raises) is closed by the agent
+    without a restart."""
     at = world.publisher.version
     vllm_engine.start_weight_update()  # a caller that died inside a session
     assert status(vllm_engine)["session_active"]
@@ -309,7 +309,7 @@ def test_the_offline_target_closes_its_own_dangling_session(vllm_engine: Any, wo
 def test_an_agent_pointed_at_another_models_run_reports_refused_and_keeps_serving(
     vllm_engine: Any, world: World, agent: Agent, foreign: LocalStore, tmp_path: Path
 ) -> None:
-    """Issue 11 row 2, end to end: the agent refuses before fetching a shard and never takes the anchor route."""
+    """Another model, end to end: the agent refuses before fetching a shard and never takes the anchor route."""
     at = world.publisher.version
     with ServerThread(create_app(coordinator_settings(tmp_path))) as server:
         with CoordinatorClient(server.url, token=PUBLISHER_TOKEN) as pub:

@@ -65,7 +65,7 @@ def test_a_sidecar_killed_mid_stream_resumes_at_the_engines_real_version(stack: 
 
 
 # ---------------------------------------------------------------------------------------------------- the boundary
-# Issue 20: a caller who reaches vLLM's port and holds no engine credential (a rollout worker, an environment
+# A caller who reaches vLLM's port and holds no engine credential (a rollout worker, an environment
 # running model-written code) tries every way in. Each is refused, and the engine keeps serving exactly what it
 # served, under the same label, bit for bit.
 

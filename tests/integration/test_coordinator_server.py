@@ -1,7 +1,7 @@
 """The coordinator as a real process (uvicorn; a SQLite file, or PostgreSQL where marked): restarts, races,
-long-pollers, and the operator's failure modes of issue 12 (no credentials, SIGTERM and copies, two
-coordinators, a damaged or locked file, file-descriptor limits, TLS); on PostgreSQL, several coordinators on one
-database (issue 14) and a database server restarted under them."""
+long-pollers, and the operator's failure modes (no credentials, SIGTERM and copies, two coordinators, a damaged
+or locked file, file-descriptor limits, TLS); on PostgreSQL, several coordinators on one database and a database
+server restarted under them."""
 
 from __future__ import annotations
 
@@ -170,8 +170,8 @@ def _coordinator(db: Path, *args: str, env: dict[str, str] | None = None) -> sub
 
 
 def test_without_credentials_the_process_refuses_to_start(tmp_path: Path) -> None:
-    """Issue 12 row 1 (observed): no tokens (also with --host 0.0.0.0) started with a warning, and an
-    unauthenticated POST /v1/gc deleted the real anchor."""
+    """With no tokens (also with --host 0.0.0.0) the process exits 1 naming what to set: it never starts with a
+    warning, where an unauthenticated POST /v1/gc could delete the real anchor."""
     for args in ((), ("--host", "0.0.0.0")):
         proc = _coordinator(tmp_path / "l.db", *args)
         assert proc.returncode == 1
@@ -184,8 +184,8 @@ def test_without_credentials_the_process_refuses_to_start(tmp_path: Path) -> Non
 
 @pytest.mark.sqlite
 def test_sigterm_checkpoints_so_the_db_file_alone_is_complete(tmp_path: Path) -> None:
-    """Issue 12 row 5 (observed): after SIGTERM the connection was never closed (a 323 KB ledger.db beside a
-    4.1 MB -wal); copying only ledger.db lost 145 of 2000 versions silently."""
+    """SIGTERM closes the connection and checkpoints the WAL, so the ledger.db file alone (without its -wal) holds
+    every registered version: a copy of that one file loses nothing."""
     with CoordinatorProcess(tmp_path / "ledger.db", env=TOKENS_ENV) as proc, publishing(proc.url) as pub:
         pub.register(version_body(0, "anchor"))
         for v in range(1, 400):
@@ -253,8 +253,8 @@ def test_backup_of_a_running_coordinator_restores(tmp_path: Path, server: Coordi
 
 @pytest.mark.sqlite
 def test_health_answers_fast_and_requests_get_503_while_the_database_is_locked(tmp_path: Path) -> None:
-    """Issue 12 row 6 (observed): a database held locked for 40 s stalled every request, and /healthz returned
-    a bare 500 after 31 s."""
+    """A database held locked by another session: requests are 503 after --db-timeout-s, never stalled, and
+    /healthz answers at once from memory, never a bare 500."""
     args = ["--db-timeout-s", "1"]
     with CoordinatorProcess(tmp_path / "ledger.db", env=TOKENS_ENV, args=args) as proc, publishing(proc.url) as pub:
         pub.register(version_body(0, "anchor"))
@@ -286,7 +286,8 @@ def test_health_answers_fast_and_requests_get_503_while_the_database_is_locked(t
 
 @pytest.mark.anyio
 async def test_long_polls_beyond_the_cap_at_a_low_file_limit_are_503_not_resets(tmp_path: Path) -> None:
-    """Issue 12 row 6 (observed): 1,100 long-polls at nofile 1024 reset 94 connections."""
+    """Long-polls beyond --max-long-polls at a low open-files limit are told 503 (retry later); no connection
+    is reset."""
     prefix = ["prlimit", "--nofile=256:256"]
     args = ["--max-long-polls", "150", "--max-wait-s", "3"]
     with CoordinatorProcess(tmp_path / "ledger.db", env=TOKENS_ENV, args=args, prefix=prefix) as proc:
@@ -306,8 +307,8 @@ async def test_long_polls_beyond_the_cap_at_a_low_file_limit_are_503_not_resets(
 
 
 def test_tls_with_a_certificate_made_in_the_test(tmp_path: Path) -> None:
-    """Issue 12 row 7: bearer tokens crossed hosts in clear text; the coordinator speaks TLS and clients verify
-    it against a CA bundle."""
+    """Bearer tokens never cross hosts in clear text: the coordinator speaks TLS and clients verify it against a
+    CA bundle."""
     ca, cert, key = make_certificates(tmp_path / "tls")
     args = ["--ssl-certfile", str(cert), "--ssl-keyfile", str(key)]
     with CoordinatorProcess(tmp_path / "ledger.db", env=TOKENS_ENV, args=args, ca_bundle=ca) as proc:
@@ -331,9 +332,9 @@ def _rss_mib(pid: int) -> float:
 
 
 def test_an_endless_request_head_is_431_before_it_costs_memory(server: CoordinatorProcess) -> None:
-    """Found by the adversarial review of 0374e40: uvicorn serves with httptools, which buffers an unfinished
-    header line without limit (``h11_max_incomplete_event_size`` applies to h11 only): 128 MiB of one header
-    grew the server from 250 to 460 MiB before any check ran."""
+    """An endless request head is refused (431) before it costs memory: uvicorn's httptools buffers an
+    unfinished header line without limit (``h11_max_incomplete_event_size`` applies to h11 only), so 128 MiB of
+    one header would grow the server by as much before any check ran."""
     import socket
 
     assert server.proc is not None
@@ -361,8 +362,8 @@ def test_an_endless_request_head_is_431_before_it_costs_memory(server: Coordinat
 
 @pytest.mark.anyio
 async def test_abandoned_long_polls_give_their_slots_back(tmp_path: Path) -> None:
-    """Found by the adversarial review of 0374e40: 50 clients that opened a long-poll and hung up kept all 50
-    slots (of 50) for the whole wait; a real agent got 503 on every poll."""
+    """Clients that open a long-poll and hang up give their slots back at once: they cannot hold every slot for
+    the whole wait while a real agent gets 503 on every poll."""
     import socket
 
     args = ["--max-long-polls", "10", "--max-wait-s", "30"]
@@ -383,9 +384,9 @@ async def test_abandoned_long_polls_give_their_slots_back(tmp_path: Path) -> Non
 
 @pytest.mark.sqlite
 def test_a_second_coordinator_through_a_hard_link_exits_naming_the_holder(server: CoordinatorProcess) -> None:
-    """Found by the adversarial review of 0374e40: a coordinator on a hard link of the ledger started beside
-    the first (the lock file was named after the path; SQLite's WAL is too): both granted lease epoch 1, both
-    acknowledged different v0..v2, and the first one's registrations were gone after both stopped."""
+    """A coordinator on a hard link of the ledger exits naming the holder: a lock named after the path (as
+    SQLite's WAL is) would let both start, both grant lease epoch 1, both acknowledge different v0..v2, and the
+    first one's registrations be gone after both stopped."""
     link = server.db.with_name("hard.db")
     link.hardlink_to(server.db)
     out = subprocess.run(
@@ -450,7 +451,7 @@ def _poll_wake_ms(url: str, after: int, n: int, publish) -> list[float]:
 
 @pytest.mark.postgres
 def test_two_coordinators_on_one_postgres_share_the_run_wake_each_other_and_fence(tmp_path: Path, pg_url: str) -> None:
-    """Issue 14: a version registered through A is listed by B and wakes B's long-polls (< 1 s, median over 5
+    """A version registered through A is listed by B and wakes B's long-polls (< 1 s, median over 5
     publishes of 50 pollers); a second publisher through B is refused while A's holds the lease; racing
     registrations of one version through A and B: exactly one row."""
     with _two_coordinators(pg_url, tmp_path, ["--max-wait-s", "20"]) as (a, b), publishing(a.url) as pub:

@@ -1,4 +1,4 @@
-"""Several coordinator replicas of one ledger (issue 14), with real processes: the publisher and agents are
+"""Several coordinator replicas of one ledger, with real processes: the publisher and agents are
 configured with every replica's URL and go on through another when theirs dies.
 
 On SQLite one coordinator at a time may serve the file (an ``flock``), so the SQLite story is a **standby**:

@@ -441,7 +441,7 @@ def test_oversized_headers_bodies_traversal_and_tokens(tmp_path: Path, coordinat
             == 403
         )
         assert http.post("/v1/gc", headers={"Authorization": f"Bearer {AGENT_TOKEN}"}).status_code == 403
-        assert http.get("/v1/agents").status_code == 401  # issue 12 row 2: reads need a token too
+        assert http.get("/v1/agents").status_code == 401  # reads need a token too
     log = coordinator.log_path.read_text()
     assert PUBLISHER_TOKEN not in log and AGENT_TOKEN not in log and "Bearer" not in log
 

@@ -64,8 +64,8 @@ def test_sidecar_killed_mid_fetch_or_mid_apply_converges(world: ServerStack, poi
     recovery_s = time.monotonic() - t0
     world.assert_served(pub.version)
     assert world.server.admin_json("GET", "/is_paused")["is_paused"] is False
-    # regression, found by this test: recover() called /finish_weight_update with no session open, which raises
-    # in every worker (and with TP > 1 desyncs vLLM's executor, vLLM #49972); it now asks the workers first
+    # recover() asks the workers before it calls /finish_weight_update: with no session open, finish raises in
+    # every worker (and with TP > 1 desyncs vLLM's executor, vLLM #49972)
     assert "without a matching start_weight_update" not in (world.tmp / "vllm.log").read_text()
     world.stop_agents()
     print(

@@ -1,11 +1,10 @@
-"""Issue 11 row 5 (unbounded reads): hostile files in a store cost a clear FormatError/StoreError and little
-memory, never a crash. Each case runs ``deltasync verify`` in a fresh subprocess that reports the error class
-and its peak RSS above the baseline (after imports); the bound is 300 MB.
+"""Bounded reads: hostile files in a store cost a clear FormatError/StoreError and little memory, never a
+crash. Each case runs ``deltasync verify`` in a fresh subprocess that reports the error class and its peak RSS
+above the baseline (after imports); the bound is 300 MB.
 
-Observed on 30759d7: a valid 473-byte packed shard declaring nnz 2**28 with zero value planes cost 529 MiB in
-`verify`, and at 2**34 raised numpy's _ArrayMemoryError; a 1 GiB sparse manifest was read whole (1.3 GB RSS)
-before the cap was checked, and at 64 GiB: MemoryError; a shard symlinked to /dev/zero was read until
-MemoryError.
+The cases: a valid 473-byte packed shard declaring nnz 2**28 (and 2**34) with zero value planes, which an
+unchecked decoder would expand to gigabytes; a 1 GiB and a 64 GiB sparse manifest, which must be refused by size
+before they are read; a shard symlinked to /dev/zero, which must never be read.
 """
 
 from __future__ import annotations

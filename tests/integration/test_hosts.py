@@ -171,10 +171,10 @@ def _sh(host: object, cmd: str) -> tuple[int, str]:
 
 
 def test_a_host_is_no_root_of_the_machine(base: Path) -> None:
-    """Found by the adversary: a host's processes ran as root with every capability. One wrote the machine's
-    core_pattern (the kernel then ran its program as root in the machine's namespaces), one unmounted the base to
-    reach another host's files, one entered an earlier host's network through /run/netns, one took another
-    host's address. Each host's processes now run as its own unprivileged user without capabilities."""
+    """Each host's processes run as its own unprivileged user without capabilities: as root with every
+    capability, a host could write the machine's core_pattern (the kernel then runs its program as root in the
+    machine's namespaces), unmount the base to reach another host's files, enter an earlier host's network
+    through /run/netns, or take another host's address."""
     with Hosts(["a", "b"], base=base) as hosts:
         a, b = hosts["a"], hosts["b"]
         assert _sh(b, "id -u")[1].strip() == str(b.uid) and b.uid != a.uid and b.uid != 0
@@ -205,8 +205,8 @@ time.sleep(60)
 
 
 def test_processes_get_their_grace_at_teardown(base: Path) -> None:
-    """Found by the adversary: teardown waited on nsenter, which dies on SIGTERM at once, then killed the host:
-    a process that needs a moment to flush never got it. Now every process in the host gets ``grace_s``."""
+    """Every process in a host gets ``grace_s`` at teardown to flush: waiting on nsenter (which dies on
+    SIGTERM at once) and then killing the host would give it none."""
     with Hosts(["a"], base=base) as hosts:
         a = hosts["a"]
         proc = a.popen([sys.executable, "-c", _GRACEFUL], stdout=subprocess.PIPE)

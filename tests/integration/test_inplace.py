@@ -1,4 +1,4 @@
-"""True in-place patching (issue 15): vLLM on CPU with plain parameters, updates scattered into the live
+"""True in-place patching: vLLM on CPU with plain parameters, updates scattered into the live
 parameters through the patch map, bit-exact against a fresh engine (ids, logprobs, readback), TP=1 and TP=2,
 deltas and anchors, for tied Qwen3, Llama (untied lm_head, head_dim 128, GQA, intermediate 200) and Qwen2
 (q/k/v biases); out-of-range indices and wrong shapes refused before any write."""
@@ -204,7 +204,7 @@ def test_inplace_through_the_map_is_bit_exact_against_a_fresh_engine(
                 assert result.route == "anchor" and result.to_version == at + 1
             else:
                 assert agent.sync().to_version == at + 1
-            # drift (issue 20): one element changed outside deltasync is caught by the whole-state proof, the
+            # drift: one element changed outside deltasync is caught by the whole-state proof, the
             # label is dropped, and an anchor restores the engine
             assert agent.sync().route == "none" and agent.drift is None  # proven whole: no drift yet
             assert llm.collective_rpc(_drift)[0] == "model.layers.0.mlp.down_proj.weight"

@@ -1,4 +1,4 @@
-"""A served LoRA adapter replaced in place, in its slot (issue 24, first part: the engine side).
+"""A served LoRA adapter replaced in place, in its slot (the engine side).
 
 vLLM on CPU with ``enable_lora``: an adapter is loaded under one id, then a newer version of it (a PEFT directory)
 replaces its weights in its slot through the worker extension (``deltasync_lora_replace``). What vLLM computes

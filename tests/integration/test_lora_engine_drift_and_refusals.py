@@ -440,10 +440,9 @@ def test_an_agent_for_another_base_never_keeps_a_fresh_engines_claim(rig: Rig) -
     assert rig.status()["agent"] == "own"
 
 
-# Found open at 540f971: the first anchor of a lora engine (and the first after a restart) defined the served
-# tensors, never checked against the manifest's adapter, so tensors vLLM's loader refuses were written to adapter_dir
-# and labelled (and the next request naming the adapter would kill vLLM's engine core). Closed by
-# apply._not_the_adapter (both sides).
+# The first anchor of a lora engine (and the first after a restart) defines the served tensors, so it is checked
+# against the manifest's adapter (apply._not_the_adapter, on both sides): tensors vLLM's loader refuses must never
+# be written to adapter_dir and labelled (the next request naming the adapter would kill vLLM's engine core).
 
 
 def _hostile_rank(model_dir: Path) -> tuple[Any, dict[str, torch.Tensor]]:

@@ -1,11 +1,11 @@
-"""Slow clients cannot starve the coordinator (issue 21): a real ``deltasync coordinator`` at an open-files limit
+"""Slow clients cannot starve the coordinator: a real ``deltasync coordinator`` at an open-files limit
 of 512 under a bounded slowloris (hundreds of sockets sending a request head, or a body, a few bytes at a time).
 
-Found by the outside review of issue 21: a head sent one header every 15 s stayed open forever, and 600 unfinished
-heads against nofile 512 made ``/healthz`` and authenticated reads fail with connection resets, with nothing
-logged. Now heads and bodies that do not arrive in time get 408 and are closed, open connections are capped
-overall and per client address below the open-files limit (503, logged at a bounded rate, counted in
-``/metrics``), and the health check, reads and long-polls go on answering.
+The attack: a head sent one header every 15 s, and 600 unfinished heads against nofile 512. Unbounded, these stay
+open forever and make ``/healthz`` and authenticated reads fail with connection resets, with nothing logged. The
+promise: heads and bodies that do not arrive in time get 408 and are closed, open connections are capped overall
+and per client address below the open-files limit (503, logged at a bounded rate, counted in ``/metrics``), and
+the health check, reads and long-polls go on answering.
 
 Client addresses: the attackers connect from other loopback addresses (127.0.0.2 and up; Linux routes all of
 127/8 to ``lo``), so the per-address cap applies to them and not to the test's own requests from 127.0.0.1.

@@ -38,8 +38,8 @@ def test_shortened_async_demo(tmp_path: Path) -> None:
     published = sorted({p["version"] for p in final["published"]})
     assert published == [0, 1, 2, 3, 4]
     # the engine's own log: versions applied in order, none repeated, ending at the last (an agent may apply several
-    # deltas in one pause). Regression, found by CI: importing TRL sets VLLM_LOGGING_LEVEL=ERROR in os.environ for
-    # every child, which silenced the server; its level is now explicit.
+    # deltas in one pause). The server's log level is explicit: importing TRL sets VLLM_LOGGING_LEVEL=ERROR in
+    # os.environ for every child, which would silence it.
     applied = [int(v) for v in re.findall(r"deltasync: now at v(\d+)", (out / "logs" / "vllm.log").read_text())]
     assert applied == sorted(set(applied)) and applied[-1] == 4 and set(applied) <= set(published), applied
     # the bound held: every consumed group was at most 2 versions behind the trainer

@@ -1,7 +1,7 @@
 """The Agent on an in-memory engine (the same apply rules as vLLM's), against a real coordinator in a thread.
 
-Each test that cites issue 11 tries to break one of the data plane's promises: an engine serves only
-registered versions of its own model, in order, and one bad object never stops the agent.
+Most tests try to break one of the data plane's promises: an engine serves only registered versions of its own
+model, in order, and one bad object never stops the agent.
 """
 
 from __future__ import annotations
@@ -92,8 +92,8 @@ def test_start_is_explicit_and_engine_state_has_no_side_effects(w: World) -> Non
 
 
 def test_a_ledger_restored_from_a_backup_never_moves_the_engine_back(tmp_path: Path, weights) -> None:
-    """Issue 11 row 1 (observed on 30759d7): an agent whose engine serves v7, facing a ledger restored from a
-    backup at v3, moved the engine to v3 through an anchor, with no warning."""
+    """An agent whose engine serves v7, facing a ledger restored from a backup at v3, never moves the engine
+    back to v3 (through an anchor or otherwise), and says why."""
     target = InMemoryTarget()
     with world(tmp_path, weights) as w:
         for v in range(1, 8):
@@ -131,7 +131,7 @@ def test_a_ledger_restored_from_a_backup_never_moves_the_engine_back(tmp_path: P
 
 
 def test_the_engine_never_goes_below_its_high_water_unless_an_operator_allows_it(w: World) -> None:
-    """Issue 11 row 1: the refusal is the engine's own, before any write."""
+    """Forward only: the refusal is the engine's own, before any write."""
     for _ in range(4):
         w.publisher.step(anchor=True)
     target = InMemoryTarget()
@@ -161,8 +161,8 @@ def test_a_coordinator_of_another_run_is_refused(tmp_path: Path, weights) -> Non
 
 
 def test_a_foreign_model_is_refused_before_any_fetch_and_never_escalates(tmp_path: Path, weights) -> None:
-    """Issue 11 row 2 (observed): a Llama engine pointed at a Qwen2 run: the refusal arrived as ApplyError, the
-    agent escalated to the anchor route, and the anchor route wrote the foreign tensors into the engine."""
+    """A Llama engine pointed at a Qwen2 run: the refusal is an UpdateRefused before any fetch, never an
+    ApplyError that escalates to the anchor route (which would write the foreign tensors into the engine)."""
     other = UpdateStream.from_shapes({"model.norm.weight": (64,), "lm_head.weight": (300, 64)}).bf16()
     spec = {n: ("BF16", tuple(t.shape)) for n, t in weights.items()}
     with world(tmp_path, other) as w:
@@ -222,8 +222,8 @@ def _always_fail(target: InMemoryTarget):
 
 
 def test_one_hostile_object_never_stops_run(w: World) -> None:
-    """Issue 11 row 6 (observed): Agent.run met a 64 GiB sparse manifest and died with MemoryError in 0.3 s
-    while the fleet view said 'fetching'."""
+    """Agent.run outlives a hostile object (a 64 GiB sparse manifest would be a MemoryError in 0.3 s) and the
+    fleet view says what failed, never a stale 'fetching'."""
     agent = w.agent()
     agent.sync()
     w.publisher.step()
@@ -256,8 +256,8 @@ def test_one_hostile_object_never_stops_run(w: World) -> None:
 
 
 def test_a_forged_object_in_the_store_is_refused_by_signature_and_ledger(tmp_path: Path, weights) -> None:
-    """Issue 11 row 7 (observed): a forged manifest + shard written straight into the store; `read_weights`
-    returned the forged lm_head (zeros) and `verify` blessed it."""
+    """A forged manifest + shard written straight into the store: `read_weights` never returns the forged
+    lm_head (zeros) and `verify` never blesses it; the signature and the ledger refuse it."""
     key = SigningKey.generate()
     with world(tmp_path, weights, signing_key=key) as w:
         w.publisher.step()
@@ -292,8 +292,8 @@ def test_a_forged_object_in_the_store_is_refused_by_signature_and_ledger(tmp_pat
 
 
 def test_a_restarted_agent_rebuilds_its_host_copy_against_the_ledger(w: World) -> None:
-    """Issue 11 row 7 (observed): an agent restarted while its engine held v3 rebuilt its host copy from the
-    store without a ledger check, then failed IntegrityError in a loop."""
+    """An agent restarted while its engine holds v3 rebuilds its host copy against the ledger, never from the
+    store unchecked (which could end in IntegrityError in a loop)."""
     target = InMemoryTarget()
     for _ in range(3):
         w.publisher.step()

@@ -1,4 +1,4 @@
-"""The GPU engine benchmark's CPU run (issue 22): the engine's update path on the stand-in of vLLM's fused model
+"""The GPU engine benchmark's CPU run: the engine's update path on the stand-in of vLLM's fused model
 (map build, first sync from an anchor, steady packed deltas) is bit-exact, its proofs hold, and a forged value is
 caught, so the figures it prints on a GPU come from a path that works."""
 

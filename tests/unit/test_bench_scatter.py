@@ -1,4 +1,4 @@
-"""The GPU benchmark's CPU fallback (issue 15): it runs here, with torch only (the GPU machines have neither
+"""The GPU benchmark's CPU fallback: it runs here, with torch only (the GPU machines have neither
 vLLM nor zstandard), and its scatter through the patch map is bit-exact."""
 
 from __future__ import annotations

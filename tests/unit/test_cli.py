@@ -103,8 +103,8 @@ def test_console_script_is_installed(published: LocalStore) -> None:
 def test_verify_with_a_public_key_refuses_what_the_publisher_did_not_sign(
     tmp_path: Path, update_stream: UpdateStream, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """Issue 11 row 7 (observed): a forged manifest + shard written into the store: `deltasync verify` said "all
-    checksums match". Signed by the publisher, and checked with its public key, the forgery is refused."""
+    """A forged manifest + shard written into the store: checksums alone would match ("all checksums match");
+    signed by the publisher, and checked with its public key, the forgery is refused."""
     assert main(["keygen", str(tmp_path / "key")]) == 0
     assert (tmp_path / "key").stat().st_mode & 0o777 == 0o600 and "key id sha256:" in capsys.readouterr().out
     store = LocalStore(tmp_path / "store")
@@ -158,7 +158,7 @@ def test_verify_against_the_coordinator_refuses_unregistered_bytes(
 def test_verify_and_gc_take_several_coordinator_replicas(
     tmp_path: Path, update_stream: UpdateStream, capsys: pytest.CaptureFixture[str], monkeypatch
 ) -> None:
-    """Issue 14: ``--coordinator URL1,URL2``: a replica that is down is skipped; a bad list is a usage error."""
+    """``--coordinator URL1,URL2``: a replica that is down is skipped; a bad list is a usage error."""
     from deltasync_coordinator.app import create_app
 
     from deltasync.client import CoordinatorClient
@@ -199,7 +199,7 @@ def test_token_prints_an_agent_token_bound_to_its_id(monkeypatch, capsys: pytest
 
 
 def test_a_database_password_on_the_command_line_is_recognised() -> None:
-    """Issue 21: the README no longer puts the PostgreSQL password in argv, and the CLI warns when it is there."""
+    """The README never puts the PostgreSQL password in argv, and the CLI warns when it is there."""
     from deltasync._cli_run import password_in_url
 
     assert password_in_url("postgresql://deltasync:secret@db-host:5432/run1")

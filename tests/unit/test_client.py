@@ -81,7 +81,7 @@ def test_a_second_publisher_and_a_fenced_one_get_lease_errors(publisher: Publish
 
 
 def test_a_client_refuses_a_coordinator_of_another_run(tmp_path: Path, agent: CoordinatorClient) -> None:
-    """Issue 11 row 1: agents and publishers pin the run identity; a coordinator with another one (a new
+    """Agents and publishers pin the run identity; a coordinator with another one (a new
     ledger behind the same URL) is refused."""
     agent.health()
     pinned = agent.run_id

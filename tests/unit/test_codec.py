@@ -67,7 +67,7 @@ def test_zstd_decompress_refuses_a_wrong_size() -> None:
 
 
 def test_a_frame_cannot_declare_more_than_zstd_can_expand() -> None:
-    """Issue 11 (unbounded reads): a 473-byte shard declared 2**28 elements; a frame is refused before any
+    """Bounded reads: a 473-byte shard can declare 2**28 elements; a frame is refused before any
     allocation when it declares more than 32768x its own size (zstd's own ceiling: 128 KiB per 4-byte block)."""
     zeros = _codec.zstd_compress(bytes(1 << 24), 3)
     assert len(_codec.zstd_decompress(zeros, 1 << 24)) == 1 << 24  # the real ratio of zeros passes
@@ -103,7 +103,7 @@ _U = [np.uint8, np.uint16, np.uint32, np.uint64]
 
 
 @pytest.mark.parametrize("dtype", _U, ids=lambda d: d.__name__)
-def test_r6_planes_round_trip_every_plane_count_with_extreme_bytes(dtype: type) -> None:
+def test_planes_round_trip_every_plane_count_with_extreme_bytes(dtype: type) -> None:
     """Every plane count from the fewest that hold the values up to the type's width; the values include 0,
     the largest, every single-byte pattern 0x00..0xFF in every byte position, and random ones."""
     width = np.dtype(dtype).itemsize
@@ -156,7 +156,7 @@ def _all_finite(dtype: torch.dtype) -> torch.Tensor:
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
 @pytest.mark.parametrize("extra", [False, True], ids=["fewest-planes", "widest-planes"])
-def test_r6_packed_round_trip_of_every_pattern_against_a_shuffled_base(
+def test_packed_round_trip_of_every_pattern_against_a_shuffled_base(
     monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype, extra: bool
 ) -> None:
     """Every finite (and infinite, -0.0) pattern as a new value, coded as bits and as ordinal differences to a
@@ -186,7 +186,7 @@ def test_r6_packed_round_trip_of_every_pattern_against_a_shuffled_base(
     assert torch.equal(out["s"].indices, idx) and torch.equal(out["s"].values.view(ib), new[idx].view(ib))
 
 
-def test_r6_a_top_plane_that_pushes_a_bf16_ordinal_out_of_range_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_top_plane_that_pushes_a_bf16_ordinal_out_of_range_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
     """A packed bf16 ordinal-delta entry stored with 4 planes whose top byte is set: the decoded difference is
     far outside bf16 and must be refused, not wrapped back into range."""
     real = fmt._codec.split_planes

@@ -50,8 +50,8 @@ async def test_register_codes(coord: Coordinator) -> None:
 
 
 async def test_huge_integers_and_non_finite_floats_are_422_not_500(coord: Coordinator) -> None:
-    """Issue 12 row 4: `bytes: 10**30` was a 500 (SQLite OverflowError; clients retry 500s) and a NaN timing
-    was stored, after which CoordinatorClient.agents() raised for every client."""
+    """`bytes: 10**30` is a 422, not a 500 (SQLite OverflowError; clients retry 500s), and a NaN timing is never
+    stored (CoordinatorClient.agents() would then raise for every client)."""
     await coord.take_lease()
     for field, value in (("bytes", 10**30), ("nnz", 2**63), ("tensors", -1)):
         r = await coord.http.post(
@@ -81,8 +81,8 @@ async def test_huge_integers_and_non_finite_floats_are_422_not_500(coord: Coordi
 
 
 async def test_every_route_but_healthz_needs_a_token(coord: Coordinator, caplog: pytest.LogCaptureFixture) -> None:
-    """Issue 12 row 2: /v1/agents (with each agent's last_error), /v1/plan, /v1/gc/candidates, /openapi.json and
-    /metrics answered without a token."""
+    """/v1/agents (with each agent's last_error), /v1/plan, /v1/gc/candidates, /openapi.json and /metrics
+    answer only with a token."""
     caplog.set_level(logging.DEBUG)
     client = coord.http
     for method, path in (
@@ -123,8 +123,8 @@ async def test_every_route_but_healthz_needs_a_token(coord: Coordinator, caplog:
 
 
 async def test_an_agent_token_writes_only_its_own_heartbeat(coord: Coordinator) -> None:
-    """Issue 12 row 3: any agent token wrote any agent id's heartbeat; a forged row claimed v99999999 and a
-    fake agent at v0 pinned GC retention."""
+    """An agent token writes only its own agent id's heartbeat: a forged row cannot claim v99999999, nor a fake
+    agent at v0 pin GC retention."""
     await coord.publish(0, "anchor")
     await coord.publish(1)
     ok = await coord.http.post(
@@ -212,8 +212,8 @@ async def test_long_poll_wakes_on_publish_and_times_out(coord: Coordinator) -> N
 
 
 async def test_long_polls_beyond_the_cap_get_503_with_retry_after(tmp_path: Path, ledger_db: Path | str) -> None:
-    """Issue 12 row 6: 1,100 long-polls at nofile 1024 reset 94 connections; beyond a cap they are told to
-    come back instead."""
+    """Long-polls beyond the cap are told to come back (503 with Retry-After) instead of exhausting the open-files
+    limit (1,100 long-polls at nofile 1024 would reset connections)."""
     app, http = await open_coordinator(make_settings(tmp_path, max_long_polls=5, db=ledger_db))
     async with http:
         waiting = [
@@ -246,7 +246,7 @@ async def test_plan(coord: Coordinator) -> None:
 
 
 async def test_a_plan_from_above_the_latest_is_409_naming_both(coord: Coordinator) -> None:
-    """Issue 11 row 1: GET /v1/plan?from=99999999 answered 200."""
+    """GET /v1/plan?from=99999999 is a 409 naming both versions, never a 200."""
     await coord.publish(0, "anchor")
     await coord.publish(1)
     r = await coord.http.get("/v1/plan", params={"from": 99999999}, headers=AGT)
@@ -255,7 +255,7 @@ async def test_a_plan_from_above_the_latest_is_409_naming_both(coord: Coordinato
 
 
 async def test_one_publisher_per_run(coord: Coordinator) -> None:
-    """Issue 11 row 3: two publishers on one store; the second must get a clear error at start, and a
+    """Two publishers on one store: the second must get a clear error at start, and a
     registration without the live lease is refused (fencing)."""
     first = await coord.take_lease()
     r = await coord.http.post("/v1/lease", json={"holder": "job-b on host2", "ttl_s": 30}, headers=PUB)
@@ -309,7 +309,7 @@ async def test_heartbeat_fleet_pagination_and_expiry(coord: Coordinator) -> None
 
 
 async def test_metrics_are_aggregates_without_a_series_per_agent(coord: Coordinator) -> None:
-    """Issue 12 row 4: 5,000 agent ids gave a 281 KB /metrics (one series per agent)."""
+    """/metrics holds aggregates, not one series per agent (5,000 agent ids would make it hundreds of KB)."""
     await coord.publish(0, "anchor")
     await coord.publish(1)
     for i in range(50):
@@ -382,8 +382,8 @@ async def test_gc_without_a_store_is_409(tmp_path: Path, ledger_db: Path | str) 
 
 
 async def test_no_credentials_no_coordinator_unless_insecure(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
-    """Issue 12 row 1 (observed): with no tokens set (also with --host 0.0.0.0) it started with a warning; an
-    unauthenticated POST /v1/versions got 201 and POST /v1/gc deleted the real anchor v0."""
+    """With no tokens set (also with --host 0.0.0.0) it refuses to start unless insecure: started with a warning,
+    an unauthenticated POST /v1/versions would get 201 and POST /v1/gc delete the real anchor v0."""
     from deltasync_coordinator.settings import InsecureConfiguration, Settings
 
     for values in ({}, {"publisher_token": PUBLISHER_TOKEN}, {"host": "0.0.0.0"}):
@@ -403,7 +403,7 @@ async def test_no_credentials_no_coordinator_unless_insecure(tmp_path: Path, cap
 
 
 async def test_a_drifted_engine_degrades_health_and_shows_in_metrics_until_re_proven(coord: Coordinator) -> None:
-    """Issue 20: an agent's ``drift`` (which tensors, when) makes /healthz degraded and /metrics name it, until a
+    """An agent's ``drift`` (which tensors, when) makes /healthz degraded and /metrics name it, until a
     heartbeat without it (a whole-state proof of the restored engine passed)."""
     await coord.publish(0, "anchor")
     drift = "drift: 1 tensors differ from v0's published checksums (e.g. model.norm.weight), found 2026-12-02T00:00:00Z"

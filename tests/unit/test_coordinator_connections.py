@@ -1,4 +1,4 @@
-"""The coordinator's connection caps and their refusal log (issue 21: slow clients cannot starve it). The protocol
+"""The coordinator's connection caps and their refusal log (slow clients cannot starve it). The protocol
 that enforces them on real sockets is tested in tests/integration/test_slow_clients.py."""
 
 from __future__ import annotations

@@ -38,9 +38,9 @@ def _db(path: Path) -> Database:
 @pytest.mark.sqlite
 @pytest.mark.parametrize("route", ["hardlink", "symlink", "dotdot"])
 def test_a_second_coordinator_cannot_reach_the_file_by_another_path(tmp_path: Path, route: str) -> None:
-    """Before: the lock was a file named after the path, so a hard link (worst: each process kept its own WAL,
-    both granted lease epoch 1, and A's acknowledged registrations vanished), a symlink, or a removed lock file
-    let a second coordinator run on the same ledger."""
+    """The lock is on the file itself, not a lock file named after the path: a hard link (worst: each process
+    would keep its own WAL, both grant lease epoch 1, and A's acknowledged registrations vanish), a symlink, or a
+    removed lock file never lets a second coordinator run on the same ledger."""
     first = _db(tmp_path / "ledger.db")
     try:
         other = {
@@ -64,7 +64,7 @@ def test_the_lock_holds_without_any_lock_file(tmp_path: Path) -> None:
     first = _db(tmp_path / "ledger.db")
     try:
         for leftover in tmp_path.glob("ledger.db.lock"):
-            leftover.unlink()  # what the reviewer deleted; nothing depends on it now
+            leftover.unlink()  # nothing depends on a lock file
         with pytest.raises(LedgerLocked):
             _db(tmp_path / "ledger.db")
     finally:
@@ -74,7 +74,7 @@ def test_the_lock_holds_without_any_lock_file(tmp_path: Path) -> None:
 
 @pytest.mark.sqlite
 def test_a_planted_lock_symlink_never_truncates_its_target(tmp_path: Path) -> None:
-    """Before: ``<db>.lock`` was opened following links and truncated: a planted link destroyed another ledger."""
+    """No ``<db>.lock`` is opened following links and truncated: a planted link never destroys another ledger."""
     victim = tmp_path / "other-run.db"
     victim.write_bytes(b"SQLite format 3\x00" + b"x" * 65536)
     (tmp_path / "new.db.lock").symlink_to(victim)
@@ -85,15 +85,16 @@ def test_a_planted_lock_symlink_never_truncates_its_target(tmp_path: Path) -> No
 @pytest.mark.sqlite
 @pytest.mark.parametrize("suffix", ["-wal", "-shm", "-journal"])
 def test_sqlites_side_files_are_not_ledgers(tmp_path: Path, suffix: str) -> None:
-    """Before: a coordinator started on ``ledger.db-wal`` wrote a whole database into a live WAL file."""
+    """A coordinator started on ``ledger.db-wal`` (or another side file) refuses it, never writing a whole
+    database into a live WAL file."""
     with pytest.raises(DamagedLedger, match="this is one of SQLite's side files, not a ledger"):
         _db(tmp_path / f"ledger.db{suffix}")
 
 
 @pytest.mark.sqlite
 def test_a_removed_or_replaced_file_stops_acknowledging(tmp_path: Path) -> None:
-    """Before: with ``ledger.db*`` deleted under a running coordinator, v6 still got 201 and health said ok;
-    after a restart v0..v6 were gone."""
+    """With ``ledger.db*`` deleted or replaced under a running coordinator, it stops acknowledging: a 201 for v6
+    and a healthy answer would be lies, and after a restart v0..v6 would be gone."""
     db = _db(tmp_path / "ledger.db")
     try:
         assert db.file_replaced() is None
@@ -109,8 +110,8 @@ def test_a_removed_or_replaced_file_stops_acknowledging(tmp_path: Path) -> None:
 
 @pytest.mark.sqlite
 def test_close_says_when_another_process_blocks_the_checkpoint(tmp_path: Path, caplog) -> None:
-    """Before: with a reader holding a read transaction, SIGTERM logged "checkpointed and closed" while a 185 KB
-    ``-wal`` remained, and the ``.db`` alone was malformed."""
+    """With a reader holding a read transaction, close says the checkpoint is blocked, never "checkpointed and
+    closed" while a ``-wal`` remains and the ``.db`` alone is malformed."""
     db = Database(tmp_path / "ledger.db", MIGRATIONS, timeout_s=0.5)  # the checkpoint waits this long for readers
     with db.tx() as c:
         c.executemany("INSERT INTO meta VALUES (?, ?)", [(f"k{i}", "v" * 500) for i in range(300)])
@@ -135,7 +136,7 @@ def test_close_says_when_another_process_blocks_the_checkpoint(tmp_path: Path, c
 
 @pytest.mark.sqlite
 def test_files_that_are_not_this_ledger_are_refused_clearly(tmp_path: Path) -> None:
-    """Before: these exited with a traceback, and a newer schema was accepted silently."""
+    """Each is refused with a message naming it, never a traceback, and a newer schema is never accepted."""
     foreign = sqlite3.connect(tmp_path / "app.db")
     foreign.execute("CREATE TABLE users (id INTEGER)")
     foreign.commit()
@@ -198,8 +199,8 @@ def test_databases_that_are_not_this_ledger_are_refused_clearly_on_postgres(pg_u
     ],
 )
 def test_weak_or_contradictory_credentials_are_refused(tmp_path: Path, overrides: dict, message: str) -> None:
-    """Before: a 1-character publisher token worked (``Bearer a``), a secret of 16 spaces was accepted, and
-    ``DELTASYNC_INSECURE=1`` beside real credentials silently disabled them."""
+    """A 1-character publisher token (``Bearer a``) and a secret of 16 spaces are refused, and
+    ``DELTASYNC_INSECURE=1`` beside real credentials is a contradiction, never a silent way to disable them."""
     with pytest.raises(InsecureConfiguration, match=message):
         check_credentials(coordinator_settings(tmp_path, **overrides))
 
@@ -208,8 +209,8 @@ def test_weak_or_contradictory_credentials_are_refused(tmp_path: Path, overrides
 
 
 async def test_one_forged_report_does_not_degrade_the_ledger_for_good(coord: Coordinator) -> None:
-    """Before: one heartbeat at v99999999 (422) left an alert that only v99999999's registration could clear;
-    it survived honest reports, new versions, expiry and restarts."""
+    """One heartbeat at v99999999 (422) leaves no alert that only v99999999's registration could clear: honest
+    reports, new versions, expiry and restarts clear it."""
     await coord.publish(0, "anchor")
     r = await coord.http.post(
         "/v1/agents/a1/heartbeat", headers=auth("a1"), json={"applied_version": 99999999, "state": "idle"}
@@ -249,8 +250,8 @@ async def test_an_expired_agent_takes_its_alert_with_it(tmp_path: Path, ledger_d
 
 
 async def test_health_never_touches_a_locked_database(coord: Coordinator, tmp_path: Path) -> None:
-    """Before: clearing an alert wrote to the database from ``/healthz`` on the event loop: with another
-    process holding the database, ``/healthz`` took 5.3 s and every request waited behind it."""
+    """``/healthz`` never writes to the database on the event loop: with another process holding the database,
+    a write there would take seconds and every request would wait behind it."""
     await coord.publish(0, "anchor")
     await coord.http.post("/v1/agents/a1/heartbeat", headers=auth("a1"), json={"applied_version": 1, "state": "idle"})
     await coord.publish(1)  # clears the alert's condition: the next /healthz used to write
@@ -266,8 +267,8 @@ async def test_health_never_touches_a_locked_database(coord: Coordinator, tmp_pa
 async def test_readers_cannot_pin_what_gc_deletes_and_agents_pin_one_plan(
     tmp_path: Path, ledger_db: Path | str
 ) -> None:
-    """Before: every ``GET /v1/plan`` (a read token's too) was recorded and pinned its objects for the plan
-    lease: 4,417 rows in 15 s, and repeating it kept deltas 1-9 from GC forever."""
+    """A reader's ``GET /v1/plan`` pins nothing, and an agent pins one plan: if every plan (a read token's too)
+    were recorded and pinned its objects for the plan lease, repeating it would keep deltas from GC forever."""
     app, http = await open_coordinator(make_settings(tmp_path, read_token="reader-token-0123456789", db=ledger_db))
     async with http:
         c = Coordinator(app, http)
@@ -303,8 +304,8 @@ async def test_a_plan_never_goes_down_and_its_bytes_are_capped(coord: Coordinato
 
 
 async def test_the_shared_answer_cache_is_bounded(coord: Coordinator) -> None:
-    """Before: one entry per distinct ``(after, limit)`` until the next registration: 600 distinct limits took
-    the server from 250 to 935 MiB."""
+    """The shared answer cache is bounded: one entry per distinct ``(after, limit)`` until the next registration
+    would let 600 distinct limits take the server from 250 to 935 MiB."""
     await coord.publish(0, "anchor")
     for v in range(1, 20):
         await coord.publish(v)
@@ -316,9 +317,8 @@ async def test_the_shared_answer_cache_is_bounded(coord: Coordinator) -> None:
 
 
 async def test_an_answer_computed_across_a_registration_is_not_kept(coord: Coordinator, monkeypatch) -> None:
-    """Before: a page computed before a registration but stored after it was served for the new latest
-    (``versions=[]`` with ``latest=1``) until the next registration. The reviewer widened the window with a
-    0.3 s delay after the query; so does this test."""
+    """A page computed before a registration but stored after it is never served for the new latest
+    (``versions=[]`` with ``latest=1``). The test widens the window with a 0.3 s delay after the query."""
     await coord.publish(0, "anchor")
     registry = coord.app.state.registry
     real = registry.list_after
@@ -342,8 +342,8 @@ async def test_an_answer_computed_across_a_registration_is_not_kept(coord: Coord
 
 
 async def test_size_refusals_and_internal_errors_name_the_run_and_say_why(coord: Coordinator) -> None:
-    """Before: 413 and 431 carried no run header (the size check sat outside it), and a damaged row gave a
-    text/plain 500 without it, closing the connection."""
+    """413 and 431 carry the run header (the size check sits inside it), and a damaged row gives a JSON 500
+    with it that says why, not a text/plain 500 that closes the connection."""
     run = coord.app.state.registry.run_id
     r = await coord.http.post("/v1/versions", content=b"x" * 10_000, headers=PUB | {"content-type": "application/json"})
     assert r.status_code == 413 and r.headers[RUN_HEADER] == run

@@ -205,7 +205,8 @@ def test_a_job_started_on_a_pool_thread_runs_there(monkeypatch) -> None:  # type
     assert done == [[[1, 1, 1, 1]] * 3]
 
 
-# Round-11 review (an adversary on the threaded apply): each of these hung, crashed or misread before its fix.
+# Hostile settings and jobs for the threaded apply: each must be refused at once or run correctly, never hang,
+# crash or misread.
 
 
 @pytest.mark.parametrize("text", ["²", "0-²", "¹,0", "٣", "99999999999", "0-100000000", "0-" + "9" * 5000])

@@ -58,8 +58,9 @@ def _files(root: Path) -> dict[str, bytes]:
 
 
 def test_symlinks_planted_in_the_staging_directory_are_never_written_through(w: World) -> None:
-    """Before: the agent staged into ``staging/v0000000N`` and ``.manifest.json.tmp`` by predictable names and
-    followed links there, overwriting the store's committed shard and any file the planter chose."""
+    """The agent never follows a link planted at a staging name (``staging/v0000000N``,
+    ``.manifest.json.tmp``): following it would overwrite the store's committed shard or any file the planter
+    chose."""
     agent = w.agent("agent-0", target=InMemoryTarget(staged_files=True))  # staged as for a vLLM engine
     agent.sync()
     w.publisher.step()
@@ -94,7 +95,7 @@ def test_a_staging_directory_replaced_by_a_link_is_refused_clearly(w: World) -> 
 
 
 def test_a_removed_staging_directory_is_recreated(w: World) -> None:
-    """Before: once the staging directory was removed, every later sync failed."""
+    """A removed staging directory is recreated: later syncs go on."""
     agent = w.agent("agent-0", target=InMemoryTarget(staged_files=True))
     agent.sync()
     for expected in (1, 2):
@@ -104,8 +105,8 @@ def test_a_removed_staging_directory_is_recreated(w: World) -> None:
 
 
 def test_an_update_message_cannot_name_files_outside_the_staging_directory(tmp_path: Path, weights) -> None:
-    """Before: an update message naming a self-consistent forged delta anywhere on disk (here through a
-    symlinked directory) was applied; the engine served weights no publisher registered under label '1'."""
+    """An update message naming a self-consistent forged delta anywhere on disk (here through a symlinked
+    directory) is refused: the engine never serves weights no publisher registered under label '1'."""
     store = LocalStore(tmp_path / "store")
     m0 = write_anchor(ObjectWriter(store=store, run_id="run-a"), weights, version=0)
     target = InMemoryTarget()
@@ -150,7 +151,8 @@ def test_an_update_message_cannot_name_files_outside_the_staging_directory(tmp_p
 
 
 def test_a_malformed_staged_file_is_a_refusal_not_an_engine_failure(tmp_path: Path, weights) -> None:
-    """Before: InMemoryTarget raised ApplyError (engine unhealthy) where the vLLM engine refused (MALFORMED)."""
+    """A malformed staged file is a refusal (MALFORMED) on every target, as on the vLLM engine, never an
+    ApplyError that marks the engine unhealthy."""
     store = LocalStore(tmp_path / "store")
     m0 = write_anchor(store, weights, version=0)
     target = InMemoryTarget()
@@ -170,7 +172,7 @@ def test_a_malformed_staged_file_is_a_refusal_not_an_engine_failure(tmp_path: Pa
 
 
 def test_init_never_relabels_a_version_the_engine_knows(w: World) -> None:
-    """Before: ``init`` with ``base_version=0`` on an engine serving v1 relabelled it '0' and reset its high water."""
+    """``init`` with ``base_version=0`` on an engine serving v1 never relabels it '0' nor resets its high water."""
     w.publisher.step()
     agent = w.agent("agent-0")
     agent.sync()
@@ -210,8 +212,8 @@ def test_a_staged_shard_swapped_after_verification_never_serves(tmp_path: Path, 
 
 
 def test_two_runs_signed_by_one_key_are_never_mixed(tmp_path: Path) -> None:
-    """Before: two runs sharing a publisher key; a store writer swapped run B's signed delta v1 into run A's
-    store, and ``read_weights(trust=key)`` returned run A's untouched tensors with run B's touched ones."""
+    """Two runs sharing a publisher key: with run B's signed delta v1 swapped into run A's store,
+    ``read_weights(trust=key)`` never returns run A's untouched tensors with run B's touched ones."""
     key = SigningKey.generate()
     a, b = LocalStore(tmp_path / "a"), LocalStore(tmp_path / "b")
     wa, wb = (
@@ -232,7 +234,7 @@ def test_two_runs_signed_by_one_key_are_never_mixed(tmp_path: Path) -> None:
     shutil.copytree(b.root / "v00000001", a.root / "v00000001")
     with pytest.raises(FormatError, match=r"the chain to v1 mixes objects of runs \['run-aaaa', 'run-bbbb'\]"):
         read_weights(a, 1)  # consistency alone
-    # with the key (issue 21): these writers recorded no run.json, so a key-only reader must pin the run
+    # with the key: these writers recorded no run.json, so a key-only reader must pin the run
     with pytest.raises(ForeignObject, match="has no run record"):
         read_weights(a, 1, trust=Trust(verify_key=key.verify_key))
     with pytest.raises(ForeignObject, match="belongs to run run-bbbb, this reader is pinned to run run-aaaa"):
@@ -240,8 +242,8 @@ def test_two_runs_signed_by_one_key_are_never_mixed(tmp_path: Path) -> None:
 
 
 def test_one_planted_anchor_does_not_break_the_registered_delta_chain(w: World) -> None:
-    """Before: an unregistered ``v2/anchor/manifest.json`` (``{}``) made every trusted read of v2 fail, and a
-    restarted agent failed its syncs until it downloaded a full anchor."""
+    """An unregistered ``v2/anchor/manifest.json`` (``{}``) fails no trusted read of v2, and a restarted agent
+    syncs through the registered deltas without downloading a full anchor."""
     agent = w.agent("agent-0")
     w.publisher.step()
     w.publisher.step()
@@ -257,8 +259,8 @@ def test_one_planted_anchor_does_not_break_the_registered_delta_chain(w: World) 
 
 
 def test_tensor_names_cannot_forge_a_fingerprint_collision(tmp_path: Path) -> None:
-    """Before: names holding NUL and newline made another model's fingerprint equal to the served one's; the
-    engine admitted the foreign anchor. Names with control characters or ':' are now refused everywhere."""
+    """Names holding NUL and newline could make another model's fingerprint equal to the served one's, and the
+    engine admit the foreign anchor: names with control characters or ':' are refused everywhere."""
     evil = "a\0BF16\0[2]\nb"
     with pytest.raises(ValueError, match="no ':' and no control characters"):
         write_anchor(LocalStore(tmp_path / "s"), {evil: torch.ones(3, dtype=torch.bfloat16)}, version=0)
@@ -271,8 +273,8 @@ def test_tensor_names_cannot_forge_a_fingerprint_collision(tmp_path: Path) -> No
 
 
 def test_a_deeply_nested_signature_is_a_signature_error(tmp_path: Path, weights) -> None:
-    """Before: ``manifest.sig`` nested lists deep raised RecursionError out of every reader (a signature is
-    now also capped at 4 KiB, read or not)."""
+    """A ``manifest.sig`` of lists nested deep is a SignatureError, never a RecursionError out of a reader (a
+    signature is also capped at 4 KiB, read or not)."""
     key = SigningKey.generate()
     store = LocalStore(tmp_path / "store")
     write_anchor(ObjectWriter(store=store, signing_key=key), weights, version=0)
@@ -285,8 +287,8 @@ def test_a_deeply_nested_signature_is_a_signature_error(tmp_path: Path, weights)
 
 
 def test_a_directory_nested_past_the_store_depth_is_skipped(tmp_path: Path, caplog) -> None:
-    """Before: a 2000-deep directory in the store raised RecursionError from ``list`` (and GC answered 500).
-    Listing is iterative now and stops at ``MAX_DEPTH`` (no deltasync key is deeper than 3), with a warning."""
+    """A 2000-deep directory in the store is skipped with a warning: listing is iterative and stops at
+    ``MAX_DEPTH`` (no deltasync key is deeper than 3), so ``list`` never raises RecursionError (nor GC a 500)."""
     store = LocalStore(tmp_path / "store")
     store.put("v00000000/anchor/manifest.json", b"{}")
     fd = os.open(store.root, os.O_RDONLY)
@@ -308,7 +310,7 @@ def test_a_directory_nested_past_the_store_depth_is_skipped(tmp_path: Path, capl
 
 
 def test_agent_run_outlives_a_coordinator_answer_it_cannot_parse(w: World, monkeypatch) -> None:
-    """Before: a heartbeat answer failing validation escaped ``Agent.run`` and killed the agent thread."""
+    """A heartbeat answer failing validation never escapes ``Agent.run`` to kill the agent thread."""
     agent = w.agent("agent-0", poll_wait_s=0.05)
     calls = []
 

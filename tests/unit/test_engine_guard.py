@@ -1,4 +1,4 @@
-"""The engine guard over vLLM's own app (issue 20): every route the pinned vLLM registers, enumerated from its
+"""The engine guard over vLLM's own app: every route the pinned vLLM registers, enumerated from its
 source (``build_app``), with and without dev mode, runtime LoRA and the profiler, is either on the inference
 surface or refused without the engine credential."""
 

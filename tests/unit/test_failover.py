@@ -1,4 +1,4 @@
-"""CoordinatorClient over several replicas (issue 14): failover order, stickiness, run-id refusal, retries that
+"""CoordinatorClient over several replicas: failover order, stickiness, run-id refusal, retries that
 are safe on another replica, and the give-up message. Real servers on 127.0.0.1: a real coordinator, and
 ``http.server`` stubs in front of it that fail as replicas do (tests/support/replicas.py); no mocked transport."""
 

@@ -1,4 +1,4 @@
-"""Issue 11 row 4 (GC loses history): garbage collection attacked with symlinks, a missing newest anchor, and
+"""GC never loses history: garbage collection attacked with symlinks, a missing newest anchor, and
 an agent fetching its plan while GC runs. Nothing outside the store is touched, nothing is deleted before an
 anchor is proven intact, and nothing an agent was just told to fetch disappears."""
 
@@ -18,7 +18,7 @@ pytestmark = pytest.mark.anyio
 
 
 async def test_gc_never_follows_a_symlinked_version_directory(coord: Coordinator, tmp_path: Path) -> None:
-    """Observed: GC through a symlinked version directory deleted files outside the store."""
+    """GC through a symlinked version directory never deletes files outside the store."""
     store = LocalStore(tmp_path / "store")
     await weights_store(coord, store, 5, anchors=(5,))
     outside = tmp_path / "precious"
@@ -49,8 +49,8 @@ async def test_gc_never_deletes_through_a_symlinked_file(coord: Coordinator, tmp
 
 
 async def test_gc_proves_the_kept_anchor_before_deleting_anything(coord: Coordinator, tmp_path: Path) -> None:
-    """Observed: with the newest anchor's files missing, GC deleted every older anchor and delta: read_weights
-    rebuilt versions 0..9 before GC and none after."""
+    """With the newest anchor's files missing, GC deletes nothing: deleting every older anchor and delta would
+    leave none of the versions 0..9 that read_weights rebuilt before."""
     store = LocalStore(tmp_path / "store")
     await weights_store(coord, store, 10, anchors=(5, 10))
     for key in store.list("v00000010/anchor/"):
@@ -86,7 +86,7 @@ async def test_gc_deletes_nothing_when_no_anchor_is_intact(coord: Coordinator, t
 
 
 async def test_gc_keeps_what_an_agent_was_just_told_to_fetch(coord: Coordinator, tmp_path: Path) -> None:
-    """Observed: GC while an agent was fetching its plan deleted that plan's anchor and deltas."""
+    """GC while an agent is fetching its plan never deletes that plan's anchor and deltas."""
     store = LocalStore(tmp_path / "store")
     await weights_store(coord, store, 4, anchors=(2,))
     plan = (await coord.http.get("/v1/plan", headers=AGT)).json()  # a new agent: anchor v2, deltas 3, 4
@@ -139,7 +139,7 @@ async def test_a_dry_run_proves_and_lists_but_deletes_nothing(coord: Coordinator
 async def test_gc_deletes_unregistered_leftovers_but_never_what_the_live_publisher_may_still_commit(
     coord: Coordinator, tmp_path: Path
 ) -> None:
-    """Issue 21: objects the ledger never registered (a crashed publisher's shards, a committed but unregistered
+    """Objects the ledger never registered (a crashed publisher's shards, a committed but unregistered
     version below the newest registered one) are deleted, manifest first; an unregistered version above the
     newest registered one may be the live publisher's work in progress and is kept. The fenced case, by lease
     epoch: `test_faults.py::test_a_frozen_publisher_past_its_lease_never_commits_a_version_readers_take`."""

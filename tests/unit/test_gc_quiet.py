@@ -1,5 +1,5 @@
 """No automatic garbage collection inside an agent's update (deltasync._gc): a full collection of a process that
-hosts vLLM's front end took 25-340 ms here and landed in every few syncs (issue 22's before-the-pause target)."""
+hosts vLLM's front end took 25-340 ms here and landed in every few syncs, inside the before-the-pause time."""
 
 from __future__ import annotations
 

@@ -449,15 +449,15 @@ def test_join_gaps_wrong_sizes_refused_alike(monkeypatch: pytest.MonkeyPatch) ->
 
 
 def test_join_gaps_negative_count_same_outcome(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A negative value count: refused alike (fixed in review: numpy's reshape inferred the count from the
-    buffer; both paths now refuse a negative count with ValueError)."""
+    """A negative value count: refused alike, with ValueError in both paths (numpy's reshape would infer the
+    count from the buffer)."""
     got, want = _both(monkeypatch, lambda: _codec.join_gaps(bytes(range(6)), -1, 2))
     _same(got, want)
 
 
 def test_float_plane_count_refused_alike(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A float plane count: refused alike (fixed in review: numba cast 1.5 to 1 plane; the counts are now taken
-    with operator.index, a TypeError in both paths)."""
+    """A float plane count: refused alike (the counts are taken with operator.index, a TypeError in both paths;
+    numba would cast 1.5 to 1 plane)."""
     got, want = _both(monkeypatch, lambda: _codec.join_gaps(bytes(range(6)), 3, 2.0))  # type: ignore[arg-type]
     _same(got, want)
     base = np.arange(4, dtype=np.int16)
@@ -675,8 +675,8 @@ def test_undo_non_contiguous_and_big_endian_inputs(monkeypatch: pytest.MonkeyPat
 
 
 def test_undo_read_only_base(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A read-only base decodes alike (fixed in review: the loops were typed for writable bases only; a read-only
-    array is now copied first)."""
+    """A read-only base decodes alike (the loops are typed for writable bases, so a read-only array is copied
+    first)."""
     base = np.frombuffer(np.arange(8, dtype=np.int16).tobytes(), dtype=np.int16)
     assert not base.flags.writeable
     got, want = _both(monkeypatch, lambda: _codec.undo_ordinal_delta(base, np.full(8, 2, dtype=np.uint32)))
@@ -702,8 +702,8 @@ def test_undo_unaligned_base(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_side_big_endian_coded_decodes_as_native() -> None:
-    """A big-endian coded array decodes by value (fixed in review: the numpy code viewed it as native and
-    byte-swapped every difference; foreign byte orders are now converted first)."""
+    """A big-endian coded array decodes by value (foreign byte orders are converted first; viewed as native,
+    every difference would be byte-swapped)."""
     b = np.array([100, 200], dtype=np.int16)
     c = np.array([4, 6], dtype=np.uint32)
     out = _codec.undo_ordinal_delta(b, c.astype(">u4"))

@@ -137,7 +137,7 @@ def test_plan_picks_the_cheaper_route(registry: Registry) -> None:
     assert [(s.version, s.kind) for s in p.steps] == [(0, "anchor"), (1, "delta"), (2, "delta"), (3, "delta")]
     assert registry.plan(7, 7).route == "none"
     with pytest.raises(Conflict, match="a plan from v9 refused: the ledger's latest is v7; the agent is ahead"):
-        registry.plan(9, 7)  # issue 11 row 1: an agent ahead of the ledger is never given a way down
+        registry.plan(9, 7)  # an agent ahead of the ledger is never given a way down
 
 
 def test_plan_prefers_the_anchor_when_the_chain_costs_more(registry: Registry) -> None:
@@ -166,7 +166,7 @@ def test_heartbeats_lag_and_staleness(ledger: Ledger, clock: Clock) -> None:
 
 
 def test_an_agent_above_the_latest_is_refused_and_degrades_the_ledger(ledger: Ledger) -> None:
-    """Issue 11 row 1 / issue 12 row 5: a ledger behind what its agents report is degraded, never healthy."""
+    """A ledger behind what its agents report is degraded, never healthy."""
     reg(ledger.registry, 0, "anchor")
     reg(ledger.registry, 1)
     with pytest.raises(Invalid, match="applied_version 7 is above the latest version 1"):
@@ -253,8 +253,8 @@ def test_a_closed_ledger_raises_instead_of_deadlocking(sqlite_ledger: Ledger) ->
 
 @pytest.mark.sqlite
 def test_one_coordinator_per_database(tmp_path: Path, clock: Clock) -> None:
-    """Issue 12 row 5: two coordinators ran happily on one database file; the second answered "no version
-    registered" and its long-poll missed versions."""
+    """One coordinator per database file: a second one running beside it would answer "no version registered"
+    and its long-poll would miss versions."""
     first = open_ledger(tmp_path / "l.db", clock)
     with pytest.raises(LedgerLocked, match=r"l.db is in use by another coordinator \(\{\"pid\": \d+"):
         Database(tmp_path / "l.db", MIGRATIONS, clock=clock)
@@ -264,7 +264,7 @@ def test_one_coordinator_per_database(tmp_path: Path, clock: Clock) -> None:
 
 @pytest.mark.sqlite
 def test_a_damaged_file_is_refused_at_start(tmp_path: Path, clock: Clock) -> None:
-    """Issue 12 row 5: a zeroed page went unnoticed until list and GC returned 500."""
+    """A zeroed page is refused at start, never left unnoticed until list and GC return 500."""
     ledger = open_ledger(tmp_path / "l.db", clock)
     for v in range(300):
         reg(ledger.registry, v, "anchor" if v == 0 else "delta")
@@ -285,8 +285,8 @@ def test_a_damaged_file_is_refused_at_start(tmp_path: Path, clock: Clock) -> Non
 
 @pytest.mark.sqlite
 def test_an_online_backup_is_consistent_and_never_overwrites(tmp_path: Path, clock: Clock) -> None:
-    """Issue 12 row 5: copying only ledger.db of a running coordinator lost 145 versions silently; the backup
-    command copies a live ledger consistently (SQLite's backup API)."""
+    """Copying only ledger.db of a running coordinator can lose versions silently; the backup command copies a
+    live ledger consistently (SQLite's backup API) and never overwrites."""
     ledger = open_ledger(tmp_path / "l.db", clock)
     for v in range(200):
         reg(ledger.registry, v, "anchor" if v == 0 else "delta")
@@ -321,8 +321,8 @@ def test_an_online_backup_is_consistent_and_never_overwrites(tmp_path: Path, clo
 
 
 def test_a_locked_database_is_busy_after_the_timeout_not_a_stall(ledger: Ledger) -> None:
-    """Issue 12 row 6: a database held locked for 40 s stalled every request (PostgreSQL: another session
-    holding the coordinators' write lock)."""
+    """A database held locked (PostgreSQL: another session holding the coordinators' write lock) makes requests
+    Busy after the timeout, never stalls them."""
     reg(ledger.registry, 0, "anchor")
     with hold_write_lock(ledger.db):
         t0 = time.monotonic()
@@ -336,8 +336,8 @@ def test_a_locked_database_is_busy_after_the_timeout_not_a_stall(ledger: Ledger)
 
 @pytest.mark.sqlite
 def test_plan_cost_grows_with_the_plan_not_the_ledger(sqlite_ledger: Ledger) -> None:
-    """Issue 12 row 6: a 1-step plan over 100k rows took 0.375 s (every plan read every row). The walk
-    touches one indexed row per step: count the statements SQLite runs."""
+    """A plan's cost grows with the plan, not the ledger (a plan that read every row took 0.375 s for one step
+    over 100k rows). The walk touches one indexed row per step: count the statements SQLite runs."""
     registry = sqlite_ledger.registry
     reg(registry, 0, "anchor")
     for v in range(1, 3000):

@@ -212,8 +212,8 @@ def _refused_before_any_write(data: bytes, holding: Holding) -> BaseException | 
 FRESH = Holding(adapter_base=BASE)  # a lora engine before its first anchor: the anchor defines the adapter's tensors
 SERVED = Holding(adapter_base=BASE, adapter=ENTRY)  # the directory's adapter_config.json names this adapter
 
-# Found open at 540f971 (admission checked the manifest's adapter entry, never that its tensors are that adapter's:
-# the first anchor, or the first after a restart, defined the served spec); closed by apply._not_the_adapter.
+# Admission checks that an adapter object's tensors are the adapter its manifest names (apply._not_the_adapter), not
+# only the manifest's adapter entry: the first anchor, or the first after a restart, defines the served spec.
 
 
 def _with(**extra: tuple[int, ...]) -> dict[str, tuple[int, ...]]:
@@ -343,10 +343,9 @@ def _peft(tiny: Path, seed: int = 0, **config: Any) -> Any:
         return peft.get_peft_model(base, lora)
 
 
-# Found open at 540f971: adapter_entry checked bias, DoRA, rank/alpha patterns and modules_to_save, not PEFT's
-# lora_bias or trainable_token_indices, whose extra tensors (lora_B.bias, trainable_tokens_delta) were published as
-# the adapter and admitted; vLLM's loader raises on them when a request names the adapter. Closed by
-# lora.adapter_entry (refused at the source) and apply._not_the_adapter (refused by every receiver).
+# PEFT's lora_bias and trainable_token_indices (and embedding targets) add tensors (lora_B.bias,
+# trainable_tokens_delta) that vLLM's loader raises on when a request names the adapter: lora.adapter_entry refuses
+# them at the source and apply._not_the_adapter at every receiver.
 
 
 @pytest.mark.parametrize(
@@ -476,8 +475,8 @@ def test_a_served_file_that_is_a_link_is_replaced_not_followed(tmp_path: Path) -
     assert not (served / ADAPTER_FILE).is_symlink() and not (served / CONFIG_FILE).is_symlink()
 
 
-# Found open at 540f971 (a predictable temporary name opened with open(tmp, "wb"), which follows a link planted
-# there: the worker overwrote the link's target and renamed the link in); closed by tempfile.mkstemp.
+# The temporary file is made by tempfile.mkstemp (O_EXCL): a predictable name opened with open(tmp, "wb") would
+# follow a link planted there, overwrite the link's target and rename the link in.
 def test_a_link_planted_at_the_temporary_name_is_never_followed(tmp_path: Path) -> None:
     entry, tensors = _entry_and_tensors()
     served = tmp_path / "served"

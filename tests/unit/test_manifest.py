@@ -61,7 +61,7 @@ def _broken(path: list, value: object) -> bytes:
 CASES = [
     (["kind"], "diff", "m: kind must be one of ['delta', 'anchor'], found 'diff'"),
     (["encoding"], "lz4", "m: encoding must be one of ['raw', 'packed'], found 'lz4'"),
-    # issue 16: one version cap everywhere (the store's v{N:08d}), not three
+    # one version cap everywhere (the store's v{N:08d}), not three
     (["version"], -1, "m: version must be an int in [0, 99999999], found -1"),
     (["version"], 10**8, "m: version must be an int in [0, 99999999], found 100000000"),
     (["run_id"], "../x", "m: run_id must be null or a run identity like 'run-2f1c...', found '../x'"),
@@ -174,7 +174,7 @@ def test_document_level_errors() -> None:
 
 
 def test_the_fingerprint_must_match_the_tensors() -> None:
-    """Issue 11 (foreign model): every object names its model; a manifest whose declared fingerprint is not
+    """Another model's objects: every object names its model; a manifest whose declared fingerprint is not
     the one its tensors give is corrupt (or edited), and refused."""
     m = _manifest()
     assert m.model_fingerprint == model_fingerprint({"a": ("BF16", (2, 3)), "b": ("F32", (4,))})

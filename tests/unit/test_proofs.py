@@ -1,4 +1,4 @@
-"""Adding up the ranks' proofs (issue 20): parts of a tensor held by different ranks, in any layout, prove it
+"""Adding up the ranks' proofs: parts of a tensor held by different ranks, in any layout, prove it
 against the published sketch; overlapping or missing parts are unproven, never proven."""
 
 from __future__ import annotations

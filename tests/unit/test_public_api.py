@@ -15,7 +15,7 @@ def test_all_is_sorted_and_complete() -> None:
 
 
 def test_publisher_and_agent_are_lazy() -> None:
-    """Issue 16: `from deltasync import Publisher, Agent` works, and `import deltasync` stays light."""
+    """`from deltasync import Publisher, Agent` works, and `import deltasync` stays light."""
     import subprocess
     import sys
 

@@ -1,4 +1,4 @@
-"""A PEFT LoRA adapter published as itself (issue 24): its own tensors by PEFT's names, every manifest naming the
+"""A PEFT LoRA adapter published as itself: its own tensors by PEFT's names, every manifest naming the
 adapter (rank, alpha, targets) and the fingerprint of its base, which equals the fingerprint the base model's own
 publisher gives; what a reader rebuilds equals the trainer's adapter bit for bit, at every version."""
 

@@ -166,7 +166,7 @@ def test_shards_are_split_by_size(local_store: LocalStore, tiny_state_dict: dict
 
 
 def test_a_version_is_never_written_twice(local_store: LocalStore) -> None:
-    """Issue 11 (registered objects overwritten): writes are create-only, so a second writer (or a retry of a
+    """Registered objects are never overwritten: writes are create-only, so a second writer (or a retry of a
     failed publish) can never change a committed object's bytes."""
     a = {"w": torch.zeros(4, dtype=torch.bfloat16)}
     write_anchor(local_store, a, version=0)

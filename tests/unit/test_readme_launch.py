@@ -1,4 +1,4 @@
-"""The README's vLLM launch lines are what the tests run (issue 20): the server's environment and flags
+"""The README's vLLM launch lines are what the tests run: the server's environment and flags
 (``VLLM_PLUGINS=deltasync``, the credential file, no dev mode) and the agent's flags, parsed from the README and
 compared with the test launchers, so neither can drift from the other."""
 

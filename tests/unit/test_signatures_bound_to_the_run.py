@@ -64,8 +64,9 @@ def _cli(*args: str) -> subprocess.CompletedProcess[str]:
 def test_another_runs_signed_objects_planted_in_this_store_are_refused(
     tmp_path: Path, key: tuple[Path, VerifyKey]
 ) -> None:
-    """Before: ``read_weights(store_b, 2, trust=Trust(verify_key=K))`` returned run A's v2, ``deltasync verify``
-    said ok, and A's v6 anchor + v7 delta above B's latest read as B's v7."""
+    """Run A's objects planted in run B's store: ``read_weights(store_b, 2, trust=Trust(verify_key=K))`` must not
+    return run A's v2, nor ``deltasync verify`` say ok, nor A's v6 anchor + v7 delta above B's latest read as
+    B's v7."""
     key_path, verify_key = key
     a, b = tmp_path / "a", tmp_path / "b"
     _publish(a, key_path, 8, seed=0, anchor_every=6)
@@ -95,8 +96,8 @@ def test_another_runs_signed_objects_planted_in_this_store_are_refused(
 
 
 def test_a_foreign_anchor_is_passed_over_for_the_runs_own_chain(tmp_path: Path, key: tuple[Path, VerifyKey]) -> None:
-    """Before: one planted foreign anchor failed the whole chain ("mixes objects of runs"); now the reader
-    rebuilds through the run's own deltas, bit-exact."""
+    """One planted foreign anchor never fails the whole chain ("mixes objects of runs"): the reader rebuilds
+    through the run's own deltas, bit-exact."""
     key_path, verify_key = key
     a, b = tmp_path / "a", tmp_path / "b"
     _publish(a, key_path, 8, seed=0, anchor_every=6)
@@ -173,9 +174,9 @@ def test_without_a_coordinator_a_restarted_publisher_keeps_the_stores_run(
 def test_a_store_whose_run_record_was_deleted_is_refused_not_read_unpinned(
     tmp_path: Path, key: tuple[Path, VerifyKey]
 ) -> None:
-    """Adversary (issue 21 review): with `run.json` deleted, a key-only reader pinned nothing and read another
-    run's objects (a whole chain of run B copied into run A's store) as valid. Now an object that names a run,
-    written since format 1.3 (its publisher always records the run), is refused until the reader pins a run."""
+    """With `run.json` deleted, a key-only reader must not pin nothing and read another run's objects (a whole
+    chain of run B copied into run A's store) as valid: an object that names a run, written since format 1.3
+    (its publisher always records the run), is refused until the reader pins a run."""
     key_path, verify_key = key
     a, b = tmp_path / "a", tmp_path / "b"
     _publish(a, key_path, 3, seed=0)
@@ -198,8 +199,8 @@ def test_a_store_whose_run_record_was_deleted_is_refused_not_read_unpinned(
 
 
 def test_planted_epoch_records_never_stop_the_reads(tmp_path: Path, key: tuple[Path, VerifyKey]) -> None:
-    """Adversary: a 50 MB planted epochs/e*.json (or a file where the directory goes) made every key-only read
-    fail; a record that cannot fence anything is ignored, with a warning."""
+    """A 50 MB planted epochs/e*.json (or a file where the directory goes) never makes a key-only read fail: a
+    record that cannot fence anything is ignored, with a warning."""
     key_path, verify_key = key
     root = tmp_path / "b"
     truth = _publish(root, key_path, 2, seed=1)

@@ -318,7 +318,7 @@ def test_change_proof_edges(kernel_modes: str) -> None:
 
 def test_change_proof_and_sketch_change_take_one_element_strided_fp32() -> None:
     """A 0- or 1-element slice with a stride (torch calls it contiguous, and ``.view`` to 16-bit words refuses
-    it) is sketched as its values (round 10's review found a RuntimeError)."""
+    it) is sketched as its values, never a RuntimeError."""
     base = torch.randn(10, 3, generator=torch.Generator().manual_seed(4))
     for k in (0, 1):
         new, old, at = base[:, 1][:k], base[:, 2][:k], torch.arange(k)
@@ -332,7 +332,7 @@ def test_change_proof_and_sketch_change_take_one_element_strided_fp32() -> None:
 
 @pytest.mark.xfail(
     strict=True,
-    reason="known limit (docs/RELIABILITY.md, round 10): errors of 2**63 in the same lane of an even number of "
+    reason="known limit (docs/RELIABILITY.md, Fail closed): errors of 2**63 in the same lane of an even number of "
     "tensors cancel for any odd factors; only wrong sketch strings make them, the values written are the "
     "published ones, and the whole-state proof reports the version as drift",
 )

@@ -62,7 +62,7 @@ DT = [torch.bfloat16, torch.float16, torch.float32]
 
 
 @pytest.mark.parametrize("dtype", DT, ids=str)
-def test_r6_range_at_and_change_match_the_definition_at_every_size_and_boundary(dtype: torch.dtype) -> None:
+def test_range_at_and_change_match_the_definition_at_every_size_and_boundary(dtype: torch.dtype) -> None:
     """Held: sizes around the direct-path limit (4096 words) and a chunk; starts at chunk and 2**32-word
     boundaries and far beyond the offsets table; indices sorted and shuffled, dense and spread over 2**33."""
     rng = np.random.default_rng(60)
@@ -95,7 +95,7 @@ def test_r6_range_at_and_change_match_the_definition_at_every_size_and_boundary(
                     assert sketch_change(t, old, ti, increasing=True) == change
 
 
-def test_r6_a_large_tensor_partitioned_at_random_adds_up_and_follows_a_large_change() -> None:
+def test_a_large_tensor_partitioned_at_random_adds_up_and_follows_a_large_change() -> None:
     """Held: 3 M bf16 elements (46 chunks), five random interleaved parts (two shuffled), and a change of
     400,000 elements from all-ones to all 0xFFFF words (the most negative differences)."""
     rng = np.random.default_rng(61)
@@ -127,7 +127,7 @@ def _line(func: object, text: str) -> int:
     return first + next(k for k, line in enumerate(lines) if text in line)
 
 
-def test_r6_the_offsets_table_grown_by_two_threads_at_once_never_gives_a_wrong_sketch(
+def test_the_offsets_table_grown_by_two_threads_at_once_never_gives_a_wrong_sketch(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """Was broken (fixed): ``_v_span``'s comment said racing threads build the same table, but they build tables of

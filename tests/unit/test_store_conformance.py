@@ -68,7 +68,7 @@ def test_put_get_open_exists_list_delete(store: Store, tmp_path: Path) -> None:
 
 
 def test_writes_are_create_only(store: Store, tmp_path: Path) -> None:
-    """Issue 11 (registered objects overwritten): no store ever writes a key that exists."""
+    """Registered objects are never overwritten: no store ever writes a key that exists."""
     store.put("v00000001/manifest.json", b"{}")
     src = tmp_path / "f"
     src.write_bytes(b"other")
@@ -84,7 +84,7 @@ def test_writes_are_create_only(store: Store, tmp_path: Path) -> None:
 
 
 def test_put_many_refuses_a_key_that_comes_twice_before_writing_any(store: Store) -> None:
-    """Review H3: the same key twice in one batch is refused (ValueError naming it) and nothing is written."""
+    """The same key twice in one batch is refused (ValueError naming it) and nothing is written."""
     batch = [("v00000001/a.bin", b"1"), ("v00000001/dup.bin", b"2"), ("v00000001/dup.bin", b"3")]
     with pytest.raises(ValueError, match="'v00000001/dup.bin' comes twice in one put_many batch"):
         store.put_many(batch)

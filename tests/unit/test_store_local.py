@@ -63,7 +63,7 @@ def test_temporary_files_are_invisible_and_cleaned_on_failure(local_store: Local
 
 
 def test_concurrent_writers_one_wins_whole_and_the_others_are_refused(local_store: LocalStore) -> None:
-    """Issue 11 (two writers): create-only means exactly one writer gets a key; the rest get ObjectExists
+    """Two writers: create-only means exactly one writer gets a key; the rest get ObjectExists
     and the object is never a mix, nor replaced later."""
     payloads = [bytes([i]) * (1 << 20) for i in range(8)]
     outcomes: list[str] = []

@@ -115,7 +115,7 @@ def test_writers_racing_on_one_key_exactly_one_wins(moto_server: MotoServer, s3_
 
     moto's conditional PUT and CompleteMultipartUpload check If-None-Match and then write, with no lock between
     (``moto/s3/responses.py``, ``moto/s3/models.py``): straight against moto, all four writers can "win" and the
-    last one's bytes stay (review H2). S3 makes the check and the write one step, so the proxy forwards one PUT or
+    last one's bytes stay. S3 makes the check and the write one step, so the proxy forwards one PUT or
     POST at a time to model it. This test shows S3Store's side of the race (its retries and its reading back of
     a 412 never turn another's win into its own); it does not show that a service without atomic conditional
     writes is safe: see the S3Store module docstring."""
@@ -315,7 +315,7 @@ def test_every_method_checks_its_key(s3_store: S3Store, tmp_path: Path, key: str
 
 
 def test_a_lost_answer_to_the_probe_never_surfaces_as_objectexists(proxy: FaultProxy, s3_env: None) -> None:
-    """Review M1: the probe's first PUT lands but its answer is lost; its retry must not meet its own probe."""
+    """The probe's first PUT lands but its answer is lost; its retry must not meet its own probe."""
     proxy.add(method="PUT", path_contains=".deltasync-probe", cut_after=0, times=1)
     store = through(proxy)
     store.put("k", b"new")
@@ -324,7 +324,7 @@ def test_a_lost_answer_to_the_probe_never_surfaces_as_objectexists(proxy: FaultP
 
 
 def test_faults_on_the_probes_are_retried_like_any_request(proxy: FaultProxy, s3_env: None) -> None:
-    """Review M2: a 503 on the probe's second PUT, or on either probe copy, is retried, not raised raw."""
+    """A 503 on the probe's second PUT, or on either probe copy, is retried, not raised raw."""
     proxy.add(method="PUT", path_contains=".deltasync-probe", status=503, skip=1, times=1)
     proxy.add(method="POST", path_contains=".copy-", status=503, times=1)  # the first copy's first request
     proxy.add(method="POST", path_contains=".copy-", status=503, skip=3, times=1)  # the second copy's
@@ -338,7 +338,7 @@ def test_faults_on_the_probes_are_retried_like_any_request(proxy: FaultProxy, s3
 
 
 def test_a_409_conditional_conflict_is_retried_a_412_is_objectexists(proxy: FaultProxy, s3_env: None) -> None:
-    """Review M3: obstore maps both 409 and 412 to AlreadyExistsError; only the 412 means the key is taken."""
+    """obstore maps both 409 and 412 to AlreadyExistsError; only the 412 means the key is taken."""
     store = through(proxy, conditional_writes=True)
     proxy.add(method="PUT", path_contains="/k", status=409, times=1)
     store.put("k", b"mine")
@@ -351,7 +351,7 @@ def test_a_409_conditional_conflict_is_retried_a_412_is_objectexists(proxy: Faul
 def test_an_object_rewritten_mid_read_is_refused_even_if_if_match_is_dropped(
     proxy: FaultProxy, moto_server: MotoServer, s3_env: None
 ) -> None:
-    """Review H1: deleted and re-written between two ranged GETs, behind a proxy that drops If-Match: the
+    """Deleted and re-written between two ranged GETs, behind a proxy that drops If-Match: the
     second answer's ETag is not the pinned one, so no A-then-B bytes come back."""
     store = through(proxy, part_bytes=5 << 20)
     store.put("k", b"A" * (6 << 20))
@@ -366,7 +366,7 @@ def test_an_object_rewritten_mid_read_is_refused_even_if_if_match_is_dropped(
 
 
 def test_reads_need_an_etag_on_head_and_on_every_get(proxy: FaultProxy, s3_env: None) -> None:
-    """Review H1: without an ETag a read cannot be pinned to one version; it is refused, not read unpinned."""
+    """Without an ETag a read cannot be pinned to one version; it is refused, not read unpinned."""
     store = through(proxy)
     store.put("k", b"x" * 100)
     proxy.add(method="HEAD", path_contains="/k", drop_response_header="ETag", times=None)
@@ -380,7 +380,7 @@ def test_reads_need_an_etag_on_head_and_on_every_get(proxy: FaultProxy, s3_env: 
 
 
 def test_a_huge_head_claim_is_confirmed_before_it_is_allocated(proxy: FaultProxy, s3_env: None) -> None:
-    """Review M5: a HEAD claiming 10**15 bytes gives a StoreError from the first GET, not a MemoryError."""
+    """A HEAD claiming 10**15 bytes gives a StoreError from the first GET, not a MemoryError."""
     store = through(proxy)
     store.put("k", b"x" * 1000)
     proxy.add(method="HEAD", path_contains="/k", content_length=10**15, times=None)
@@ -390,7 +390,7 @@ def test_a_huge_head_claim_is_confirmed_before_it_is_allocated(proxy: FaultProxy
 
 
 def test_a_service_that_ignores_range_is_a_permanent_error(proxy: FaultProxy, s3_env: None) -> None:
-    """Review L2: a 200 with the whole object to a ranged GET is refused at once, not retried as throttling."""
+    """A 200 with the whole object to a ranged GET is refused at once, not retried as throttling."""
     store = through(proxy)
     store.put("k", b"x" * 1000)
     proxy.add(method="GET", path_contains="/k", drop_header="Range", times=None)
@@ -401,7 +401,7 @@ def test_a_service_that_ignores_range_is_a_permanent_error(proxy: FaultProxy, s3
 
 @pytest.mark.parametrize("kind", ["device", "fifo", "directory"])
 def test_put_file_refuses_what_is_not_a_regular_file(s3_store: S3Store, tmp_path: Path, kind: str) -> None:
-    """Review M4: /dev/zero or a FIFO would be read without end; they are refused before a byte is read."""
+    """/dev/zero or a FIFO would be read without end; they are refused before a byte is read."""
     path = {"device": Path("/dev/zero"), "fifo": tmp_path / "fifo", "directory": tmp_path}[kind]
     if kind == "fifo":
         os.mkfifo(path)
@@ -421,7 +421,7 @@ def test_put_file_streams_a_large_file_bounded_to_its_size(s3_store: S3Store, tm
 def test_a_listing_that_ignores_the_prefix_never_yields_other_runs_keys(
     proxy: FaultProxy, s3_env: None, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """Review M7: keys outside ``prefix/`` (a service that ignores ``prefix=``) are skipped, not cut blindly."""
+    """Keys outside ``prefix/`` (a service that ignores ``prefix=``) are skipped, not cut blindly."""
     other, store = through(proxy), through(proxy)
     other.put("v00000009/manifest.json", b"{}")
     store.put("v00000001/manifest.json", b"{}")
@@ -433,7 +433,7 @@ def test_a_listing_that_ignores_the_prefix_never_yields_other_runs_keys(
 
 
 def test_endpoints_with_a_path_query_or_fragment_and_repeated_endpoints_are_refused() -> None:
-    """Review M6, L4: http://h/other would move every request into the bucket 'other'."""
+    """http://h/other would move every request into the bucket 'other'."""
     for endpoint in ["http://127.0.0.1:9000/other", "http://h/a/b", "http://h?x=1", "http://h#f"]:
         with pytest.raises(ValueError, match=r"must be scheme://host\[:port\] only, with no path"):
             with_s3_endpoint("s3://bucket", endpoint)
@@ -445,14 +445,14 @@ def test_endpoints_with_a_path_query_or_fragment_and_repeated_endpoints_are_refu
 
 
 def test_a_key_longer_than_s3_allows_under_the_prefix_is_refused(s3_store: S3Store) -> None:
-    """Review L4: S3 keys are at most 1024 bytes, the prefix included."""
+    """S3 keys are at most 1024 bytes, the prefix included."""
     key = "/".join(["a" * 202] * 5)  # 1014 characters: a valid store key, too long under the prefix
     with pytest.raises(ValueError, match="more than the 1024 an S3 key may have"):
         s3_store.put(key, b"x")
 
 
 def test_reads_from_a_missing_bucket_name_the_bucket(moto_server: MotoServer, s3_env: None) -> None:
-    """Review L5: a HEAD's 404 has no body; a missing bucket is told apart by one listing, not called 'no object'."""
+    """A HEAD's 404 has no body; a missing bucket is told apart by one listing, not called 'no object'."""
     nowhere = S3Store("no-such-bucket", endpoint=moto_server.url, backoff_s=0.001)
     for call in (nowhere.get, nowhere.open, nowhere.size, nowhere.exists):
         with pytest.raises(StoreError, match="the bucket 'no-such-bucket' does not exist") as info:

@@ -1,7 +1,7 @@
-"""Issue 21: keys planted under an ``s3://`` store's prefix by something other than deltasync (an empty segment,
+"""Keys planted under an ``s3://`` store's prefix by something other than deltasync (an empty segment,
 ``..``, ``.``) are skipped with a warning, on every path: a read that meets a 404 (its one-object listing after
-the HEAD), ``exists``, ``list``, ``delete``, ``read_weights``, the CLI and GC. Before the fix, obstore's raw
-``InvalidPathError`` came out of every read that met a 404 (``deltasync verify`` printed a traceback).
+the HEAD), ``exists``, ``list``, ``delete``, ``read_weights``, the CLI and GC; obstore's raw ``InvalidPathError``
+never comes out of a read that meets a 404 (``deltasync verify`` would print a traceback).
 
 The keys are planted with boto3 straight into moto's real S3 server, bypassing the store; everything else goes
 through the public API."""

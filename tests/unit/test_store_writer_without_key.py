@@ -103,8 +103,9 @@ def _run_of(root: Path) -> str:
 def test_a_run_record_planted_before_the_first_publish_is_refused_by_the_publisher(
     tmp_path: Path, key: tuple[Path, VerifyKey], server: ServerThread, planted: str
 ) -> None:
-    """Before: the publisher took a record planted under its run id (read from ``/healthz``) as its own, silently,
-    and every key-only reader, with or without ``--run-id``, then refused every version it published."""
+    """A record planted under the publisher's run id (read from ``/healthz``) is refused, never taken as its own
+    silently (every key-only reader, with or without ``--run-id``, would then refuse every version it
+    published)."""
     key_path, verify_key = key
     root = tmp_path / "store"
     record = (json.dumps({"format_version": "1.4", "run_id": _public_run_id(server)}, sort_keys=True) + "\n").encode()
@@ -159,8 +160,8 @@ REPLACEMENTS = {
 def test_a_reader_pinned_with_run_id_never_depends_on_run_json(
     tmp_path: Path, key: tuple[Path, VerifyKey], caplog: pytest.LogCaptureFixture, replacement: str
 ) -> None:
-    """Before: a replaced ``run.json`` made a reader pinned with ``--run-id`` refuse every version
-    (``SignatureError``, ``ForeignObject``, ``ObjectTooLarge``, ``FormatError``), though it knows its run."""
+    """A reader pinned with ``--run-id`` knows its run: a replaced ``run.json`` never makes it refuse a version
+    (``SignatureError``, ``ForeignObject``, ``ObjectTooLarge``, ``FormatError``)."""
     key_path, verify_key = key
     root = tmp_path / "store"
     with Publisher(LocalStore(root), None, _config(key_path)) as pub:
@@ -219,7 +220,7 @@ def test_a_squatted_version_key_is_skipped_by_the_publisher_that_holds_the_lease
     caplog: pytest.LogCaptureFixture,
     squat: str,
 ) -> None:
-    """Before: a key of the next version, planted before the publisher wrote it, stopped the publisher
+    """A key of the next version, planted before the publisher writes it, never stops the publisher
     (``ObjectExists: ... exists; objects are create-only (another writer?)``). The lease makes it the run's
     only writer and the ledger allows gaps: the version is skipped, and every version reads back exact."""
     key_path, verify_key = key
@@ -254,8 +255,8 @@ def test_a_squatted_version_key_is_skipped_by_the_publisher_that_holds_the_lease
 def test_a_key_planted_far_ahead_does_not_use_up_the_versions(
     tmp_path: Path, key: tuple[Path, VerifyKey], server: ServerThread
 ) -> None:
-    """Before: a publisher started above every key in the store, so one planted ``v99999999/x`` made its first
-    version 100000000, and its first publish failed (``version must be an int in [0, 99999999]``)."""
+    """A publisher does not start above every key in the store: one planted ``v99999999/x`` would make its first
+    version 100000000, and its first publish fail (``version must be an int in [0, 99999999]``)."""
     key_path, verify_key = key
     root = tmp_path / "store"
     LocalStore(root).put("v99999999/x", b"squat")
@@ -269,8 +270,8 @@ def test_without_a_coordinator_a_key_planted_at_the_last_version_is_named_at_sta
     tmp_path: Path, key: tuple[Path, VerifyKey]
 ) -> None:
     """Without a ledger the store is the run's only record of its versions, so the publisher starts above every
-    key in it: one planted at the last version leaves none, and the publisher says so at start, naming the key
-    (before: its first publish failed with ``version must be an int in [0, 99999999], got 100000000``)."""
+    key in it: one planted at the last version leaves none, and the publisher says so at start, naming the key,
+    rather than failing its first publish with ``version must be an int in [0, 99999999], got 100000000``."""
     key_path, _ = key
     root = tmp_path / "store"
     LocalStore(root).put("v99999999/anchor/x", b"squat")
@@ -315,9 +316,9 @@ def test_without_a_coordinator_a_squatted_version_key_stops_the_publisher_saying
 def test_a_planted_epoch_record_does_not_stop_the_next_publisher_recording_its_own(
     tmp_path: Path, key: tuple[Path, VerifyKey], server: ServerThread, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """Before: an epoch record planted at the next publisher's key (``epochs/e00000002.json``) made that
-    publisher skip its own (``already recorded``); key-holding readers ignore unsigned records, so nothing fenced
-    the first publisher's late write, and ``verify --public-key --run-id`` said ok."""
+    """An epoch record planted at the next publisher's key (``epochs/e00000002.json``) never makes that publisher
+    skip its own (``already recorded``): key-holding readers ignore unsigned records, so nothing would fence the
+    first publisher's late write, and ``verify --public-key --run-id`` would say ok."""
     key_path, verify_key = key
     root = tmp_path / "store"
     stream = _stream(5)
@@ -367,8 +368,8 @@ def test_a_planted_epoch_record_does_not_stop_the_next_publisher_recording_its_o
 def test_ls_lists_what_it_can_and_marks_what_it_cannot_read(
     tmp_path: Path, key: tuple[Path, VerifyKey], capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """Before: one planted ``manifest.json`` of ``{}`` made ``deltasync ls --public-key`` exit 1 with
-    ``FormatError``, listing nothing."""
+    """One planted ``manifest.json`` of ``{}`` never makes ``deltasync ls --public-key`` exit 1 with
+    ``FormatError``, listing nothing: it lists what it can and marks what it cannot read."""
     key_path, _ = key
     root = tmp_path / "store"
     with Publisher(LocalStore(root), None, _config(key_path)) as pub:

@@ -1,7 +1,7 @@
 """The Wordle rollout service (examples/wordle/rollout_server.py) as an adversary on the trainer's network would
 use it: only the token holder takes groups, no group beyond the staleness bound is handed out, malformed requests
 get a 4xx and leave the service working, a failing worker is a 500 with its reason, and production never stops
-in silence. Found by the adversary review of issue 23; each test failed before its fix."""
+in silence."""
 
 from __future__ import annotations
 
