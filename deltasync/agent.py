@@ -183,7 +183,7 @@ class Agent:
             )
         run = self._check_run(st)
         claim = EngineClaim(
-            model_fingerprint=self._run_model(),
+            model_fingerprint=self._run_model(st),
             agent_id=self.config.agent_id,
             session=self.session,
             ttl_s=max(3 * self.config.poll_wait_s, 30.0),
@@ -222,10 +222,16 @@ class Agent:
         self.target.init(dataclasses.replace(claim, release=True))
         self.started = False
 
-    def _run_model(self) -> str | None:
+    def _run_model(self, st: EngineState) -> str | None:
         """The model this agent's run publishes (its newest anchor's fingerprint; an adapter run's base), which an
-        engine serving another model refuses at the claim; ``None`` when the run has published nothing yet or the
-        anchor cannot be read now (then the engine refuses the first object, and releases the claim)."""
+        engine serving another model refuses at the claim; ``None`` when the run has published nothing yet (then
+        the engine refuses the first object of another model, and the claim goes with it).
+
+        Raises:
+            DeltaSyncError, OSError: the run has published but its newest anchor cannot be read now (as the read
+                raised it), and the engine is not this agent's already: a fresh engine is not claimed by an agent
+                that cannot say what it will serve (the next sync tries again).
+        """
         try:
             plan = self.coordinator.plan(None)
             anchor = next((s for s in plan.steps if s.kind == "anchor"), None)
@@ -237,8 +243,16 @@ class Agent:
                 return None  # nothing published yet
             raise
         except (DeltaSyncError, OSError) as exc:
-            logger.warning("agent %s: cannot read the run's newest anchor (%s)", self.config.agent_id, exc)
-            return None
+            if st.agent_id == self.config.agent_id:  # its own engine (a restarted agent): nothing to tell it
+                logger.warning("agent %s: cannot read the run's newest anchor (%s)", self.config.agent_id, exc)
+                return None
+            logger.warning(
+                "agent %s: cannot read its run's newest anchor (%s): not claiming the engine until it can tell the "
+                "engine which model its run publishes",
+                self.config.agent_id,
+                exc,
+            )
+            raise
         return manifest.model_fingerprint if manifest.adapter is None else manifest.adapter.base_fingerprint
 
     def _check_run(self, st: EngineState) -> str | None:

@@ -240,15 +240,15 @@ def check_claim(ranks: Sequence[Mapping[str, Any]], claim: EngineClaim) -> None:
     instead of raising it: a raising worker desyncs vLLM's executor at TP > 1).
 
     Raises:
-        UpdateRefused: (reason ``run``, or ``model`` for an engine of another model) with the engine's own
-            explanation; nothing changed there.
+        UpdateRefused: (reason ``run``; ``model`` for an engine of another model; ``unsupported`` for one that
+            cannot serve the claimed mode) with the engine's own explanation; nothing changed there.
     """
     for rank in ranks:
         outcome = rank.get("outcome") or {}
         refused = outcome.get("refused")
-        if rank.get("agent") != claim.agent_id or refused in (RefusalReason.RUN.value, RefusalReason.MODEL.value):
+        if rank.get("agent") != claim.agent_id or refused is not None:
             why = outcome.get("message") or f"the engine is claimed by agent {rank.get('agent')!r}"
-            reason = RefusalReason.MODEL if refused == RefusalReason.MODEL.value else RefusalReason.RUN
+            reason = RefusalReason(refused) if refused in {r.value for r in RefusalReason} else RefusalReason.RUN
             raise UpdateRefused(str(why), reason=reason)
 
 

@@ -167,6 +167,9 @@ class EngineBase(WeightTransferEngine[DeltaSyncInitInfo, DeltaSyncUpdateInfo]):
         self.proofs: dict[str, Any] = {}
         """The last whole-state proof: when, how long, how many tensors."""
         self.adapter_dir: str | None = None
+        self.adapter_copy: str | None = None
+        """``lora`` mode: this worker's private copy of the served version, which vLLM's loads of the served
+        adapter read (written with the served directory, at each session's end)."""
         self._base_fingerprint: str | None = None
         self.keeps_scratch = keep_scratch()
         """Whether this worker's malloc keeps an update's freed scratch memory for the next (:mod:`deltasync._heap`)."""
@@ -222,6 +225,13 @@ class EngineBase(WeightTransferEngine[DeltaSyncInitInfo, DeltaSyncUpdateInfo]):
         reason = RefusalReason.RUN
         if refusal is None:
             refusal, reason = self._refuse_model(init_info), RefusalReason.MODEL
+        if refusal is None and init_info.mode == "lora" and self.vllm_config.lora_config is None:
+            refusal, reason = (
+                f"deltasync: agent {init_info.agent_id!r} claims this engine in apply mode lora, but vLLM was started "
+                "without LoRA (--enable-lora): nothing was changed (start vLLM with --enable-lora, or point the agent "
+                "at an engine that serves adapters)",
+                RefusalReason.UNSUPPORTED,
+            )
         if refusal is not None:
             self.outcome = {"ok": False, "refused": reason.value, "message": refusal}
             logger.warning("%s", refusal)
@@ -236,7 +246,7 @@ class EngineBase(WeightTransferEngine[DeltaSyncInitInfo, DeltaSyncUpdateInfo]):
             self._mode = init_info.mode
         if init_info.mode == "lora" and init_info.adapter_dir != self.adapter_dir:
             self.adapter_dir = self.base_path = init_info.adapter_dir
-            self._shadow, self._spec = None, None
+            self._shadow, self._spec, self.adapter_copy = None, None, None
         if init_info.base_path is not None:
             self.base_path, self._shadow, self._spec = init_info.base_path, None, None
         if init_info.reprocess_tied is not None:

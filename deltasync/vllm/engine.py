@@ -325,15 +325,23 @@ class DeltaSyncWeightTransferEngine(ProvingEngine):
                 )
 
     def _serve_adapter(self) -> None:
-        """``lora`` mode, at the session's end: make the served directory hold the new version (proven in the
-        host copy against the published checksums when it was written there). vLLM's session end then drops every
-        loaded adapter, and the next step loads this version from the directory."""
+        """``lora`` mode, at the session's end: make the served directory, and the engine's own copy of it, hold
+        the new version (proven in the host copy against the published checksums when it was written there).
+        vLLM's session end then drops every loaded adapter, and its next load of the served adapter reads the
+        engine's copy (a private directory of this worker), whatever the served directory holds by then
+        (:func:`~deltasync.vllm.lora_slots.track_served_loads`)."""
+        import tempfile
+
         from .lora_slots import write_adapter
 
         manifest, shadow = self._staged_manifest, self._get_shadow()
         if manifest is None or manifest.adapter is None or self.adapter_dir is None:
             raise ApplyError("deltasync: no adapter staged for the served directory")
-        write_adapter(self.adapter_dir, {n: shadow.get(n) for n in shadow.names()}, manifest.adapter)
+        tensors = {n: shadow.get(n) for n in shadow.names()}
+        if self.adapter_copy is None:
+            self.adapter_copy = tempfile.mkdtemp(prefix="deltasync-served-adapter-")  # 0700, this worker's
+        write_adapter(self.adapter_copy, tensors, manifest.adapter)
+        write_adapter(self.adapter_dir, tensors, manifest.adapter)
 
     def finish_weight_update(self) -> None:
         t0 = time.perf_counter()

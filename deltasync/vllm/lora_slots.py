@@ -191,7 +191,7 @@ def read_adapter_config(adapter_dir: str, base_fingerprint: str) -> AdapterEntry
             use_rslora=bool(config.get("use_rslora", False)),
             base_fingerprint=base_fingerprint,
         )
-    except (OSError, ValueError, KeyError, TypeError):
+    except (OSError, ValueError, KeyError, TypeError, RecursionError):  # a file nested too deep: no adapter
         return None
 
 
@@ -233,31 +233,38 @@ def write_adapter(adapter_dir: str, tensors: dict[str, torch.Tensor], entry: Ada
 
 
 class _ServedLoads:
-    """vLLM's ``_load_adapter`` of one worker, recording which adapter ids it loaded from the served directory:
-    the adapters the whole-state proof reads back (vLLM keeps no adapter's path once it is loaded)."""
+    """vLLM's ``_load_adapter`` of one worker, for the adapter served from ``adapter_dir``: each load of it reads the
+    engine's own copy of the version (:attr:`copy_dir`, written by the engine with the served directory and proven
+    with it), never the served directory itself, so that whoever can write that directory cannot make vLLM
+    compute with anything else, even between two proofs; and the ids loaded are recorded, for the whole-state
+    proof to read back (vLLM keeps no adapter's path once it is loaded)."""
 
     def __init__(self, load: Any) -> None:
         self.load = load
         self.adapter_dir: str | None = None
+        self.copy_dir: str | None = None
         self.ids: set[int] = set()
 
     def __call__(self, lora_request: Any) -> Any:
         import os
 
-        from vllm.lora.utils import get_adapter_absolute_path
+        import msgspec
 
+        path = os.path.realpath(os.path.expanduser(str(lora_request.lora_path)))
+        served = self.adapter_dir is not None and path == self.adapter_dir
+        if served and self.copy_dir is not None:
+            lora_request = msgspec.structs.replace(lora_request, lora_path=self.copy_dir)
         lora = self.load(lora_request)
-        path = os.path.realpath(get_adapter_absolute_path(lora_request.lora_path))
-        if self.adapter_dir is not None and path == self.adapter_dir:
+        if served:
             self.ids.add(int(lora_request.lora_int_id))
         else:  # the id now names an adapter from elsewhere
             self.ids.discard(int(lora_request.lora_int_id))
         return lora
 
 
-def track_served_loads(worker: Any, adapter_dir: str) -> _ServedLoads | None:
-    """From now on, record the ids of the adapters this worker's vLLM loads from ``adapter_dir`` (idempotent;
-    ``None``: the engine serves no LoRA adapters)."""
+def track_served_loads(worker: Any, adapter_dir: str, copy_dir: str | None = None) -> _ServedLoads | None:
+    """From now on, load the adapter served from ``adapter_dir`` from ``copy_dir`` (the engine's own copy, once it
+    has written one) and record the ids of its loads (idempotent; ``None``: the engine serves no LoRA adapters)."""
     import os
 
     wm = getattr(getattr(worker, "model_runner", None), "lora_manager", None)
@@ -269,19 +276,20 @@ def track_served_loads(worker: Any, adapter_dir: str) -> _ServedLoads | None:
         wm._load_adapter = tracker  # an instance attribute: every load, vLLM's own included, goes through it
     if tracker.adapter_dir != os.path.realpath(adapter_dir):
         tracker.adapter_dir, tracker.ids = os.path.realpath(adapter_dir), set()
+    tracker.copy_dir = copy_dir
     return tracker
 
 
-def prove_served_slots(worker: Any, adapter_dir: str) -> tuple[list[str], int]:
+def prove_served_slots(worker: Any, adapter_dir: str, copy_dir: str | None = None) -> tuple[list[str], int]:
     """What vLLM computes with for the adapter served from ``adapter_dir``, read back on this rank: every loaded
-    copy of it (by the ids :func:`track_served_loads` saw loaded from there) and, where one is active, its slot in
-    every layer's stacked buffers, against vLLM's own fresh load of the directory (which the caller has proven
-    against the published checksums): the same loader, packing and scaling, and each layer's own ``set_lora``
-    (which slices for the rank) run on scratch buffers of one slot. Nothing live is written. Returns what
-    differs and how many copies were read."""
+    copy of it (by the ids :func:`track_served_loads` saw loaded) and, where one is active, its slot in every
+    layer's stacked buffers, against vLLM's own fresh load of the engine's copy ``copy_dir`` (else of
+    ``adapter_dir``; the caller has proven it against the published checksums): the same loader, packing and
+    scaling, and each layer's own ``set_lora`` (which slices for the rank) run on scratch buffers of one slot.
+    Nothing live is written. Returns what differs and how many copies were read."""
     from vllm.lora.request import LoRARequest
 
-    tracker = track_served_loads(worker, adapter_dir)
+    tracker = track_served_loads(worker, adapter_dir, copy_dir)
     if tracker is None:
         return [], 0
     wm, mm = _managers(worker)
@@ -289,7 +297,8 @@ def prove_served_slots(worker: Any, adapter_dir: str) -> tuple[list[str], int]:
     ids = sorted(i for i in tracker.ids if i in registered)
     if not ids:
         return [], 0
-    fresh = tracker.load(LoRARequest("deltasync-proof", ids[0], adapter_dir))  # not recorded: proves, serves nothing
+    source = copy_dir or adapter_dir
+    fresh = tracker.load(LoRARequest("deltasync-proof", ids[0], source))  # not recorded: proves, serves nothing
     mm._create_merged_loras_inplace(fresh)
     bad: list[str] = []
     for lora_id in ids:

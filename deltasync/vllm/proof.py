@@ -354,53 +354,15 @@ class ProvingEngine(EngineBase):
         return bad, unproven
 
     def _prove_adapter_dir(self, manifest: DeltaManifest) -> list[str]:
-        """``lora`` mode: the served directory, read afresh (vLLM loads the adapter from there at its next use): its
-        tensors file against the published checksums, and its configuration, every key of it, against the one the
-        engine wrote for the published adapter (a key added, removed or changed is drift). Returns what differs."""
-        import json
-        import os
-
-        from safetensors import safe_open
-
-        from ..lora import adapter_config_json
-        from .lora_slots import ADAPTER_FILE, CONFIG_FILE
-
+        """``lora`` mode: the served directory and the engine's own copy of it (which vLLM's loads of the served
+        adapter read), each read afresh: its tensors file against the published checksums, and its
+        configuration, every key of it, against the one the engine wrote for the published adapter (a key added,
+        removed or changed is drift; so is a file that cannot be read or parsed). Returns what differs."""
         assert self.adapter_dir is not None and manifest.adapter is not None
-        config_path = os.path.join(self.adapter_dir, CONFIG_FILE)
-        expected = adapter_config_json(manifest.adapter)
-        try:
-            with open(config_path, encoding="utf-8") as f:
-                config = json.load(f)
-        except (OSError, ValueError) as exc:
-            return [f"{config_path} ({exc})"]
-        if not isinstance(config, dict):
-            return [f"{config_path} (not a JSON object)"]
-
-        # the whole file, not the fields known to matter today: vLLM applies rank_pattern, alpha_pattern and the
-        # like per module, and refuses init_lora_weights it cannot take when a request names the adapter
-        def canonical(obj: dict[str, Any], key: str) -> str | None:  # 1 is not true, 8.0 is not 8
-            return json.dumps(obj[key], sort_keys=True) if key in obj else None
-
-        differ = sorted(k for k in set(config) | set(expected) if canonical(config, k) != canonical(expected, k))
-        if differ:
-            return [f"{config_path} ({', '.join(differ)})"]
-        path = os.path.join(self.adapter_dir, ADAPTER_FILE)
-        try:
-            handle = safe_open(path, framework="pt", device="cpu")
-        except Exception as exc:  # noqa: BLE001 - missing or unreadable: vLLM would load another file, or fail
-            return [f"{path} ({type(exc).__name__}: {exc})"]
-        with handle as f:
-            names = set(f.keys())
-            bad = sorted(f"{n} (in {path})" for n in names ^ set(manifest.tensors))
-            for n in sorted(names & set(manifest.tensors)):
-                t = f.get_tensor(n)
-                entry = manifest.tensors[n]
-                if (
-                    t.dtype != DTYPES[entry.dtype]
-                    or tuple(t.shape) != entry.shape
-                    or not _matches(t.reshape(-1), entry)
-                ):
-                    bad.append(f"{n} (in {path})")
+        bad = []
+        for directory in (self.adapter_dir, self.adapter_copy):
+            if directory is not None:
+                bad += _adapter_dir_differs(directory, manifest)
         return bad
 
     def _proof_map(self) -> PatchMap | None:
@@ -427,3 +389,50 @@ class ProvingEngine(EngineBase):
             f"found by {by})"
         )
         logger.warning("deltasync: %s", self.detail)
+
+
+def _adapter_dir_differs(directory: str, manifest: DeltaManifest) -> list[str]:
+    """What of a PEFT adapter directory differs from the published version ``manifest`` (see
+    :meth:`ProvingEngine._prove_adapter_dir`)."""
+    import json
+    import os
+
+    from safetensors import safe_open
+
+    from ..lora import adapter_config_json
+    from .lora_slots import ADAPTER_FILE, CONFIG_FILE
+
+    assert manifest.adapter is not None
+    config_path = os.path.join(directory, CONFIG_FILE)
+    expected = adapter_config_json(manifest.adapter)
+    try:
+        with open(config_path, encoding="utf-8") as f:
+            config = json.load(f)
+    except (OSError, ValueError, RecursionError) as exc:  # a file nested too deep to parse is no version either
+        return [f"{config_path} ({type(exc).__name__})"]
+    if not isinstance(config, dict):
+        return [f"{config_path} (not a JSON object)"]
+
+    # the whole file, not the fields known to matter today: vLLM applies rank_pattern, alpha_pattern and the
+    # like per module, and refuses init_lora_weights it cannot take when a request names the adapter
+    def canonical(obj: dict[str, Any], key: str) -> str | None:  # 1 is not true, 8.0 is not 8
+        return json.dumps(obj[key], sort_keys=True) if key in obj else None
+
+    differ = sorted(k for k in set(config) | set(expected) if canonical(config, k) != canonical(expected, k))
+    if differ:
+        return [f"{config_path} ({', '.join(differ)})"]
+    path = os.path.join(directory, ADAPTER_FILE)
+    try:
+        handle = safe_open(path, framework="pt", device="cpu")
+    except Exception as exc:  # noqa: BLE001 - missing or unreadable: vLLM would load another file, or fail
+        return [f"{path} ({type(exc).__name__}: {exc})"]
+    bad = []
+    with handle as f:
+        names = set(f.keys())
+        bad += sorted(f"{n} (in {path})" for n in names ^ set(manifest.tensors))
+        for n in sorted(names & set(manifest.tensors)):
+            t = f.get_tensor(n)
+            entry = manifest.tensors[n]
+            if t.dtype != DTYPES[entry.dtype] or tuple(t.shape) != entry.shape or not _matches(t.reshape(-1), entry):
+                bad.append(f"{n} (in {path})")
+    return bad

@@ -70,7 +70,7 @@ class DeltaSyncWorkerExtension:
             from .lora_slots import prove_served_slots
 
             try:
-                bad, result["slots"] = prove_served_slots(self, engine.adapter_dir)
+                bad, result["slots"] = prove_served_slots(self, engine.adapter_dir, engine.adapter_copy)
             except Exception as exc:  # noqa: BLE001 - a proof that cannot run proves nothing: said, never raised
                 return {**result, "ok": False, "reason": f"the served adapter's slots: {type(exc).__name__}: {exc}"}
             if bad:
@@ -175,4 +175,4 @@ def _track_served_adapter(worker: Any, engine: Any) -> bool:
         return False
     from .lora_slots import track_served_loads
 
-    return track_served_loads(worker, directory) is not None
+    return track_served_loads(worker, directory, getattr(engine, "adapter_copy", None)) is not None

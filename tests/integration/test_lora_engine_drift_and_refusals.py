@@ -285,6 +285,37 @@ def test_any_change_to_the_served_config_is_drift(rig: Rig, key: str, value: Any
     assert rig.status()["healthy"] and rig.llm.collective_rpc("deltasync_prove")[0]["ok"]
 
 
+@pytest.mark.parametrize("edit", ["alpha-times-16", "nested-json"])
+def test_an_edited_served_directory_is_never_what_vllm_computes_with(rig: Rig, edit: str) -> None:
+    """Whoever can write the served directory edits it, then has vLLM load the adapter again (a request under a new
+    id, as after an eviction), then puts the file back: every load of the served adapter reads the engine's own
+    copy of the version, so the requests compute as the published version throughout (and leave no KV computed
+    with anything else); the whole-state proof reports the edit as drift, an unparsable file included."""
+    model = _trainer(rig.model_dir, seed=15)
+    store = LocalStore(rig.root / f"edit-{edit}-store")
+    _publish(store, model, 1)
+    reference = rig.root / f"edit-{edit}-trainer"
+    model.save_pretrained(reference)
+    target, served = rig.fresh(f"edit-{edit}")
+    target.apply(StagedUpdate(objects=(rig.stage(store, f"e-{edit}-a0", 0, "anchor"),)))
+    fresh = _outputs(rig.llm, _lora(reference))
+    original = (served / CONFIG_FILE).read_text()
+    if edit == "alpha-times-16":
+        config = json.loads(original)
+        config["lora_alpha"] *= 16
+        (served / CONFIG_FILE).write_text(json.dumps(config))
+    else:
+        (served / CONFIG_FILE).write_text("[" * 200_000 + "]" * 200_000)
+    assert _outputs(rig.llm, _lora(served)) == fresh  # loaded now, after the edit
+    proof = rig.llm.collective_rpc("deltasync_prove")[0]
+    assert not proof["ok"] and proof["bad"] and str(served / CONFIG_FILE) in proof["bad"][0], proof
+    assert not rig.status()["healthy"]
+    (served / CONFIG_FILE).write_text(original)
+    assert _outputs(rig.llm, _lora(served)) == fresh
+    target.apply(StagedUpdate(objects=(rig.stage(store, f"e-{edit}-a0b", 0, "anchor"),)))
+    assert rig.llm.collective_rpc("deltasync_prove")[0]["ok"]
+
+
 def _tamper(worker: Any, lora_id: int, where: str) -> str:
     """Runs in the vLLM worker: one element of the loaded adapter ``lora_id`` moved, in its slot of the first
     layer's buffers (``slot``) or in vLLM's loaded copy (``copy``), as a stray write in the engine would."""
@@ -375,14 +406,16 @@ def test_an_adapter_above_max_lora_rank_is_refused_before_any_write(rig: Rig) ->
     assert refusal.reason is RefusalReason.UNSUPPORTED and "max-lora-rank" in str(refusal)
 
 
-def test_a_lora_engine_without_enable_lora_refuses_before_any_write(rig: Rig) -> None:
-    model = _trainer(rig.model_dir, seed=5)
-    store = LocalStore(rig.root / "nolora-store")
-    _publish(store, model, 1)
+def test_an_engine_without_enable_lora_refuses_a_lora_claim(rig: Rig) -> None:
+    """An adapter run's agent (same base) pointed at an engine started without LoRA is refused at the claim:
+    it never holds the engine, whose own agent then claims it at once."""
     try:
-        target, served = rig.fresh("nolora", lora_enabled=False)
-        refusal = _refused(rig, target, served, rig.stage(store, "n-a0", 0, "anchor"))
-        assert refusal.reason is RefusalReason.UNSUPPORTED and "--enable-lora" in str(refusal)
+        with pytest.raises(UpdateRefused) as exc:
+            rig.fresh("nolora", lora_enabled=False)
+        assert exc.value.reason is RefusalReason.UNSUPPORTED and "--enable-lora" in str(exc.value)
+        assert rig.status()["agent"] is None
+        OfflineLLMTarget(rig.llm).init(EngineClaim(agent_id="own", session="o2", staging_root=str(rig.staging)))
+        assert rig.status()["agent"] == "own"
     finally:
         rig.llm.collective_rpc(_restart, args=(True,))
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from deltasync_coordinator.app import create_app
 
-from deltasync import LocalStore, RefusalReason, UpdateRefused
+from deltasync import DeltaSyncError, LocalStore, RefusalReason, UpdateRefused
 from deltasync.agent import Agent
 from deltasync.client import CoordinatorClient
 from deltasync.config import AgentConfig
@@ -82,3 +82,18 @@ def test_an_agent_whose_run_had_published_nothing_loses_the_claim_at_its_first_r
         with pytest.raises(UpdateRefused, match="driven by agent 'right-agent'"):
             intruder.sync()  # it tries to claim again
         assert target.state().agent_id == "right-agent"
+
+
+def test_an_agent_that_cannot_read_its_runs_anchor_does_not_claim_a_fresh_engine(
+    tmp_path: Path, weights, other
+) -> None:
+    """The wrong run's newest anchor cannot be read from here (a store writer spoiled its manifest, or the store
+    is unreachable): its agent cannot say what it would serve, and leaves the fresh engine unclaimed."""
+    target = InMemoryTarget(spec=_spec(weights))
+    with world(tmp_path / "right", weights) as right, world(tmp_path / "wrong", other) as wrong:
+        (wrong.store.root / "v00000000" / "anchor" / "manifest.json").write_bytes(b"{}")
+        intruder = wrong.agent("wrong-agent", target=target)
+        with pytest.raises(DeltaSyncError):
+            intruder.sync()
+        assert target.state().agent_id is None
+        assert right.agent("right-agent", target=target).sync().to_version == right.publisher.version
