@@ -254,11 +254,17 @@ def _reason(exc: BaseException, store: Store, key: str) -> str:
     return str(exc).removeprefix(f"{store.uri}/{key}: ").removeprefix(f"{store.uri}: ")
 
 
-def _own_run_record(store: Store, signing_key: SigningKey | None) -> dict[str, object] | None:
-    """The store's run record, if a publisher signing with ``signing_key`` can take it as its own.
+def _own_run_record(
+    store: Store, signing_key: SigningKey | None, run_id: str | None = None
+) -> dict[str, object] | None:
+    """The store's run record, if a publisher signing with ``signing_key`` (of ``run_id``, when it knows it) can
+    take it as its own. A record its key did not sign (replaced, cut, planted) does not stop a publisher whose key
+    signed objects of its run in the store already (a restarted publisher): it is ignored, with a warning, and
+    the run is the one those objects name.
 
     Raises:
-        ForeignObject: the publisher signs and the record is not signed by its key (or is not a record).
+        ForeignObject: the publisher signs, the record is not signed by its key (or is not a record), and no
+            object its key signed in the store names its run (a record planted before its first publish).
         FormatError: the publisher does not sign and the record is malformed.
     """
     if signing_key is None:
@@ -267,8 +273,20 @@ def _own_run_record(store: Store, signing_key: SigningKey | None) -> dict[str, o
     try:
         return _get_record(store, RUN_KEY, signing_key.verify_key)
     except (FormatError, StoreError) as exc:
+        why = _reason(exc, store, RUN_KEY)
+        runs = _signed_runs(store, signing_key.verify_key, "", quiet=True)
+        ours = run_id if run_id is not None and run_id in runs else runs[0] if len(runs) == 1 and not run_id else None
+        if ours is not None:
+            logger.warning(
+                "%s: not written by this publisher (%s): ignored; the objects its key signed in the store name run "
+                "%s, which it goes on publishing (readers with the key ignore the record too)",
+                name,
+                why,
+                ours,
+            )
+            return {"format_version": FORMAT_VERSION, "run_id": ours}
         raise ForeignObject(
-            f"{name}: this publisher did not write the store's run record ({_reason(exc, store, RUN_KEY)}); this "
+            f"{name}: this publisher did not write the store's run record ({why}); this "
             f"publisher signs with key {signing_key.verify_key.key_id}, and a store writer without the key may have "
             "planted the record (the run id is no secret). Nothing was written. If this store is meant for this "
             f"run, delete {RUN_KEY} and start the publisher again (it writes and signs its own record); else "
@@ -287,7 +305,7 @@ def claim_run(store: Store, run_id: str, signing_key: SigningKey | None) -> None
     if _put_record(store, RUN_KEY, data, signing_key):
         logger.info("%s: recorded as the store of run %s", store.uri, run_id)
         return
-    found = _own_run_record(store, signing_key)
+    found = _own_run_record(store, signing_key, run_id)
     if found is not None and found["run_id"] != run_id:
         raise ForeignObject(
             f"{store.uri}: the store belongs to run {found['run_id']} ({RUN_KEY}), this publisher's run is "
@@ -381,10 +399,10 @@ def _read_epochs(store: Store, verify_key: VerifyKey | None) -> list[EpochRecord
     return epochs
 
 
-def _signed_runs(store: Store, verify_key: VerifyKey, note: str) -> tuple[str, ...]:
+def _signed_runs(store: Store, verify_key: VerifyKey, note: str, *, quiet: bool = False) -> tuple[str, ...]:
     """The runs that the objects ``verify_key`` signed in ``store`` name (since format 1.3), sorted; stops at
     two. Every manifest is read (each up to its cap) and its signature checked: the price of a store without a
-    run record the key signed."""
+    run record the key signed. A reader is told (once) which run that pins, unless ``quiet``."""
     runs: set[str] = set()
     try:
         keys = store.list()
@@ -407,7 +425,7 @@ def _signed_runs(store: Store, verify_key: VerifyKey, note: str) -> tuple[str, .
             runs.add(manifest.run_id)
             if len(runs) > 1:
                 break
-    if len(runs) == 1:
+    if len(runs) == 1 and not quiet:
         _warn_once(
             "%s: %spinned to run %s, the one run the objects signed by the key name; pass --run-id RUN "
             "(Trust(run_id=...)) to not depend on what the store holds",
