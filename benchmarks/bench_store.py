@@ -143,11 +143,11 @@ def libraries(server: MotoServer, repeat: int) -> dict[str, dict[str, dict[str, 
 
 def stores(server: MotoServer, repeat: int) -> dict[str, dict[str, dict[str, float]]]:
     from deltasync.store import LocalStore, open_store
-    from deltasync.store.s3 import S3Store
+    from deltasync.store.s3 import S3Store, S3Transfer
 
     out: dict[str, dict[str, dict[str, float]]] = {}
     with tempfile.TemporaryDirectory() as tmp:
-        one_get = S3Store(BUCKET, "stores-one-get", endpoint=server.url, parallel_bytes=1 << 40)
+        one_get = S3Store(BUCKET, "stores-one-get", endpoint=server.url, transfer=S3Transfer(parallel_bytes=1 << 40))
         candidates = {
             "s3:// (defaults: ranged GETs from 64 MiB)": open_store(f"s3://{BUCKET}/stores", s3_endpoint=server.url),
             "s3:// (one GET)": one_get,

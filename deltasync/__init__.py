@@ -42,7 +42,7 @@ from .writer import ObjectWriter, write_anchor, write_delta
 
 if _typing.TYPE_CHECKING:
     from .agent import Agent
-    from .client import CoordinatorClient
+    from .client import CoordinatorClient, RetryPolicy
     from .publisher import Publisher
     from .targets import InMemoryTarget
 
@@ -57,6 +57,7 @@ _LAZY = {
     "CoordinatorClient": "deltasync.client",
     "InMemoryTarget": "deltasync.targets",
     "Publisher": "deltasync.publisher",
+    "RetryPolicy": "deltasync.client",
 }
 
 
@@ -97,6 +98,7 @@ __all__ = [
     "ObjectWriter",
     "Publisher",
     "RefusalReason",
+    "RetryPolicy",
     "RunMismatch",
     "ShardEntry",
     "SignatureError",

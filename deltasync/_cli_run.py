@@ -54,8 +54,8 @@ def _cmd_coordinator(args: argparse.Namespace) -> int:
         )
     try:
         from deltasync_coordinator.app import create_app
-        from deltasync_coordinator.db import Busy, DamagedLedger, LedgerLocked
         from deltasync_coordinator.http import run, serve_options
+        from deltasync_coordinator.ledger import Busy, DamagedLedger, LedgerLocked
         from deltasync_coordinator.settings import InsecureConfiguration, Settings
     except ImportError as exc:
         raise SystemExit(
@@ -90,7 +90,8 @@ def _cmd_coordinator(args: argparse.Namespace) -> int:
 
 
 def _cmd_backup(args: argparse.Namespace) -> int:
-    from deltasync_coordinator.db import DamagedLedger, backup
+    from deltasync_coordinator.db import backup
+    from deltasync_coordinator.ledger import DamagedLedger
 
     if args.db.startswith(("postgresql://", "postgres://")):
         print(

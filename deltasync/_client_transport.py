@@ -7,6 +7,7 @@ retried, on which replica, and why that is safe.
 
 from __future__ import annotations
 
+import dataclasses
 import ipaddress
 import logging
 import random
@@ -20,7 +21,7 @@ from pydantic import BaseModel, ValidationError
 from .errors import CoordinatorError, RunMismatch
 from .schemas import RUN_HEADER
 
-__all__ = ["ClientTransport", "is_loopback"]
+__all__ = ["ClientTransport", "RetryPolicy", "is_loopback"]
 
 # The client's logger: its retries, failovers and warnings are the client's (operators filter on this name).
 logger = logging.getLogger("deltasync.client")
@@ -33,6 +34,30 @@ _RETRY_STATUS = frozenset({500, 502, 503, 504})
 _MAX_RETRY_AFTER_S = 30.0
 _NEVER_SENT = (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout)
 """Transport errors before a request left this process: no replica can have carried it out."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class RetryPolicy:
+    """How a :class:`~deltasync.client.CoordinatorClient` waits for its replicas and retries a failed request.
+
+    Example:
+        >>> patient = RetryPolicy(timeout_s=60, retries=30)
+        >>> client = CoordinatorClient(url, token=token, retry=patient)  # doctest: +SKIP
+    """
+
+    timeout_s: float = 30.0
+    """Per-request timeout, on top of any long-poll wait: a replica that sends no bytes this long has failed."""
+    retries: int = 8
+    """Rounds after the first (a round tries every replica once), for retryable failures."""
+    backoff_s: float = 0.2
+    """First backoff; doubles each round, capped at 10 s (a ``Retry-After`` wins)."""
+
+    def __post_init__(self) -> None:
+        if self.retries < 0 or self.backoff_s < 0 or self.timeout_s <= 0:
+            raise ValueError(
+                f"need retries >= 0, backoff_s >= 0, timeout_s > 0; got {self.retries}, {self.backoff_s}, "
+                f"{self.timeout_s}"
+            )
 
 
 def _error(response: httpx.Response, message: str) -> CoordinatorError:
@@ -133,18 +158,14 @@ class ClientTransport:
         base_url: str | Sequence[str],
         *,
         token: str | None = None,
-        timeout_s: float = 30.0,
-        retries: int = 8,
-        backoff_s: float = 0.2,
-        http_client: httpx.Client | None = None,
-        run_id: str | None = None,
         ca_bundle: str | None = None,
         insecure_http: bool = False,
+        retry: RetryPolicy | None = None,
+        run_id: str | None = None,
+        http_client: httpx.Client | None = None,
     ) -> None:
-        if retries < 0 or backoff_s < 0 or timeout_s <= 0:
-            raise ValueError(
-                f"need retries >= 0, backoff_s >= 0, timeout_s > 0; got {retries}, {backoff_s}, {timeout_s}"
-            )
+        self.retry = retry or RetryPolicy()
+        """The timeouts and the retry schedule."""
         self.urls: tuple[str, ...] = _parse_urls(base_url)
         """Every replica, in the order given."""
         if token:
@@ -155,10 +176,9 @@ class ClientTransport:
             import ssl
 
             verify = ssl.create_default_context(cafile=ca_bundle)
-        self._http = http_client or httpx.Client(timeout=timeout_s, verify=verify)
+        self._http = http_client or httpx.Client(timeout=self.retry.timeout_s, verify=verify)
         self._http.headers.update(headers)
         self._active = 0  # the replica that answered last (sticky); a plain int: races only reorder attempts
-        self.timeout_s, self.retries, self.backoff_s = timeout_s, retries, backoff_s
         self.run_id: str | None = run_id
         """The coordinator's run identity, pinned (from ``run_id`` or its first answer), for every replica."""
 
@@ -233,13 +253,13 @@ class ClientTransport:
 
         ``lost`` collects, for a caller whose request is not idempotent, each URL whose attempt may have been
         carried out without an answer coming back (anything but a refused connection)."""
-        timeout = httpx.Timeout(self.timeout_s + extra_timeout_s)
+        timeout = httpx.Timeout(self.retry.timeout_s + extra_timeout_s)
         n = len(self.urls)
         last: dict[str, str] = {}  # what each replica answered last, for the give-up message
         response: httpx.Response | None = None
         error: httpx.TransportError | None = None
         tried = self.urls[self._active]
-        for attempt in range(self.retries + 1):
+        for attempt in range(self.retry.retries + 1):
             retry_after: float | None = None
             start = self._active
             for step in range(n):
@@ -278,9 +298,9 @@ class ClientTransport:
                         last[base],
                         self.urls[(index + 1) % n],
                     )
-            if attempt >= self.retries:
+            if attempt >= self.retry.retries:
                 break
-            delay = min(self.backoff_s * 2**attempt, 10.0) * (0.5 + _JITTER.random() / 2)
+            delay = min(self.retry.backoff_s * 2**attempt, 10.0) * (0.5 + _JITTER.random() / 2)
             if retry_after is not None:
                 delay = max(delay, retry_after)
             logger.warning(
@@ -289,11 +309,11 @@ class ClientTransport:
                 path,
                 "; ".join(f"{u}: {r}" for u, r in last.items()) if n > 1 else last[self.urls[0]],
                 attempt + 1,
-                self.retries,
+                self.retry.retries,
                 delay,
             )
             time.sleep(delay)
-        rounds = self.retries + 1
+        rounds = self.retry.retries + 1
         if n == 1:  # one coordinator: the messages and status codes it always had
             if response is not None:
                 _raise_for_status(response)

@@ -10,7 +10,7 @@ import numpy as np
 import numpy.typing as npt
 import zstandard
 
-from ._kernels import kernels
+from ._kernels import OrdinalCode, kernels
 
 __all__ = [
     "MAX_ZSTD_RATIO",
@@ -118,12 +118,12 @@ def _plane_bytes(buf: bytes, n: int, planes: int, what: str) -> np.ndarray:
     return src
 
 
-def _undo_constants(dtype: np.dtype) -> tuple[int, int, int, int]:
+def _undo_constants(dtype: np.dtype) -> OrdinalCode:
     """What the compiled undo takes for a base of ``dtype``: the sign's shift, the magnitude's mask, and the
     dtype's least and largest values."""
     width = dtype.itemsize * 8
     info = np.iinfo(dtype)
-    return width - 1, (1 << (width - 1)) - 1, int(info.min), int(info.max)
+    return OrdinalCode(width - 1, (1 << (width - 1)) - 1, int(info.min), int(info.max))
 
 
 def join_gaps(buf: bytes, n: int, planes: int) -> npt.NDArray[np.uint64]:
@@ -185,7 +185,7 @@ def undo_ordinal_delta(base_bits: IntArray, coded: UIntArray) -> IntArray | None
     compiled = kernels()
     if compiled is not None and (base_bits.dtype, coded.dtype) in _COMPILED_UNDO:
         result = np.empty(coded.size, dtype=base_bits.dtype)
-        bad = compiled.undo_ordinal(base_bits, coded, result, *_undo_constants(base_bits.dtype))
+        bad = compiled.undo_ordinal(base_bits, coded, result, _undo_constants(base_bits.dtype))
         return None if bad >= 0 else result
     signed = np.dtype(f"i{coded.dtype.itemsize}")
     d: IntArray = coded.view(signed)
@@ -223,7 +223,7 @@ def undo_ordinal_planes(
         return undo_ordinal_delta(base_bits, join_planes(buf, n, planes, unsigned))
     src = _plane_bytes(buf, n, planes, "undo_ordinal_planes")
     result = np.empty(n, dtype=base_bits.dtype)
-    bad = compiled.undo_planes(base_bits, src, n, planes, result, *_undo_constants(base_bits.dtype))
+    bad = compiled.undo_planes(base_bits, src, n, planes, result, _undo_constants(base_bits.dtype))
     return None if bad >= 0 else result
 
 

@@ -19,18 +19,32 @@ import os
 import threading
 from collections.abc import Callable
 from types import SimpleNamespace
-from typing import Any, cast
+from typing import Any, NamedTuple, cast
 
 import numpy as np
 
 Arr = np.ndarray[Any, Any]
 
-__all__ = ["KERNELS_ENV", "kernels", "warm"]
+__all__ = ["KERNELS_ENV", "OrdinalCode", "kernels", "warm"]
 
 logger = logging.getLogger(__name__)
 
 KERNELS_ENV = "DELTASYNC_KERNELS"
 """``numpy`` runs the numpy code even where numba is installed; anything else (or unset) uses numba if it is."""
+
+
+class OrdinalCode(NamedTuple):
+    """What the compiled undo loops take of a base dtype's ordinal code (one argument: a tuple to the compiler)."""
+
+    width_shift: int
+    """The sign bit's position (the dtype's width in bits, minus one)."""
+    magnitude: int
+    """The mask of every bit below the sign bit."""
+    low: int
+    """The dtype's least value: a result below it is a corrupt shard."""
+    high: int
+    """The dtype's largest value: a result above it is a corrupt shard."""
+
 
 _LOCK = threading.Lock()
 _LOADED: dict[str, Any] = {}
@@ -89,18 +103,20 @@ def _build(numba: Any) -> SimpleNamespace:
 
     _ordinal_sum = ordinal_sum
 
+    t = numba.types
+    code_type = t.NamedUniTuple(t.int64, 4, OrdinalCode)
+
     @njit(
         [
-            "int64(int16[::1], uint32[::1], int16[::1], int64, int64, int64, int64)",
-            "int64(int32[::1], uint64[::1], int32[::1], int64, int64, int64, int64)",
+            t.int64(t.Array(t.int16, 1, "C"), t.Array(t.uint32, 1, "C"), t.Array(t.int16, 1, "C"), code_type),
+            t.int64(t.Array(t.int32, 1, "C"), t.Array(t.uint64, 1, "C"), t.Array(t.int32, 1, "C"), code_type),
         ],
         **opts,
     )
-    def undo_ordinal(
-        base: Arr, coded: Arr, out: Arr, width_shift: int, magnitude: int, low: int, high: int
-    ) -> int:  # pragma: no cover - compiled
+    def undo_ordinal(base: Arr, coded: Arr, out: Arr, code: OrdinalCode) -> int:  # pragma: no cover - compiled
         # out[i] = from_ordinal(to_ordinal(base[i]) + zigzag_decode(coded[i])); the index of the first result
         # outside [low, high] (a corrupt shard), or -1
+        width_shift, magnitude, low, high = code
         for i in range(coded.size):
             o = _ordinal_sum(base[i], coded[i], width_shift, magnitude)
             if o < low or o > high:
@@ -159,7 +175,6 @@ def _build(numba: Any) -> SimpleNamespace:
             chunks[k] += diff
         return -1
 
-    t = numba.types
     u8, u64 = t.Array(t.uint8, 1, "C"), t.Array(t.uint64, 1, "C")
     u8_readonly = t.Array(t.uint8, 1, "C", readonly=True)  # np.frombuffer of bytes, as a shard's are decompressed
 
@@ -189,27 +204,20 @@ def _build(numba: Any) -> SimpleNamespace:
 
     i16, i32 = t.Array(t.int16, 1, "C"), t.Array(t.int32, 1, "C")
     undo_signatures = [
-        t.int64(narrow, planes, t.int64, t.int64, narrow, t.int64, t.int64, t.int64, t.int64)
+        t.int64(narrow, planes, t.int64, t.int64, narrow, code_type)
         for narrow in (i16, i32)
         for planes in (u8, u8_readonly)
     ]
 
     @njit(undo_signatures, **opts)
     def undo_planes(
-        base: Arr,
-        planes: Arr,
-        n: int,
-        count: int,
-        out: Arr,
-        width_shift: int,
-        magnitude: int,
-        low: int,
-        high: int,
+        base: Arr, planes: Arr, n: int, count: int, out: Arr, code: OrdinalCode
     ) -> int:  # pragma: no cover - compiled
         # undo_ordinal of the coded values as they are joined from ``count`` byte planes of ``n`` bytes each (low
         # plane first): no joined copy of them. One or two planes (most of a step's values): a loop with no
         # branch, which the compiler vectorizes (~10x); a result outside [low, high] is then found by the
         # general loop, which stops at it
+        width_shift, magnitude, low, high = code
         if count == 1 or count == 2:
             bad = False
             if count == 1:

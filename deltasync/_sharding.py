@@ -10,7 +10,6 @@ from collections.abc import Mapping
 import torch
 
 from .format import TensorDelta, tensor_checksum
-from .lora import lora_merged_state
 from .names import NameMap, checkpoint_state
 from .sketch import format_sketch, sketch_range
 
@@ -57,15 +56,10 @@ def local_tensors(
     state: torch.nn.Module | Mapping[str, torch.Tensor],
     *,
     name_map: NameMap,
-    dtype: torch.dtype,
-    merge_lora: bool,
     rank: int,
 ) -> tuple[dict[str, torch.Tensor], dict[str, TensorView]]:
     """This rank's local tensors by checkpoint name, and every tensor's view (owned or not)."""
-    if isinstance(state, torch.nn.Module):
-        raw = lora_merged_state(state, dtype) if merge_lora else state.state_dict()
-    else:
-        raw = dict(state)
+    raw = state.state_dict() if isinstance(state, torch.nn.Module) else dict(state)
     local: dict[str, torch.Tensor] = {}
     views: dict[str, TensorView] = {}
     for name, tensor in checkpoint_state(raw, name_map).items():

@@ -215,10 +215,12 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
 
 
 def _client(url: str, token_env: str, ca_bundle: str | None, insecure_http: bool = False) -> Any:
-    from .client import CoordinatorClient
+    from .client import CoordinatorClient, RetryPolicy
 
     token = os.environ.get(token_env)
-    return CoordinatorClient(url, token=token, ca_bundle=ca_bundle, retries=3, insecure_http=insecure_http)
+    return CoordinatorClient(
+        url, token=token, ca_bundle=ca_bundle, insecure_http=insecure_http, retry=RetryPolicy(retries=3)
+    )
 
 
 def _add_insecure_http(parser: Any) -> None:

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, Literal
 
-from ._client_transport import ClientTransport
+from ._client_transport import ClientTransport, RetryPolicy
 from .errors import CoordinatorError, IntegrityError, LeaseError
 from .schemas import (
     LEASE_HEADER,
@@ -31,7 +31,7 @@ from .schemas import (
 )
 from .vocab import Kind
 
-__all__ = ["AgentStatus", "CoordinatorClient", "GcReport", "Lease", "PublishedVersion", "SyncPlan"]
+__all__ = ["AgentStatus", "CoordinatorClient", "GcReport", "Lease", "PublishedVersion", "RetryPolicy", "SyncPlan"]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -146,9 +146,10 @@ class CoordinatorClient(ClientTransport):
     """A synchronous client of the coordinator (one or several replicas of one ledger), safe to share between
     threads.
 
-    **Retries.** Connection errors, timeouts (a replica that sends no bytes within ``timeout_s``), a cut
+    **Retries.** Connection errors, timeouts (a replica that sends no bytes within ``retry.timeout_s``), a cut
     connection and 500/502/503/504 answers are retried with exponential backoff and jitter (a ``Retry-After``
-    wins). Every call is idempotent on the server (re-registering an identical version answers 200), see below.
+    wins; :class:`RetryPolicy`). Every call is idempotent on the server (re-registering an identical version
+    answers 200), see below.
 
     **Several replicas** (``base_url`` a list, or ``"http://a:8600,http://b:8600"``): replicas of *one* ledger
     (the same run id). The client sticks to the replica that last answered. On a retryable failure it moves
@@ -183,20 +184,19 @@ class CoordinatorClient(ClientTransport):
     Args:
         base_url: e.g. ``http://127.0.0.1:8600``; or several replicas: a list, or one comma-separated string.
         token: bearer token (the publisher's or the agent's), the same for every replica.
-        timeout_s: per-request timeout, on top of any long-poll wait.
-        retries: rounds after the first (a round tries every replica once), for retryable failures.
-        backoff_s: first backoff; doubles each round, capped at 10 s (a ``Retry-After`` wins).
-        http_client: an ``httpx.Client`` to use instead of a new one (tests pass an ASGI one); requests go to
-            absolute URLs, so it serves every replica.
-        run_id: pin the coordinator's run identity now (default: pinned from its first answer). Every answer
-            names its run; one that names another raises :class:`~deltasync.errors.RunMismatch`.
         ca_bundle: a CA certificate file (PEM) to verify an ``https://`` coordinator with (default: the system's).
         insecure_http: send ``token`` over plain ``http://`` to a host other than this one's loopback
             (127.0.0.0/8, ``::1``, ``localhost``), where anyone on the path reads it; logged. By default refused.
+        retry: the per-request timeout and the retry schedule (default: ``RetryPolicy()``: 30 s, 8 rounds after
+            the first, backoff from 0.2 s).
+        run_id: pin the coordinator's run identity now (default: pinned from its first answer). Every answer
+            names its run; one that names another raises :class:`~deltasync.errors.RunMismatch`.
+        http_client: an ``httpx.Client`` to use instead of a new one (tests pass an ASGI one); requests go to
+            absolute URLs, so it serves every replica.
 
     Raises:
-        ValueError: no URL, a URL without ``http://`` or ``https://``, a URL listed twice, a token for a plain
-            ``http://`` URL on another host without ``insecure_http``, or bad numbers.
+        ValueError: no URL, a URL without ``http://`` or ``https://``, a URL listed twice, or a token for a plain
+            ``http://`` URL on another host without ``insecure_http``.
 
     Example:
         >>> client = CoordinatorClient("http://127.0.0.1:8600", token="...")  # doctest: +SKIP

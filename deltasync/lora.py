@@ -8,7 +8,10 @@ from typing import Any
 
 import torch
 
+from ._sharding import local_tensors
+from .manifest import AdapterEntry, model_fingerprint
 from .names import WRAPPER_PREFIXES, NameMap
+from .vocab import DTYPE_NAMES
 
 __all__ = [
     "ADAPTER_PREFIX",
@@ -122,7 +125,9 @@ def _unservable_fields(config: Any) -> list[str]:
     return why
 
 
-def adapter_entry(module: torch.nn.Module, dtype: torch.dtype = torch.bfloat16, adapter: str | None = None) -> Any:
+def adapter_entry(
+    module: torch.nn.Module, dtype: torch.dtype = torch.bfloat16, adapter: str | None = None
+) -> AdapterEntry:
     """The :class:`~deltasync.manifest.AdapterEntry` of a PEFT LoRA model's active adapter: its rank, alpha,
     target modules and rsLoRA flag, and the fingerprint of its base model's checkpoint (names, shapes, ``dtype``)
     as an engine serving that base sees it.
@@ -133,10 +138,6 @@ def adapter_entry(module: torch.nn.Module, dtype: torch.dtype = torch.bfloat16, 
             alphas, DoRA, extra trained modules, biases, layer selection, an initialization that rewrites the
             base, ...; each named with its value): an engine could not serve it as that one plain adapter.
     """
-    from ._sharding import local_tensors
-    from .manifest import AdapterEntry, model_fingerprint
-    from .vocab import DTYPE_NAMES
-
     configs = getattr(module, "peft_config", None)
     if not configs:
         raise ValueError(f"{type(module).__name__} is not a PEFT model (no peft_config): wrap it with get_peft_model")
@@ -157,7 +158,7 @@ def adapter_entry(module: torch.nn.Module, dtype: torch.dtype = torch.bfloat16, 
             why.append(f"embedding targets {embeddings} (lora_embedding tensors)")
     if why:
         raise ValueError(f"adapter {name!r}: deltasync publishes plain LoRA adapters only, not {'; '.join(why)}")
-    _, views = local_tensors(module, name_map=NameMap(), dtype=dtype, merge_lora=False, rank=0)
+    _, views = local_tensors(module, name_map=NameMap(), rank=0)
     base = {n: (DTYPE_NAMES[dtype], tuple(v.shape)) for n, v in views.items()}
     return AdapterEntry(
         r=int(config.r),
@@ -168,7 +169,7 @@ def adapter_entry(module: torch.nn.Module, dtype: torch.dtype = torch.bfloat16, 
     )
 
 
-def adapter_config_json(entry: Any, base_model: str | None = None) -> dict[str, Any]:
+def adapter_config_json(entry: AdapterEntry, base_model: str | None = None) -> dict[str, Any]:
     """The ``adapter_config.json`` of a published adapter (what vLLM's loader reads next to its tensors)."""
     return {
         "base_model_name_or_path": base_model,

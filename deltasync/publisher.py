@@ -32,7 +32,7 @@ from .config import PublisherConfig
 from .diff import compute_delta
 from .errors import LeaseError, VersionTaken
 from .format import TensorDelta
-from .lora import ADAPTER_PREFIX, AdapterNames, adapter_state
+from .lora import ADAPTER_PREFIX, AdapterNames, adapter_state, lora_merged_state
 from .manifest import AdapterEntry, DeltaManifest
 from .names import NameMap
 from .runrecord import adopt_run, claim_run, record_epoch
@@ -374,9 +374,9 @@ class Publisher:
                     f"an adapter publisher publishes a PEFT model's adapter tensors (names {ADAPTER_PREFIX}...), "
                     f"got {wrong!r}: pass the PEFT model or its get_peft_model_state_dict()"
                 )
-        local, views = local_tensors(
-            state, name_map=self.name_map, dtype=self.dtype, merge_lora=self.merge_lora, rank=self.rank
-        )
+        if self.merge_lora and isinstance(state, torch.nn.Module):
+            state = lora_merged_state(state, self.dtype)  # merged on copies: the trainer's weights stay as they are
+        local, views = local_tensors(state, name_map=self.name_map, rank=self.rank)
         if self._views is None:
             self._views = views
         elif views != self._views:

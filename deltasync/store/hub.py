@@ -74,15 +74,14 @@ def _status(exc: BaseException) -> int | None:
 class HubBucketStore:
     """A store in a Hub bucket.
 
-    Auth comes from the standard places (``HF_TOKEN``, ``hf auth login``) unless ``token`` is given; the
-    endpoint can be overridden (``HF_ENDPOINT`` is read only once, at import, by huggingface_hub).
+    Auth comes from the standard places (``HF_TOKEN``, ``hf auth login``) and the endpoint from ``HF_ENDPOINT``
+    (read only once, at import, by huggingface_hub), unless ``api`` says otherwise:
+    ``HubBucketStore("me/run1", api=HfApi(endpoint=..., token=...))``.
 
     Args:
         bucket_id: ``namespace/name``.
         prefix: a key prefix inside the bucket (one bucket can hold several runs).
-        api: an ``HfApi`` (default: ``HfApi(endpoint=endpoint, token=token)``); tests pass a fake.
-        endpoint: the Hub endpoint, e.g. a private deployment.
-        token: a token, instead of the standard auth.
+        api: the ``HfApi`` to call, with its endpoint and token (default: ``HfApi()``); tests pass a fake.
         private: create the bucket private (the default) if it does not exist, on the first write.
         cache_dir: where downloads land (default: ``$HF_HOME``-style ``~/.cache/deltasync/buckets``);
             files are cached by content hash, so a retried or restarted fetch skips finished files.
@@ -99,8 +98,6 @@ class HubBucketStore:
         prefix: str = "",
         *,
         api: Any | None = None,
-        endpoint: str | None = None,
-        token: str | None = None,
         private: bool = True,
         cache_dir: str | os.PathLike[str] | None = None,
         retries: int = 5,
@@ -111,7 +108,7 @@ class HubBucketStore:
                 from huggingface_hub import HfApi
             except ImportError as exc:
                 raise ImportError("HubBucketStore needs huggingface_hub: pip install 'deltasync[hub]'") from exc
-            api = HfApi(endpoint=endpoint, token=token)
+            api = HfApi()
         self.api, self.bucket_id, self.prefix = api, bucket_id, prefix.strip("/")
         self.private, self.retries, self.backoff_s = private, retries, backoff_s
         default_cache = Path(os.environ.get("DELTASYNC_CACHE", Path.home() / ".cache" / "deltasync")) / "buckets"

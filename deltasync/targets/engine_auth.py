@@ -1,5 +1,6 @@
 """The agent's side of the engine boundary: administrative requests to a vLLM server signed with the engine
-credential, never carrying it (the protocol is in :mod:`deltasync.vllm.guard`)."""
+credential, never carrying it (the protocol is in :mod:`deltasync.vllm.guard`, its proofs in
+:mod:`deltasync.engine_credential`)."""
 
 from __future__ import annotations
 
@@ -12,8 +13,7 @@ from collections.abc import Generator
 
 import httpx
 
-from ..errors import EngineUnproven
-from ..vllm.guard import (
+from ..engine_credential import (
     ENGINE_AUTH_HEADER,
     ENGINE_PROOF_HEADER,
     GUARD_ROUTE,
@@ -21,6 +21,7 @@ from ..vllm.guard import (
     request_mac,
     response_proof,
 )
+from ..errors import EngineUnproven
 
 __all__ = ["EngineAuth"]
 

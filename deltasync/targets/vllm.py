@@ -16,9 +16,9 @@ from typing import Any, Literal
 
 import httpx
 
+from ..engine_credential import load_engine_token
 from ..errors import ApplyError, EngineUnproven, RefusalReason, UpdateRefused, VersionGapError
 from ..staging import StagedUpdate
-from ..vllm.guard import load_engine_token
 from .base import (
     UNHEALTHY_LABEL,
     EngineClaim,

@@ -39,13 +39,24 @@ import hashlib
 import hmac
 import json
 import logging
-import os
 import re
 import secrets
 import time
-from collections.abc import Mapping
 from typing import Any
 from urllib.parse import parse_qs
+
+from ..engine_credential import (
+    ENGINE_AUTH_HEADER,
+    ENGINE_PROOF_HEADER,
+    ENGINE_TOKEN_ENV,
+    ENGINE_TOKEN_FILE_ENV,
+    ENGINE_TOKEN_HEADER,
+    GUARD_ROUTE,
+    challenge_proof,
+    load_engine_token,
+    request_mac,
+    response_proof,
+)
 
 __all__ = [
     "ENGINE_AUTH_HEADER",
@@ -65,18 +76,6 @@ __all__ = [
 # vLLM configures the "vllm" logger tree in its processes; a "deltasync.*" logger would be silent there.
 logger = logging.getLogger("vllm.deltasync.guard")
 
-ENGINE_TOKEN_ENV = "DELTASYNC_ENGINE_TOKEN"
-"""The engine credential itself."""
-ENGINE_TOKEN_FILE_ENV = "DELTASYNC_ENGINE_TOKEN_FILE"
-"""A file holding the engine credential (read once, surrounding white space stripped)."""
-ENGINE_TOKEN_HEADER = "X-DeltaSync-Engine-Token"
-"""The request header that carries it (an operator's tool; deltasync's clients sign instead)."""
-ENGINE_AUTH_HEADER = "X-DeltaSync-Engine-Auth"
-"""A signed administrative request: ``v1 <nonce> <counter> <ms> <mac>`` (:func:`request_mac`)."""
-ENGINE_PROOF_HEADER = "X-DeltaSync-Engine-Proof"
-"""The server's signature of its answer to a signed request (:func:`response_proof`)."""
-GUARD_ROUTE = "/deltasync/guard"
-"""``GET``: open; says that the guard is installed; with ``?challenge=`` the server proves it holds the credential."""
 NONCE_TTL_S = 3600.0
 """How long a server nonce signs requests (a client asks for a new one when refused)."""
 MAX_SIGNED_BODY = 1 << 20
@@ -86,7 +85,6 @@ REQUEST_WINDOW_S = 30.0
 """A signed request is accepted within this many seconds of the time it was signed at (the agent and vLLM share a
 host, and its clock), and only after every request signed before it under the same nonce."""
 _CHALLENGE = re.compile(r"[0-9a-f]{32,128}")
-MIN_TOKEN_CHARS = 16
 LOG_BURST = 20
 """Refusals logged one by one per window; the rest are counted (a caller cannot flood the server's log)."""
 LOG_WINDOW_S = 60.0
@@ -160,58 +158,8 @@ def is_inference_route(method: str, path: str) -> bool:
     return any(m == method and p.fullmatch(path) for m, p in _INFERENCE_PATTERNS)
 
 
-def load_engine_token(environ: Mapping[str, str] | None = None) -> str | None:
-    """The engine credential from ``DELTASYNC_ENGINE_TOKEN`` or ``DELTASYNC_ENGINE_TOKEN_FILE`` (``None``: neither
-    is set).
-
-    Raises:
-        ValueError: both are set, the file cannot be read, or the credential is shorter than 16 characters.
-    """
-    env = os.environ if environ is None else environ
-    value, path = env.get(ENGINE_TOKEN_ENV), env.get(ENGINE_TOKEN_FILE_ENV)
-    if value and path:
-        raise ValueError(f"set {ENGINE_TOKEN_ENV} or {ENGINE_TOKEN_FILE_ENV}, not both")
-    if path:
-        try:
-            with open(path, encoding="utf-8") as f:
-                value = f.read(4096).strip()
-        except OSError as exc:
-            raise ValueError(f"{ENGINE_TOKEN_FILE_ENV}={path}: cannot read the engine credential ({exc})") from exc
-    if not value:
-        return None
-    if len(value) < MIN_TOKEN_CHARS:
-        where = ENGINE_TOKEN_FILE_ENV if path else ENGINE_TOKEN_ENV
-        raise ValueError(
-            f"{where}: the engine credential has {len(value)} characters, at least {MIN_TOKEN_CHARS} are needed; "
-            'make one with: python -c "import secrets; print(secrets.token_urlsafe(32))"'
-        )
-    return value
-
-
 def _digest(token: str) -> bytes:
     return hashlib.sha256(token.encode("utf-8")).digest()
-
-
-def _mac(token: str, *parts: str) -> str:
-    return hmac.new(token.encode("utf-8"), "\n".join(parts).encode("utf-8"), hashlib.sha256).hexdigest()
-
-
-def challenge_proof(token: str, challenge: str, nonce: str) -> str:
-    """What only a holder of ``token`` answers to the client's ``challenge`` with the server ``nonce``."""
-    return _mac(token, "deltasync-engine-proof-v1", challenge, nonce)
-
-
-def request_mac(token: str, signed: tuple[str, int, int], method: str, target: str, body_sha256: str) -> str:
-    """The signature of one administrative request: ``signed`` is (nonce, counter, the client's time in ms);
-    ``target`` the path and, after ``?``, the raw query."""
-    nonce, counter, signed_ms = signed
-    parts = (nonce, str(counter), str(signed_ms), method.upper(), target, body_sha256)
-    return _mac(token, "deltasync-engine-request-v1", *parts)
-
-
-def response_proof(token: str, nonce: str, counter: int, status: int, body_sha256: str) -> str:
-    """The server's signature of its answer to the signed request ``(nonce, counter)``."""
-    return _mac(token, "deltasync-engine-response-v1", nonce, str(counter), str(status), body_sha256)
 
 
 class _Nonces:

@@ -27,9 +27,10 @@ from deltasync.schemas import RUN_HEADER
 from deltasync.store import open_store
 
 from .connections import KEPT_FOR_OTHERS, ConnectionLedger, fit_to_open_files, open_files_limit
-from .db import Busy, LedgerDatabase, open_database
+from .db import open_database
 from .fleet import LAG_BUCKETS, Fleet
 from .http import SizeLimits
+from .ledger import Busy, LedgerDatabase
 from .registry import LEDGER_MIGRATIONS, Registry
 from .retention import Retention
 from .routes import agents, gc, lease, ops, versions

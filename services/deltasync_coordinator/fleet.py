@@ -9,7 +9,7 @@ from datetime import UTC, datetime
 
 from deltasync.schemas import AgentHeartbeat, AgentPublic, AgentsPublic
 
-from .db import LedgerDatabase
+from .ledger import LedgerDatabase
 from .registry import Invalid, Registry, Row
 
 __all__ = ["LAG_BUCKETS", "Fleet"]

@@ -31,7 +31,7 @@ from typing import Any
 import psycopg
 from psycopg import errors as pg_errors
 
-from .db import Busy, DamagedLedger, check_recorded_schema
+from .ledger import Busy, DamagedLedger, check_recorded_schema
 
 __all__ = ["CHANNEL", "PgDatabase", "is_postgres_url", "redact"]
 

@@ -13,7 +13,7 @@ from typing import Any, Literal
 from deltasync.schemas import LeasePublic, PlanPublic, VersionCreate, VersionPublic
 from deltasync.vocab import MAX_INT, Kind
 
-from .db import LedgerDatabase
+from .ledger import LedgerDatabase
 
 __all__ = ["LEDGER_MIGRATIONS", "MIGRATIONS", "PG_MIGRATIONS", "Conflict", "Fenced", "Invalid", "NotFound", "Registry"]
 

@@ -26,8 +26,8 @@ from deltasync.schemas import GcPublic, VersionPublic
 from deltasync.store import Store
 from deltasync.vocab import Kind
 
-from .db import LedgerDatabase
 from .fleet import Fleet
+from .ledger import LedgerDatabase
 from .registry import Registry, Row, public
 
 __all__ = ["Retention"]

@@ -22,7 +22,7 @@ def _pause(marker: str) -> None:
 
 
 def publish(args: argparse.Namespace) -> None:
-    from deltasync.client import CoordinatorClient
+    from deltasync.client import CoordinatorClient, RetryPolicy
     from deltasync.config import PublisherConfig
     from deltasync.publisher import Publisher
     from deltasync.store import LocalStore
@@ -47,7 +47,7 @@ def publish(args: argparse.Namespace) -> None:
     shapes = qwen3_shapes({**TINY_QWEN3_CONFIG, "vocab_size": 300, "hidden_size": 64, "intermediate_size": 96})
     stream = UpdateStream.from_shapes(shapes, seed=args.seed, lr=1e-5)
     client = CoordinatorClient(
-        args.coordinator, token=os.environ["DELTASYNC_PUBLISHER_TOKEN"], retries=40, backoff_s=0.05
+        args.coordinator, token=os.environ["DELTASYNC_PUBLISHER_TOKEN"], retry=RetryPolicy(retries=40, backoff_s=0.05)
     )
     # a short lease: a restarted publisher takes the run over 3 s after this one is killed
     config = PublisherConfig(

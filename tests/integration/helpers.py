@@ -15,7 +15,7 @@ import torch
 from safetensors.torch import load_file
 
 from deltasync import LocalStore
-from deltasync.client import CoordinatorClient
+from deltasync.client import CoordinatorClient, RetryPolicy
 from deltasync.testing.launchers import CoordinatorProcess, VllmServerProcess
 from deltasync.testing.models import qwen3_effective_checksums
 from tests.conftest import PUBLISHER_TOKEN, TOKENS_ENV, agent_env
@@ -148,7 +148,9 @@ def server_stack(tmp: Path, model_dir: Path) -> Iterator[ServerStack]:
     with (
         CoordinatorProcess(tmp / "ledger.db", store=str(store.root), env=TOKENS_ENV) as coordinator,
         VllmServerProcess(model_dir, log=tmp / "vllm.log") as server,
-        CoordinatorClient(coordinator.url, token=PUBLISHER_TOKEN, retries=30, backoff_s=0.05) as client,
+        CoordinatorClient(
+            coordinator.url, token=PUBLISHER_TOKEN, retry=RetryPolicy(retries=30, backoff_s=0.05)
+        ) as client,
     ):
         publisher = StreamPublisher(store, client, load_file(model_dir / "model.safetensors"), lr=1e-6)
         stack = ServerStack(tmp, coordinator, server, store, publisher, client)

@@ -21,7 +21,7 @@ import httpx
 import pytest
 
 from deltasync import CoordinatorError
-from deltasync.client import CoordinatorClient
+from deltasync.client import CoordinatorClient, RetryPolicy
 from deltasync.schemas import VersionCreate
 from deltasync.testing.launchers import CoordinatorProcess, free_port
 from deltasync.testing.tls import make_certificates
@@ -50,8 +50,8 @@ class Publishing(CoordinatorClient):
         return self.register_version(VersionCreate(**body), lease=self.lease)
 
 
-def publishing(url: str, **kw) -> Publishing:
-    client = Publishing(url, token=PUBLISHER_TOKEN, **kw)
+def publishing(url: str, **retry) -> Publishing:
+    client = Publishing(url, token=PUBLISHER_TOKEN, retry=RetryPolicy(**retry))
     client.lease = client.acquire_lease("test", ttl_s=120)
     return client
 
@@ -59,7 +59,9 @@ def publishing(url: str, **kw) -> Publishing:
 def test_kill_9_and_restart_mid_stream_loses_nothing(any_server: CoordinatorProcess) -> None:
     server = any_server
     publisher = publishing(server.url, retries=30, backoff_s=0.05, timeout_s=5)
-    agent = CoordinatorClient(server.url, token=agent_token("follower"), retries=30, backoff_s=0.05, timeout_s=5)
+    agent = CoordinatorClient(
+        server.url, token=agent_token("follower"), retry=RetryPolicy(retries=30, backoff_s=0.05, timeout_s=5)
+    )
     last = 60
     published: list[int] = []
     seen: list[int] = []
@@ -316,7 +318,7 @@ def test_tls_with_a_certificate_made_in_the_test(tmp_path: Path) -> None:
         with Publishing(proc.url, token=PUBLISHER_TOKEN, ca_bundle=str(ca)) as pub:
             pub.lease = pub.acquire_lease("tls", ttl_s=60)
             assert pub.register(version_body(0, "anchor"))[1]
-        untrusting = CoordinatorClient(proc.url, token=PUBLISHER_TOKEN, retries=0)
+        untrusting = CoordinatorClient(proc.url, token=PUBLISHER_TOKEN, retry=RetryPolicy(retries=0))
         with pytest.raises(CoordinatorError, match="CERTIFICATE_VERIFY_FAILED|certificate verify failed"):
             untrusting.health()
         untrusting.close()
@@ -464,7 +466,7 @@ def test_two_coordinators_on_one_postgres_share_the_run_wake_each_other_and_fenc
         print(f"\nRELIABILITY woken on B by a registration through A: median {median:.1f} ms, max {max(wake):.1f} ms")
         assert median < 1000 and max(wake) < 5000
         assert httpx.get(b.url + "/healthz").json()["latest"] == 5
-        with CoordinatorClient(b.url, token=PUBLISHER_TOKEN, retries=0) as other:
+        with CoordinatorClient(b.url, token=PUBLISHER_TOKEN, retry=RetryPolicy(retries=0)) as other:
             with pytest.raises(CoordinatorError, match="409.*the run is being published by 'test'"):
                 other.acquire_lease("intruder", ttl_s=60)
             r = httpx.post(b.url + "/v1/versions", json=version_body(6), headers=PUB, timeout=10)

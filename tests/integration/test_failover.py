@@ -22,7 +22,7 @@ import pytest
 
 from deltasync import LocalStore
 from deltasync.agent import Agent
-from deltasync.client import CoordinatorClient
+from deltasync.client import CoordinatorClient, RetryPolicy
 from deltasync.config import AgentConfig, PublisherConfig
 from deltasync.publisher import Publisher
 from deltasync.schemas import VersionCreate
@@ -79,7 +79,7 @@ def replicas(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Replica
 
 
 def _client(urls: list[str], token: str) -> CoordinatorClient:
-    return CoordinatorClient(urls, token=token, retries=40, backoff_s=0.05, timeout_s=10)
+    return CoordinatorClient(urls, token=token, retry=RetryPolicy(retries=40, backoff_s=0.05, timeout_s=10))
 
 
 def test_a_replica_killed_mid_run_the_publisher_and_agents_go_on_through_the_next(

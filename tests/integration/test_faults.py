@@ -34,7 +34,7 @@ from deltasync import (
     read_weights,
 )
 from deltasync.agent import Agent
-from deltasync.client import CoordinatorClient
+from deltasync.client import CoordinatorClient, RetryPolicy
 from deltasync.config import AgentConfig, PublisherConfig
 from deltasync.layout import manifest_key
 from deltasync.publisher import Publisher
@@ -74,7 +74,7 @@ def light_agent() -> Iterator:
 
     def make(store, url: str, agent_id: str, tmp: Path) -> Agent:
         token = agent_token(agent_id)
-        clients.append(CoordinatorClient(url, token=token, retries=40, backoff_s=0.05, timeout_s=10))
+        clients.append(CoordinatorClient(url, token=token, retry=RetryPolicy(retries=40, backoff_s=0.05, timeout_s=10)))
         config = AgentConfig(
             agent_id=agent_id, staging_dir=str(tmp / agent_id), retries=1, backoff_s=0.01, poll_wait_s=1
         )
@@ -220,7 +220,9 @@ def test_coordinator_killed_mid_run(tmp_path: Path, coordinator: CoordinatorProc
     agents = [light_agent(store, coordinator.url, f"a{i}", tmp_path) for i in range(3)]
     stop = threading.Event()
     threads = [threading.Thread(target=a.run, args=(stop,)) for a in agents]
-    client = CoordinatorClient(coordinator.url, token=PUBLISHER_TOKEN, retries=60, backoff_s=0.05, timeout_s=10)
+    client = CoordinatorClient(
+        coordinator.url, token=PUBLISHER_TOKEN, retry=RetryPolicy(retries=60, backoff_s=0.05, timeout_s=10)
+    )
     truth = {}
     for t in threads:
         t.start()

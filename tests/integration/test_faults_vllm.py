@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from deltasync.agent import Agent
-from deltasync.client import CoordinatorClient
+from deltasync.client import CoordinatorClient, RetryPolicy
 from deltasync.config import AgentConfig
 from deltasync.targets import InMemoryTarget
 from tests.conftest import agent_token, assert_bit_equal
@@ -85,7 +85,9 @@ def test_load_100_light_agents_and_the_real_one(world: ServerStack) -> None:
     stop = threading.Event()
     clients = [
         CoordinatorClient(
-            world.coordinator.url, token=agent_token(f"light-{i:03d}"), retries=40, backoff_s=0.05, timeout_s=30
+            world.coordinator.url,
+            token=agent_token(f"light-{i:03d}"),
+            retry=RetryPolicy(retries=40, backoff_s=0.05, timeout_s=30),
         )
         for i in range(100)
     ]

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import httpx
 
-from deltasync.client import CoordinatorClient
+from deltasync.client import CoordinatorClient, RetryPolicy
 from deltasync.testing.launchers import CoordinatorProcess
 from deltasync.testing.tls import make_certificates
 from tests.conftest import PUBLISHER_TOKEN, TOKENS_ENV, agent_token
@@ -93,7 +93,7 @@ def test_silent_tls_connections_cannot_starve_an_agent(tmp_path: Path) -> None:
         flood = _silent(port, "127.0.0.2", FLOOD)
         try:
             with CoordinatorClient(
-                proc.url, token=agent_token("edge"), ca_bundle=str(ca), retries=0, timeout_s=5
+                proc.url, token=agent_token("edge"), ca_bundle=str(ca), retry=RetryPolicy(retries=0, timeout_s=5)
             ) as agent:
                 health = agent.health()
                 status = agent.heartbeat("edge", applied_version=None, state="idle")

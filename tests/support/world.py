@@ -13,7 +13,7 @@ from deltasync_coordinator.app import create_app
 
 from deltasync import LocalStore, ObjectWriter, compute_delta, write_anchor, write_delta
 from deltasync.agent import Agent
-from deltasync.client import CoordinatorClient
+from deltasync.client import CoordinatorClient, RetryPolicy
 from deltasync.config import AgentConfig
 from deltasync.manifest import DeltaManifest
 from deltasync.runrecord import claim_run, record_epoch
@@ -97,7 +97,7 @@ class World:
     clients: list[CoordinatorClient]
 
     def client(self, token: str, **kwargs) -> CoordinatorClient:
-        c = CoordinatorClient(self.server.url, token=token, backoff_s=0.01, **kwargs)
+        c = CoordinatorClient(self.server.url, token=token, retry=RetryPolicy(backoff_s=0.01), **kwargs)
         self.clients.append(c)
         return c
 
@@ -117,7 +117,7 @@ def world(tmp: Path, weights: dict[str, torch.Tensor], **publisher) -> Iterator[
     """A :class:`World` publishing ``weights`` as v0; everything is closed on exit."""
     with ServerThread(create_app(coordinator_settings(tmp))) as server:
         clients: list[CoordinatorClient] = []
-        pub_client = CoordinatorClient(server.url, token=PUBLISHER_TOKEN, backoff_s=0.01)
+        pub_client = CoordinatorClient(server.url, token=PUBLISHER_TOKEN, retry=RetryPolicy(backoff_s=0.01))
         clients.append(pub_client)
         store = LocalStore(tmp / "store")
         w = World(tmp, server, store, StreamPublisher(store, pub_client, weights, **publisher), clients)

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from deltasync.store.s3 import S3Store
+from deltasync.store.s3 import S3Store, S3Transfer
 from deltasync.testing.s3 import CREDENTIALS_ENV, MotoServer
 from tests.support.asgi import Coordinator, make_settings, open_coordinator
 from tests.support.s3 import ENDPOINT_ENV
@@ -45,7 +45,9 @@ def s3_env(monkeypatch: pytest.MonkeyPatch) -> None:
 @pytest.fixture
 def s3_store(moto_server: MotoServer, s3_env: None) -> S3Store:
     """An S3Store under a fresh prefix of the session's bucket, straight to moto."""
-    return S3Store(S3_BUCKET, f"t-{uuid.uuid4().hex[:12]}", endpoint=moto_server.url, backoff_s=0.001)
+    return S3Store(
+        S3_BUCKET, f"t-{uuid.uuid4().hex[:12]}", endpoint=moto_server.url, transfer=S3Transfer(backoff_s=0.001)
+    )
 
 
 @pytest.fixture

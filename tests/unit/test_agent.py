@@ -32,7 +32,7 @@ from deltasync import (
     write_anchor,
 )
 from deltasync.agent import Agent
-from deltasync.client import CoordinatorClient
+from deltasync.client import CoordinatorClient, RetryPolicy
 from deltasync.config import AgentConfig
 from deltasync.layout import manifest_key
 from deltasync.reader import load_object, read_manifest
@@ -103,7 +103,7 @@ def test_a_ledger_restored_from_a_backup_never_moves_the_engine_back(tmp_path: P
         assert w.agent(target=target).sync().to_version == 7
     settings = coordinator_settings(tmp_path, db=tmp_path / "backup-at-v3.db")
     with ServerThread(create_app(settings)) as server:  # the operator restores the backup
-        client = CoordinatorClient(server.url, token=agent_token("agent-0"), backoff_s=0.01)
+        client = CoordinatorClient(server.url, token=agent_token("agent-0"), retry=RetryPolicy(backoff_s=0.01))
         agent = Agent(
             store=LocalStore(tmp_path / "store"),
             coordinator=client,
@@ -311,7 +311,9 @@ def test_a_restarted_agent_rebuilds_its_host_copy_against_the_ledger(w: World) -
 
 
 def test_a_token_minted_with_another_secret_is_refused(w: World) -> None:
-    forged = CoordinatorClient(w.server.url, token=make_agent_token("another-secret-0123456789", "agent-0"), retries=0)
+    forged = CoordinatorClient(
+        w.server.url, token=make_agent_token("another-secret-0123456789", "agent-0"), retry=RetryPolicy(retries=0)
+    )
     with pytest.raises(CoordinatorError) as exc:
         forged.heartbeat("agent-0", applied_version=None, state="idle")
     assert exc.value.status_code == 403

@@ -161,14 +161,14 @@ def test_verify_and_gc_take_several_coordinator_replicas(
     """``--coordinator URL1,URL2``: a replica that is down is skipped; a bad list is a usage error."""
     from deltasync_coordinator.app import create_app
 
-    from deltasync.client import CoordinatorClient
+    from deltasync.client import CoordinatorClient, RetryPolicy
     from deltasync.schemas import VersionCreate
     from tests.support.replicas import refused_url
 
     store = LocalStore(tmp_path / "store")
     down = refused_url()
     with ServerThread(create_app(coordinator_settings(tmp_path))) as server:
-        with CoordinatorClient([down, server.url], token=PUBLISHER_TOKEN, backoff_s=0.01) as client:
+        with CoordinatorClient([down, server.url], token=PUBLISHER_TOKEN, retry=RetryPolicy(backoff_s=0.01)) as client:
             lease = client.acquire_lease("cli-test", ttl_s=60)
             client.register_version(
                 VersionCreate.for_manifest(write_anchor(store, update_stream.bf16(), version=0)), lease=lease

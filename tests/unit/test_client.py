@@ -13,7 +13,7 @@ import pytest
 from deltasync_coordinator.app import create_app
 
 from deltasync import CoordinatorError, LeaseError, RunMismatch
-from deltasync.client import CoordinatorClient
+from deltasync.client import CoordinatorClient, RetryPolicy
 from deltasync.schemas import VersionCreate
 from tests.conftest import PUBLISHER_TOKEN, ServerThread, agent_token, version_body
 from tests.support.asgi import make_settings
@@ -34,14 +34,14 @@ class Publishing(CoordinatorClient):
 
 @pytest.fixture
 def publisher(server: ServerThread) -> Iterator[Publishing]:
-    with Publishing(server.url, token=PUBLISHER_TOKEN, backoff_s=0.01) as c:
+    with Publishing(server.url, token=PUBLISHER_TOKEN, retry=RetryPolicy(backoff_s=0.01)) as c:
         c.lease = c.acquire_lease("test", ttl_s=60)
         yield c
 
 
 @pytest.fixture
 def agent(server: ServerThread) -> Iterator[CoordinatorClient]:
-    with CoordinatorClient(server.url, token=agent_token("vllm-0"), backoff_s=0.01) as c:
+    with CoordinatorClient(server.url, token=agent_token("vllm-0"), retry=RetryPolicy(backoff_s=0.01)) as c:
         yield c
 
 
@@ -66,7 +66,7 @@ def test_publish_read_plan_and_heartbeat(publisher: Publishing, agent: Coordinat
 
 
 def test_a_second_publisher_and_a_fenced_one_get_lease_errors(publisher: Publishing, server: ServerThread) -> None:
-    with CoordinatorClient(server.url, token=PUBLISHER_TOKEN, backoff_s=0.01) as other:
+    with CoordinatorClient(server.url, token=PUBLISHER_TOKEN, retry=RetryPolicy(backoff_s=0.01)) as other:
         with pytest.raises(LeaseError, match=r"the run is being published by 'test' \(lease epoch 1"):
             other.acquire_lease("job-b", ttl_s=30)
         publisher.release_lease(publisher.lease)
@@ -87,7 +87,9 @@ def test_a_client_refuses_a_coordinator_of_another_run(tmp_path: Path, agent: Co
     pinned = agent.run_id
     assert pinned and pinned.startswith("run-")
     with ServerThread(create_app(make_settings(tmp_path / "other"))) as other:
-        stranger = CoordinatorClient(other.url, token=agent_token("vllm-0"), run_id=pinned, retries=0)
+        stranger = CoordinatorClient(
+            other.url, token=agent_token("vllm-0"), run_id=pinned, retry=RetryPolicy(retries=0)
+        )
         with pytest.raises(RunMismatch, match=rf"keeps run run-[0-9a-f]+, this client follows run {pinned}"):
             stranger.latest_version()
         stranger.close()
@@ -131,7 +133,7 @@ def test_long_poll_returns_when_a_version_is_published(publisher: Publishing, ag
 
 def _client(handler, retries: int = 3) -> CoordinatorClient:
     http = httpx.Client(transport=httpx.MockTransport(handler), base_url="http://c")
-    return CoordinatorClient("http://c", http_client=http, retries=retries, backoff_s=0.001)
+    return CoordinatorClient("http://c", http_client=http, retry=RetryPolicy(retries=retries, backoff_s=0.001))
 
 
 def test_retries_connection_errors_and_5xx_then_succeeds() -> None:
@@ -187,7 +189,7 @@ def test_4xx_is_not_retried_and_bad_answers_are_named() -> None:
 
 def test_invalid_arguments() -> None:
     with pytest.raises(ValueError, match="need retries >= 0"):
-        CoordinatorClient("http://c", retries=-1)
+        CoordinatorClient("http://c", retry=RetryPolicy(retries=-1))
 
 
 def test_tokens_never_travel_in_clear_by_accident(caplog: pytest.LogCaptureFixture) -> None:

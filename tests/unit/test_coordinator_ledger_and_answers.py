@@ -15,7 +15,8 @@ import time
 from pathlib import Path
 
 import pytest
-from deltasync_coordinator.db import DamagedLedger, Database, LedgerLocked, backup
+from deltasync_coordinator.db import Database, backup
+from deltasync_coordinator.ledger import DamagedLedger, LedgerLocked
 from deltasync_coordinator.registry import MIGRATIONS
 from deltasync_coordinator.settings import InsecureConfiguration, check_credentials
 
@@ -362,13 +363,13 @@ async def test_size_refusals_and_internal_errors_name_the_run_and_say_why(coord:
 async def test_a_client_pinned_to_a_run_refuses_an_answer_without_one(tmp_path: Path) -> None:
     import httpx
 
-    from deltasync.client import CoordinatorClient
+    from deltasync.client import CoordinatorClient, RetryPolicy
     from deltasync.errors import RunMismatch
 
     def handler(request: httpx.Request) -> httpx.Response:
         return httpx.Response(200, json={"status": "ok", "latest": None, "run_id": "run-x", "reasons": []})
 
-    client = CoordinatorClient("http://c", run_id="run-x", retries=0)
+    client = CoordinatorClient("http://c", run_id="run-x", retry=RetryPolicy(retries=0))
     client._http = httpx.Client(transport=httpx.MockTransport(handler), base_url="http://c")
     with pytest.raises(RunMismatch, match="names no run"):
         client.health()

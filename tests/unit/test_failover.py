@@ -13,7 +13,7 @@ import pytest
 from deltasync_coordinator.app import create_app
 
 from deltasync import CoordinatorError, LeaseError, LocalStore, RunMismatch
-from deltasync.client import CoordinatorClient
+from deltasync.client import CoordinatorClient, RetryPolicy
 from deltasync.config import PublisherConfig
 from deltasync.publisher import Publisher
 from deltasync.schemas import VersionCreate
@@ -35,9 +35,9 @@ def replicas(coordinator: ServerThread) -> Iterator[tuple[ReplicaStub, ReplicaSt
         yield a, b
 
 
-def client(urls, **kwargs) -> CoordinatorClient:
-    values = {"token": PUBLISHER_TOKEN, "backoff_s": 0.01, "retries": 2, "timeout_s": 5.0} | kwargs
-    return CoordinatorClient(urls, **values)
+def client(urls, *, run_id: str | None = None, **retry) -> CoordinatorClient:
+    policy = RetryPolicy(**({"backoff_s": 0.01, "retries": 2, "timeout_s": 5.0} | retry))
+    return CoordinatorClient(urls, token=PUBLISHER_TOKEN, run_id=run_id, retry=policy)
 
 
 def test_urls_a_list_or_a_comma_separated_string() -> None:

@@ -12,8 +12,9 @@ import time
 from pathlib import Path
 
 import pytest
-from deltasync_coordinator.db import Busy, DamagedLedger, Database, LedgerLocked, backup
+from deltasync_coordinator.db import Database, backup
 from deltasync_coordinator.fleet import Fleet
+from deltasync_coordinator.ledger import Busy, DamagedLedger, LedgerLocked
 from deltasync_coordinator.registry import MIGRATIONS, PG_MIGRATIONS, Conflict, Fenced, Invalid, NotFound, Registry
 from deltasync_coordinator.retention import Retention
 

@@ -16,7 +16,7 @@ import pytest
 from deltasync import ObjectExists, ObjectNotFound, ObjectTooLarge, StoreError, UnsafeObject, open_store
 from deltasync.cli import main
 from deltasync.publisher import Publisher
-from deltasync.store.s3 import S3Store, parse_bucket_uri, with_s3_endpoint
+from deltasync.store.s3 import S3Store, S3Transfer, parse_bucket_uri, with_s3_endpoint
 from deltasync.testing.s3 import MotoServer
 from deltasync.testing.stream import UpdateStream
 from tests.support.s3 import FaultProxy
@@ -29,11 +29,11 @@ def proxy(moto_server: MotoServer) -> Iterator[FaultProxy]:
         yield p
 
 
-def through(proxy: FaultProxy, retries: int = 3, **kwargs: object) -> S3Store:
+def through(proxy: FaultProxy, retries: int = 3, conditional_writes: bool | None = None, **transfer: int) -> S3Store:
     """A store whose every request goes through the fault proxy, under a fresh prefix."""
-    return S3Store(
-        S3_BUCKET, f"f-{uuid.uuid4().hex[:12]}", endpoint=proxy.url, retries=retries, backoff_s=0.001, **kwargs
-    )
+    policy = S3Transfer(retries=retries, backoff_s=0.001, **transfer)
+    prefix = f"f-{uuid.uuid4().hex[:12]}"
+    return S3Store(S3_BUCKET, prefix, endpoint=proxy.url, conditional_writes=conditional_writes, transfer=policy)
 
 
 def test_503_slowdown_then_success(proxy: FaultProxy, s3_env: None) -> None:
@@ -102,7 +102,7 @@ def test_a_missing_key(s3_store: S3Store, moto_server: MotoServer) -> None:
         with pytest.raises(ObjectNotFound, match="no object 'missing'"):
             call("missing")
     assert not s3_store.exists("missing")
-    nowhere = S3Store("no-such-bucket", endpoint=moto_server.url, backoff_s=0.001)
+    nowhere = S3Store("no-such-bucket", endpoint=moto_server.url, transfer=S3Transfer(backoff_s=0.001))
     with pytest.raises(StoreError, match="the bucket 'no-such-bucket' does not exist; create it first"):
         nowhere.put("k", b"1")
     with pytest.raises(ObjectNotFound, match="the bucket 'no-such-bucket' does not exist"):
@@ -194,9 +194,7 @@ def test_big_objects_go_up_in_parts_and_come_back_in_ranges(
         S3_BUCKET,
         f"b-{uuid.uuid4().hex[:12]}",
         endpoint=moto_server.url,
-        multipart_bytes=5 << 20,
-        parallel_bytes=5 << 20,
-        part_bytes=5 << 20,
+        transfer=S3Transfer(multipart_bytes=5 << 20, parallel_bytes=5 << 20, part_bytes=5 << 20),
     )
     src = tmp_path / "anchor.bin"
     src.write_bytes(os.urandom(12 << 20))
@@ -413,7 +411,9 @@ def test_put_file_refuses_what_is_not_a_regular_file(s3_store: S3Store, tmp_path
 def test_put_file_streams_a_large_file_bounded_to_its_size(s3_store: S3Store, tmp_path: Path) -> None:
     src = tmp_path / "big.bin"
     src.write_bytes(os.urandom(6 << 20))
-    store = S3Store(s3_store.bucket, s3_store.prefix, endpoint=s3_store.endpoint, multipart_bytes=5 << 20)
+    store = S3Store(
+        s3_store.bucket, s3_store.prefix, endpoint=s3_store.endpoint, transfer=S3Transfer(multipart_bytes=5 << 20)
+    )
     store.put_file("big", src)
     assert store.get("big") == src.read_bytes()
 
@@ -453,7 +453,7 @@ def test_a_key_longer_than_s3_allows_under_the_prefix_is_refused(s3_store: S3Sto
 
 def test_reads_from_a_missing_bucket_name_the_bucket(moto_server: MotoServer, s3_env: None) -> None:
     """A HEAD's 404 has no body; a missing bucket is told apart by one listing, not called 'no object'."""
-    nowhere = S3Store("no-such-bucket", endpoint=moto_server.url, backoff_s=0.001)
+    nowhere = S3Store("no-such-bucket", endpoint=moto_server.url, transfer=S3Transfer(backoff_s=0.001))
     for call in (nowhere.get, nowhere.open, nowhere.size, nowhere.exists):
         with pytest.raises(StoreError, match="the bucket 'no-such-bucket' does not exist") as info:
             call("k")

@@ -20,7 +20,7 @@ import pytest
 from deltasync import ObjectNotFound, Publisher, StoreError, read_weights
 from deltasync.cli import main
 from deltasync.layout import manifest_key
-from deltasync.store.s3 import S3Store
+from deltasync.store.s3 import S3Store, S3Transfer
 from deltasync.testing.s3 import MotoServer
 from deltasync.testing.stream import UpdateStream
 from tests.conftest import assert_bit_equal
@@ -40,7 +40,7 @@ def plant(moto_server: MotoServer, store: S3Store, keys: list[str]) -> None:
 
 def fresh(store: S3Store) -> S3Store:
     """Another store on the same prefix: nothing cached (a bucket not yet seen, no key yet warned about)."""
-    return S3Store(store.bucket, store.prefix, endpoint=store.endpoint, backoff_s=0.001)
+    return S3Store(store.bucket, store.prefix, endpoint=store.endpoint, transfer=S3Transfer(backoff_s=0.001))
 
 
 @pytest.mark.parametrize("hostile", HOSTILE)
@@ -155,7 +155,9 @@ def test_a_hostile_key_is_warned_about_once_per_store(
 ) -> None:
     """The after-404 listing runs once per store (a bucket seen is not asked about again): many misses, one
     listing, one warning."""
-    store = S3Store(S3_BUCKET, f"h-{uuid.uuid4().hex[:12]}", endpoint=moto_server.url, backoff_s=0.001)
+    store = S3Store(
+        S3_BUCKET, f"h-{uuid.uuid4().hex[:12]}", endpoint=moto_server.url, transfer=S3Transfer(backoff_s=0.001)
+    )
     plant(moto_server, store, ["../x"])
     with caplog.at_level(logging.WARNING, "deltasync.store"):
         for v in range(5):

@@ -37,7 +37,7 @@ from deltasync import (
 from deltasync._commit import LeaseKeeper
 from deltasync._sharding import TensorView, dense_entries, globalize
 from deltasync.cli import main
-from deltasync.client import CoordinatorClient
+from deltasync.client import CoordinatorClient, RetryPolicy
 from deltasync.config import PublisherConfig
 from deltasync.errors import VersionTaken
 from deltasync.runrecord import RUN_KEY, claim_run
@@ -63,7 +63,7 @@ def server(tmp_path: Path) -> Iterator[ServerThread]:
 
 
 def _client(server: ServerThread) -> CoordinatorClient:
-    return CoordinatorClient(server.url, token=PUBLISHER_TOKEN, backoff_s=0.01)
+    return CoordinatorClient(server.url, token=PUBLISHER_TOKEN, retry=RetryPolicy(backoff_s=0.01))
 
 
 def _config(key_path: Path) -> PublisherConfig:

@@ -54,8 +54,8 @@ Guarantees, and how:
   no more than 64 MiB is allocated on a ``HEAD``'s word before the first ``GET`` confirms the size.
 * **Retries.** 408/429/5xx, 409 (S3's ``ConditionalRequestConflict``, two conditional writes at once: the
   retry gets the 412) and transport errors (reset, refused, timeout, cut mid-body) are retried with
-  exponential backoff and jitter, ``retries`` times, then raise :class:`StoreError` naming the bucket and key.
-  obstore's own retries are off, so a create-only put is never re-sent behind our back.
+  exponential backoff and jitter, ``transfer.retries`` times, then raise :class:`StoreError` naming the bucket
+  and key. obstore's own retries are off, so a create-only put is never re-sent behind our back.
 * **Keys.** Every key passes :func:`check_key`; listed keys that do not (written by something else) are
   skipped, with one warning per key. S3 listings go through boto3 (also in the ``[s3]`` extra), which returns
   keys as stored: obstore aborts a whole listing over one key it cannot parse (``a//b``, ``../x``: one hostile
@@ -93,9 +93,9 @@ from .._s3_uri import BUCKET_NAME, SCHEMES, check_endpoint, parse_bucket_uri, wi
 from ..base import check_key, check_unique_keys
 from ._probe import probe_copy, probe_put
 from ._read import S3Reader
-from ._requests import capture, first_error, first_line
+from ._requests import S3Transfer, capture, first_error, first_line
 
-__all__ = ["S3Store", "parse_bucket_uri", "with_s3_endpoint"]
+__all__ = ["S3Store", "S3Transfer", "parse_bucket_uri", "with_s3_endpoint"]
 
 logger = logging.getLogger(__name__)
 
@@ -118,13 +118,7 @@ class S3Store(S3Reader):
         scheme: ``"s3"`` (default), ``"gs"`` or ``"az"``.
         conditional_writes: ``None`` (default): probe on the first write whether the service honours
             ``If-None-Match``; ``True``: trust that it does; ``False``: HEAD-then-PUT (see the module docstring).
-        retries: attempts after the first on 408/409/429/5xx and transport errors.
-        backoff_s: first backoff (doubled each attempt, capped at 20 s, with jitter).
-        multipart_bytes: objects at least this big go up as a parallel multipart upload.
-        parallel_bytes: objects at least this big are fetched as parallel ranged GETs of ``part_bytes``.
-        part_bytes: the multipart part and fetch range size.
-        max_concurrency: parallel requests of one ``put_many``, one multipart upload or one fetch.
-        request_timeout_s: the limit of one request, connect to last byte.
+        transfer: retries, request timeout, multipart and ranged-read sizes, concurrency (:class:`S3Transfer`).
 
     Example:
         >>> store = open_store("s3://my-bucket/run1", s3_endpoint="http://127.0.0.1:9000")  # doctest: +SKIP
@@ -138,13 +132,7 @@ class S3Store(S3Reader):
         endpoint: str | None = None,
         scheme: str = "s3",
         conditional_writes: bool | None = None,
-        retries: int = 5,
-        backoff_s: float = 0.2,
-        multipart_bytes: int = 256 << 20,
-        parallel_bytes: int = 64 << 20,
-        part_bytes: int = 16 << 20,
-        max_concurrency: int = 8,
-        request_timeout_s: float = 120.0,
+        transfer: S3Transfer | None = None,
     ) -> None:
         if scheme not in SCHEMES:
             raise ValueError(f"scheme must be one of {SCHEMES}, got {scheme!r}")
@@ -154,22 +142,15 @@ class S3Store(S3Reader):
             check_endpoint(endpoint)
         if not BUCKET_NAME.fullmatch(bucket):
             raise ValueError(f"bucket {bucket!r} must be 3+ lowercase letters, digits, '.', '_' or '-'")
-        for name, value in (("retries", retries), ("max_concurrency", max_concurrency - 1)):
-            if value < 0:
-                raise ValueError(f"{name} must be >= {0 if name == 'retries' else 1}, got {value}")
-        if part_bytes < 5 << 20:
-            raise ValueError(f"part_bytes must be >= 5 MiB (S3's smallest part), got {part_bytes}")
         prefix = prefix.strip("/")
         if prefix:
             check_key(prefix)
         self.scheme, self.bucket, self.prefix, self.endpoint = scheme, bucket, prefix, endpoint
-        self.retries, self.backoff_s = retries, backoff_s
-        self.multipart_bytes, self.parallel_bytes, self.part_bytes = multipart_bytes, parallel_bytes, part_bytes
-        self.max_concurrency = max_concurrency
+        self.transfer = transfer or S3Transfer()
         super().__init__()
         self._conditional = True if scheme != "s3" else conditional_writes
         self._conditional_copy = True if scheme != "s3" else conditional_writes
-        self._store = self._open_backend(request_timeout_s)
+        self._store = self._open_backend()
 
     def _conditional_writes(self) -> bool:
         """Whether the service honours ``If-None-Match: *`` (probed once, on the first write)."""
@@ -183,13 +164,15 @@ class S3Store(S3Reader):
         that commits a large object), probed once, on the first large write."""
         with self._lock:
             if self._conditional_copy is None:
-                self._conditional_copy = probe_copy(self, self.multipart_bytes)
+                self._conditional_copy = probe_copy(self, self.transfer.multipart_bytes)
             return self._conditional_copy
 
     def _create(self, key: str, source: bytes | memoryview | Path) -> None:
         path = self._path(key)
         size = source.stat().st_size if isinstance(source, Path) else len(source)
-        conditional = self._conditional_writes() and (size < self.multipart_bytes or self._conditional_copies())
+        conditional = self._conditional_writes() and (
+            size < self.transfer.multipart_bytes or self._conditional_copies()
+        )
         if not conditional and self.exists(key):
             raise ObjectExists(f"{self.uri}: {key!r} exists; objects are create-only (another writer?)")
         attempts = [0]
@@ -198,7 +181,7 @@ class S3Store(S3Reader):
             attempts[0] += 1
 
         try:
-            if size < self.multipart_bytes:
+            if size < self.transfer.multipart_bytes:
                 mode = "create" if conditional else "overwrite"
                 self._call(
                     "put",
@@ -221,7 +204,11 @@ class S3Store(S3Reader):
         try:
             with _reader(source) as f:  # streamed: parts are read as they go up
                 self._store.put(
-                    staging, f, use_multipart=True, chunk_size=self.part_bytes, max_concurrency=self.max_concurrency
+                    staging,
+                    f,
+                    use_multipart=True,
+                    chunk_size=self.transfer.part_bytes,
+                    max_concurrency=self.transfer.max_concurrency,
                 )
             if not conditional:
                 return
@@ -239,7 +226,7 @@ class S3Store(S3Reader):
             if self.size(key) != size:
                 return False
             with self.open(key) as remote, _reader(source) as local:
-                while chunk := local.read(self.part_bytes):
+                while chunk := local.read(self.transfer.part_bytes):
                     if remote.read(len(chunk)) != chunk:
                         return False
             return True
@@ -263,7 +250,7 @@ class S3Store(S3Reader):
         check_unique_keys(k for k, _ in pairs)
         if not pairs:
             return
-        with concurrent.futures.ThreadPoolExecutor(min(self.max_concurrency, len(pairs))) as pool:
+        with concurrent.futures.ThreadPoolExecutor(min(self.transfer.max_concurrency, len(pairs))) as pool:
             taken = [
                 k for (k, _), there in zip(pairs, pool.map(lambda p: self.exists(p[0]), pairs), strict=True) if there
             ]
@@ -282,7 +269,7 @@ class S3Store(S3Reader):
         self._path(key)
         file = Path(path)
         with _open_regular(file) as (f, size):
-            if size >= self.multipart_bytes:
+            if size >= self.transfer.multipart_bytes:
                 data = None  # streamed below, by _put_multipart, at most `size` bytes
             else:
                 data = f.read(size + 1)

@@ -22,11 +22,7 @@ _UNCONFIRMED_BYTES = 64 << 20  # the most get() allocates on a HEAD's word alone
 
 
 class S3Reader(S3Requests):
-    """The reads of :class:`~deltasync.store.s3.S3Store` (its sizes are set by ``S3Store.__init__``)."""
-
-    parallel_bytes: int
-    part_bytes: int
-    max_concurrency: int
+    """The reads of :class:`~deltasync.store.s3.S3Store` (its sizes are its ``transfer``'s)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -146,13 +142,13 @@ class S3Reader(S3Requests):
         total, etag = self._pin(key)
         if max_bytes is not None and total > max_bytes:
             raise ObjectTooLarge(f"{self.uri}: {key!r} is {total} bytes, more than the {max_bytes} allowed; not read")
-        if total < self.parallel_bytes and total <= _UNCONFIRMED_BYTES:
+        if total < self.transfer.parallel_bytes and total <= _UNCONFIRMED_BYTES:
             buf = bytearray(total)
             self._read_range(key, 0, total, total, etag, memoryview(buf))
             return bytes(buf)
         # A HEAD's size alone is not trusted with a large allocation: the first range's answer confirms it
         # (its Content-Range carries the total) before the whole buffer is allocated.
-        first = bytearray(min(total, self.part_bytes, _UNCONFIRMED_BYTES))
+        first = bytearray(min(total, self.transfer.part_bytes, _UNCONFIRMED_BYTES))
         self._read_range(key, 0, len(first), total, etag, memoryview(first))
         if len(first) == total:
             return bytes(first)
@@ -164,16 +160,16 @@ class S3Reader(S3Requests):
             ) from None
         buf[: len(first)] = first
         view = memoryview(buf)
-        if total < self.parallel_bytes:
+        if total < self.transfer.parallel_bytes:
             self._read_range(key, len(first), total, total, etag, view[len(first) :])
             return bytes(buf)
-        starts = range(len(first), total, self.part_bytes)
+        starts = range(len(first), total, self.transfer.part_bytes)
 
         def part(s: int) -> BaseException | None:
-            end = min(s + self.part_bytes, total)
+            end = min(s + self.transfer.part_bytes, total)
             return capture(lambda: self._read_range(key, s, end, total, etag, view[s:end]))
 
-        with concurrent.futures.ThreadPoolExecutor(min(self.max_concurrency, len(starts))) as pool:
+        with concurrent.futures.ThreadPoolExecutor(min(self.transfer.max_concurrency, len(starts))) as pool:
             first_error(list(pool.map(part, starts)))
         return bytes(buf)
 
@@ -184,7 +180,9 @@ class S3Reader(S3Requests):
             ObjectNotFound: there is none.
         """
         total, etag = self._pin(key)
-        return cast(BinaryIO, io.BufferedReader(_RangeReader(self, key, total, etag), buffer_size=self.part_bytes))
+        return cast(
+            BinaryIO, io.BufferedReader(_RangeReader(self, key, total, etag), buffer_size=self.transfer.part_bytes)
+        )
 
     def list(self, prefix: str = "") -> builtins.list[str]:
         """Keys under a directory-like ``prefix`` (``""`` or ending in ``/``), relative to the store's prefix,
@@ -242,7 +240,7 @@ class S3Reader(S3Requests):
             if self._boto3 is None:
                 region = os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION")
                 config = Config(
-                    retries={"max_attempts": self.retries + 1, "mode": "standard"},
+                    retries={"max_attempts": self.transfer.retries + 1, "mode": "standard"},
                     connect_timeout=10,
                     read_timeout=60,
                 )
@@ -265,7 +263,7 @@ class S3Reader(S3Requests):
             if code == "NoSuchBucket":
                 raise ObjectNotFound(f"{self.uri}: the bucket {self.bucket!r} does not exist") from None
             raise StoreError(
-                f"{self.uri}: listing {root!r} failed after {self.retries + 1} attempts ({first_line(exc)}); "
+                f"{self.uri}: listing {root!r} failed after {self.transfer.retries + 1} attempts ({first_line(exc)}); "
                 "check the endpoint, the credentials and the bucket policy"
             ) from exc
         return keys
@@ -307,6 +305,6 @@ class _RangeReader(io.RawIOBase):
         # in parts, each confirmed by its answer: never one allocation of what the HEAD claimed
         parts: list[bytes] = []
         while self._pos < self._total:
-            buf = bytearray(min(self._total - self._pos, self._store.part_bytes))
+            buf = bytearray(min(self._total - self._pos, self._store.transfer.part_bytes))
             parts.append(bytes(buf[: self.readinto(buf)]))
         return b"".join(parts)

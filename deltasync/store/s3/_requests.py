@@ -3,6 +3,7 @@ and obstore's errors translated into deltasync's (naming the store, the request 
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import random
@@ -17,7 +18,17 @@ from ...errors import ObjectExists, ObjectNotFound, StoreError
 from .._s3_uri import format_uri
 from ..base import check_key
 
-__all__ = ["S3Requests", "Truncated", "UnparsableKey", "capture", "first_error", "first_line", "is_conflict", "status"]
+__all__ = [
+    "S3Requests",
+    "S3Transfer",
+    "Truncated",
+    "UnparsableKey",
+    "capture",
+    "first_error",
+    "first_line",
+    "is_conflict",
+    "status",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -27,6 +38,39 @@ _INVALID_PATH = re.compile(r'Path "(.*?)"(?=: | contained )')  # how obstore's I
 _JITTER = random.Random()  # private: never perturbs (or depends on) the process-wide `random` state
 _MAX_S3_KEY_BYTES = 1024  # S3's limit on a whole key, prefix included
 _T = TypeVar("_T")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class S3Transfer:
+    """How an :class:`~deltasync.store.s3.S3Store` moves bytes: its requests' limits and retries, and when and how
+    objects are split into parts.
+
+    Example:
+        >>> store = S3Store("my-bucket", "run1", transfer=S3Transfer(max_concurrency=16))  # doctest: +SKIP
+    """
+
+    retries: int = 5
+    """Attempts after the first on 408/409/429/5xx and transport errors."""
+    backoff_s: float = 0.2
+    """First backoff (doubled each attempt, capped at 20 s, with jitter)."""
+    request_timeout_s: float = 120.0
+    """The limit of one request, connect to last byte."""
+    multipart_bytes: int = 256 << 20
+    """Objects at least this big go up as a parallel multipart upload."""
+    parallel_bytes: int = 64 << 20
+    """Objects at least this big are fetched as parallel ranged GETs of ``part_bytes``."""
+    part_bytes: int = 16 << 20
+    """The multipart part and fetch range size (S3's smallest part is 5 MiB)."""
+    max_concurrency: int = 8
+    """Parallel requests of one ``put_many``, one multipart upload or one fetch."""
+
+    def __post_init__(self) -> None:
+        if self.retries < 0:
+            raise ValueError(f"retries must be >= 0, got {self.retries}")
+        if self.max_concurrency < 1:
+            raise ValueError(f"max_concurrency must be >= 1, got {self.max_concurrency}")
+        if self.part_bytes < 5 << 20:
+            raise ValueError(f"part_bytes must be >= 5 MiB (S3's smallest part), got {self.part_bytes}")
 
 
 class Truncated(Exception):
@@ -53,20 +97,22 @@ class S3Requests:
     bucket: str
     prefix: str
     endpoint: str | None
-    retries: int
-    backoff_s: float
+    transfer: S3Transfer
     _store: Any  # obstore's store, rooted at the prefix
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
 
-    def _open_backend(self, request_timeout_s: float) -> Any:
+    def _open_backend(self) -> Any:
         try:
             from obstore.store import AzureStore, GCSStore
             from obstore.store import S3Store as _ObstoreS3
         except ImportError as exc:
             raise ImportError("S3Store needs obstore: pip install 'deltasync[s3]'") from exc
-        client = {"timeout": timedelta(seconds=request_timeout_s), "connect_timeout": timedelta(seconds=10)}
+        client = {
+            "timeout": timedelta(seconds=self.transfer.request_timeout_s),
+            "connect_timeout": timedelta(seconds=10),
+        }
         retry = {"max_retries": 0}  # ours, below: obstore would re-send a create-only PUT behind our back
         prefix = self.prefix or None
         if self.scheme == "gs":
@@ -131,7 +177,7 @@ class S3Requests:
             UnauthenticatedError,
         )
 
-        for attempt in range(self.retries + 1):
+        for attempt in range(self.transfer.retries + 1):
             error: BaseException
             try:
                 return fn()
@@ -176,14 +222,14 @@ class S3Requests:
             except BaseError as exc:  # any other obstore error: named, never raw
                 raise StoreError(f"{self.uri}: {what} {key!r} failed ({first_line(exc)})") from exc
             code = status(error)
-            if attempt == self.retries:
+            if attempt == self.transfer.retries:
                 raise StoreError(
                     f"{self.uri}: {what} {key!r} failed after {attempt + 1} attempts "
                     f"({'HTTP ' + str(code) if code else 'transport error'}: {first_line(error)}); "
                     f"the service at {self._resolved_endpoint() or 'AWS'} is throttling or unreachable: "
-                    "retry later, or raise retries/backoff_s"
+                    "retry later, or raise S3Transfer(retries=, backoff_s=)"
                 ) from error
-            delay = min(self.backoff_s * 2**attempt, 20.0) * (0.5 + _JITTER.random() / 2)
+            delay = min(self.transfer.backoff_s * 2**attempt, 20.0) * (0.5 + _JITTER.random() / 2)
             logger.warning(
                 "%s: %s %r failed (%s; attempt %d/%d); retrying in %.2f s",
                 self.uri,
@@ -191,7 +237,7 @@ class S3Requests:
                 key,
                 f"HTTP {code}" if code else "transport error",
                 attempt + 1,
-                self.retries + 1,
+                self.transfer.retries + 1,
                 delay,
             )
             time.sleep(delay)
