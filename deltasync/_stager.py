@@ -12,7 +12,7 @@ import logging
 import shutil
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
@@ -22,7 +22,8 @@ from ._fetch import ObjectFetcher
 from ._localfs import ensure_dir
 from .client import SyncPlan
 from .config import AgentConfig
-from .errors import DeltaSyncError, IntegrityError, RefusalReason, UpdateRefused
+from .errors import DeltaSyncError, IntegrityError
+from .format import TensorDelta
 from .layout import object_prefix
 from .manifest import DeltaManifest, ShardEntry
 from .reader import Trust, decode_object, read_weights
@@ -131,31 +132,12 @@ class Stager:
 
     def _admit(self, manifests: list[DeltaManifest], plan: SyncPlan, st: EngineState) -> None:
         """Refuse another model's or run's objects, and any the engine's state does not admit in turn."""
-        holding = apply.Holding(
-            version=st.version if st.healthy else None,
-            healthy=st.healthy,
-            run_id=st.run_id,
-            high_water=st.high_water,
-            model_id=st.model_id,
-            adapter_base=st.adapter_base,
-            adapter=st.adapter,
+        apply.admit_all(
+            ((m, f"{self.store.uri}/{object_prefix(m.version, m.kind)}") for m in manifests),
+            st.holding(),
+            target=plan.to_version,
+            allow_rollback=self.config.allow_rollback,
         )
-        for m in manifests:
-            if st.fingerprint is not None and m.model_fingerprint != st.fingerprint:
-                raise UpdateRefused(
-                    f"{self.store.uri}: {m.kind} v{m.version} is for another model (fingerprint "
-                    f"{m.model_fingerprint[:19]}...), the engine serves {st.fingerprint[:19]}...; point this agent "
-                    "at the run of the model it serves",
-                    reason=RefusalReason.MODEL,
-                )
-            apply.admit(
-                m,
-                holding,
-                where=f"{self.store.uri}/{object_prefix(m.version, m.kind)}",
-                target=plan.to_version,
-                allow_rollback=self.config.allow_rollback,
-            )
-            holding = holding.after(m)
 
     def _stage_published(
         self, manifests: list[tuple[DeltaManifest, bytes]], timings: dict[str, float], t0: float
@@ -187,35 +169,25 @@ class Stager:
         """The objects decoded against the host copy, each proven against its manifest's checksums there."""
         shards = self.fetcher.shards([m for m, _ in manifests])
         t1 = time.perf_counter()
-        stage_s = 0.0
-        objects: list[StagedObject] = []
-        dirs: list[Path] = []
-        host, host_version = self.host, self.host_version
-        try:
-            for (m, data), blobs in zip(manifests, shards, strict=True):
-                where = f"{self.store.uri}/{object_prefix(m.version, m.kind)}"
+        into = _HostCopy(self)
+        steps = []
+        for (m, data), blobs in zip(manifests, shards, strict=True):
+            where = f"{self.store.uri}/{object_prefix(m.version, m.kind)}"
+            into.manifest_bytes[m.version, m.kind] = data
+
+            def read(m: DeltaManifest = m, blobs: list[bytes] = blobs, where: str = where) -> list[TensorDelta]:
                 # the fetcher checked each shard's size and sha256 as it fetched (ObjectFetcher._shard)
-                deltas = decode_object(m, blobs, where=where, base=host, checked=True)
-                host = dict(apply.write(host, m, deltas))  # the agent's own copy, proven below
-                if m.kind == "anchor" and self.in_process:  # own it: the staged entries must keep this version's values
-                    host = {n: t.clone() for n, t in host.items()}
-                apply.verify(host, m, names=None if m.kind == "anchor" else {d.ckpt_name for d in deltas})
-                host_version = m.version
-                ts = time.perf_counter()
-                if self.in_process:  # an engine in this process takes the objects
-                    objects.append(in_memory(m, deltas))
-                else:
-                    directory = self._staging_dir(m)
-                    # files only: the host copy (whose tensors an anchor's entries are) moves on with later objects
-                    objects.append(dataclasses.replace(stage_object(directory, m, data, deltas), deltas=None))
-                    dirs.append(directory)
-                stage_s += time.perf_counter() - ts
+                return decode_object(m, blobs, where=where, base=into.tensors, checked=True)
+
+            steps.append(apply.Step(m, where, read))
+        try:
+            apply.apply_update(steps, into)  # admitted before any shard was fetched (_admit)
         except BaseException:
-            self.forget_host()  # partly updated: rebuild on the next sync
+            self.forget_host()  # partly updated, or not proven: rebuilt on the next sync
             raise
-        self.host, self.host_version = host, host_version
-        timings.update(fetch=t1 - t0, decode=time.perf_counter() - t1 - stage_s, stage=stage_s)
-        return StagedUpdate(objects=tuple(objects)), dirs
+        self.host, self.host_version = into.tensors, steps[-1].manifest.version if steps else self.host_version
+        timings.update(fetch=t1 - t0, decode=time.perf_counter() - t1 - into.stage_s, stage=into.stage_s)
+        return StagedUpdate(objects=tuple(into.objects)), into.dirs
 
     def _linker(self, m: DeltaManifest, done: list[bool]) -> Callable[[ShardEntry, Path], bool]:
         """How :func:`stage_published` names object ``m``'s shards: linked already (``done``, by position), else a
@@ -239,3 +211,29 @@ class Stager:
         for directory in dirs:
             shutil.rmtree(directory, ignore_errors=True)
         self.fetcher.clear()
+
+
+class _HostCopy(apply.TensorsReceiver):
+    """The agent's copy of its engine's weights under the apply sequence: each object, once proven there, is
+    staged for the engine (as Python objects for an engine in this process, else as files)."""
+
+    def __init__(self, stager: Stager) -> None:
+        # an engine in this process takes the anchor's entries themselves: the host copy must own its own
+        super().__init__(stager.host, own_anchors=stager.in_process)
+        self.stager = stager
+        self.manifest_bytes: dict[tuple[int, str], bytes] = {}
+        self.objects: list[StagedObject] = []
+        self.dirs: list[Path] = []
+        self.stage_s = 0.0
+
+    def done(self, manifest: DeltaManifest, deltas: Sequence[TensorDelta]) -> None:
+        ts = time.perf_counter()
+        if self.stager.in_process:
+            self.objects.append(in_memory(manifest, deltas))
+        else:
+            directory = self.stager._staging_dir(manifest)
+            data = self.manifest_bytes[manifest.version, manifest.kind]
+            # files only: the host copy (whose tensors an anchor's entries are) moves on with later objects
+            self.objects.append(dataclasses.replace(stage_object(directory, manifest, data, deltas), deltas=None))
+            self.dirs.append(directory)
+        self.stage_s += time.perf_counter() - ts

@@ -1,4 +1,5 @@
-"""The one apply rule, used by every receiver: the store reader, the in-memory engine and the vLLM engine.
+"""The one apply rule, used by every receiver: the store reader, the in-memory engine, the agent's host copy and
+the vLLM engine.
 
 An object goes through four steps, in order:
 
@@ -10,13 +11,18 @@ An object goes through four steps, in order:
 3. :func:`write`: the entries go into the receiver's tensors. **Not transactional**: a failure here leaves
    the tensors partly updated, and the receiver must not serve them until an anchor restores it.
 4. :func:`verify`: the written tensors match the manifest's checksums (``IntegrityError`` otherwise).
+
+:func:`apply_update` is that sequence, once, with the failure rule: a failure after the first write unlabels
+the receiver (:meth:`Receiver.unlabel`) until an anchor restores it. Each receiver brings its own storage as a
+:class:`Receiver` (a state dict: :class:`TensorsReceiver`; the vLLM engine's shadow, patch map or loader).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import re
-from collections.abc import Iterable, Mapping, MutableMapping, Sequence
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterable, Mapping, MutableMapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -28,10 +34,17 @@ from .vocab import DTYPE_NAMES, DTYPES
 
 __all__ = [
     "Holding",
+    "Receiver",
+    "Step",
+    "TensorsReceiver",
     "admit",
+    "admit_all",
+    "apply_update",
     "check_decoded",
     "overlapping",
     "refuse_claim",
+    "refuse_model",
+    "releases_claim",
     "spec_of",
     "verify",
     "write",
@@ -60,7 +73,8 @@ class Holding:
     high_water: int | None = None
     """The highest version it has served in this run."""
     fingerprint: str | None = None
-    """:func:`~deltasync.manifest.model_fingerprint` of ``spec`` (computed once, when not given)."""
+    """:func:`~deltasync.manifest.model_fingerprint` of ``spec`` (computed once, when not given). Given without a
+    spec (an agent knows its engine's fingerprint, not its spec), objects are admitted on it alone."""
     adapter_base: str | None = None
     """A receiver that serves a LoRA adapter's objects (not a model's own weights): the fingerprint of the base
     model it serves the adapter on. ``None``: it takes a model's own weights only."""
@@ -113,11 +127,12 @@ def admit(
     """
     what = f"{where}: {manifest.kind} v{manifest.version}"
     _admit_adapter(manifest, holding, what)
-    if holding.spec is not None and holding.fingerprint != manifest.model_fingerprint:
+    if holding.fingerprint is not None and holding.fingerprint != manifest.model_fingerprint:
+        # an agent knows its engine's fingerprint, not always its spec: the difference is named where it is known
+        differs = "" if holding.spec is None else f": {describe_spec_difference(holding.spec, manifest.spec)}"
         raise UpdateRefused(
             f"{what} is for another model (fingerprint {manifest.model_fingerprint[:19]}..., this engine serves "
-            f"{str(holding.fingerprint)[:19]}...): {describe_spec_difference(holding.spec, manifest.spec)}; "
-            "point the agent at the run of the model it serves",
+            f"{holding.fingerprint[:19]}...){differs}; point the agent at the run of the model it serves",
             reason=RefusalReason.MODEL,
         )
     if manifest.model_id and holding.model_id and manifest.model_id != holding.model_id:
@@ -397,3 +412,159 @@ def verify(tensors: Mapping[str, torch.Tensor], manifest: DeltaManifest, names: 
             f"v{manifest.version}: {len(bad)} tensors differ from the published checksums: "
             f"{', '.join(bad[:10])}{' ...' if len(bad) > 10 else ''}"
         )
+
+
+def admit_all(
+    manifests: Iterable[tuple[DeltaManifest, str]],
+    holding: Holding,
+    *,
+    target: int | None = None,
+    allow_rollback: bool = False,
+) -> Holding:
+    """:func:`admit` each object of an update session in turn (``(manifest, where)``, in apply order), each against
+    what the receiver holds once the objects before it are applied; returns what it holds after the last.
+
+    Raises:
+        UpdateRefused: as :func:`admit`, for the first object refused; nothing has been read or written.
+    """
+    for manifest, where in manifests:
+        admit(manifest, holding, where=where, target=target, allow_rollback=allow_rollback)
+        holding = holding.after(manifest)
+    return holding
+
+
+@dataclass(frozen=True, slots=True)
+class Step:
+    """One object of an update session, as :func:`apply_update` takes it."""
+
+    manifest: DeltaManifest
+    """The object's verified manifest (admitted before any object is read)."""
+    where: str
+    """The object's name in messages (``store uri/prefix``, a staged path)."""
+    read: Callable[[], Sequence[TensorDelta]]
+    """Its entries, decoded and checked against the manifest (:func:`check_decoded`): a receiver whose objects are
+    decoded against what it holds reads each one after the objects before it are written."""
+
+    @classmethod
+    def of(cls, manifest: DeltaManifest, deltas: Sequence[TensorDelta], where: str) -> Step:
+        """An object whose entries were read (and checked) already."""
+        return cls(manifest, where, lambda: deltas)
+
+
+class Receiver(ABC):
+    """The storage one receiver writes objects into, under :func:`apply_update`."""
+
+    def check(self, objects: Sequence[tuple[DeltaManifest, Sequence[TensorDelta]]]) -> None:
+        """Refuse, before the first write, what this receiver cannot write exactly (``objects``: those read before
+        the next write: the whole session where it is read ahead). Default: nothing more than the manifest's.
+
+        Raises:
+            UpdateRefused: nothing was written.
+        """
+        return None
+
+    @abstractmethod
+    def write(self, manifest: DeltaManifest, deltas: Sequence[TensorDelta]) -> None:
+        """Write one object's checked entries. Not transactional: the failure rule covers a failure here."""
+
+    @abstractmethod
+    def verify(self, manifest: DeltaManifest, deltas: Sequence[TensorDelta]) -> None:
+        """Prove what :meth:`write` wrote of this object against its manifest.
+
+        Raises:
+            IntegrityError: a written tensor differs from the manifest's checksums.
+        """
+
+    def done(self, manifest: DeltaManifest, deltas: Sequence[TensorDelta]) -> None:
+        """One object written and proven (the agent stages it for its engine here). Default: nothing."""
+        return None
+
+    def unlabel(self, exc: Exception) -> None:
+        """The failure rule: ``exc`` happened after the first write, and the receiver must serve no known version
+        until an anchor restores it. It may raise the error its own callers expect instead of ``exc``. Default:
+        nothing (a receiver with no label: the caller discards the tensors)."""
+        return None
+
+
+def apply_update(
+    steps: Sequence[Step],
+    into: Receiver,
+    holding: Holding | None = None,
+    *,
+    target: int | None = None,
+    allow_rollback: bool = False,
+    read_ahead: bool = False,
+) -> Holding | None:
+    """The one apply sequence: every object admitted (:func:`admit_all`, against ``holding``; ``None``: a store's
+    own chain, which the reader checks instead), then each read and checked, written and verified, in order.
+
+    Args:
+        steps: the session's objects, in apply order.
+        into: the receiver's storage.
+        holding: what the receiver holds before the session.
+        target: the version the session ends at (default: the last object's).
+        allow_rollback: the operator lets the receiver go below its highest version, or to another run.
+        read_ahead: read and check every object, and :meth:`Receiver.check` them all, before the first write
+            (objects staged whole, an engine's session); otherwise each is read right before it is written (it is
+            decoded against what the objects before it wrote).
+
+    Returns:
+        What the receiver holds after the last object (``None`` without ``holding``).
+
+    Raises:
+        UpdateRefused: before the first write (admission, or :meth:`Receiver.check`); nothing was written.
+        FormatError: an object's entries are malformed (before the first write where read ahead).
+        IntegrityError: a written tensor differs from its manifest's checksums.
+        Any error :meth:`Receiver.unlabel` raises, after the first write.
+    """
+    after = None
+    if holding is not None:
+        after = admit_all(((s.manifest, s.where) for s in steps), holding, target=target, allow_rollback=allow_rollback)
+    ahead = [(s.manifest, s.read()) for s in steps] if read_ahead else []
+    if ahead:
+        into.check(ahead)
+    written = False
+    try:
+        for i, step in enumerate(steps):
+            if read_ahead:
+                deltas = ahead[i][1]
+            else:
+                deltas = step.read()
+                into.check([(step.manifest, deltas)])
+            written = True
+            into.write(step.manifest, deltas)
+            into.verify(step.manifest, deltas)
+            into.done(step.manifest, deltas)
+    except Exception as exc:
+        if written:
+            into.unlabel(exc)
+        raise
+    return after
+
+
+class TensorsReceiver(Receiver):
+    """A receiver whose storage is a state dict (the store reader, the in-memory engine, the agent's host copy).
+
+    Args:
+        tensors: the tensors held (``None``: none yet; the first object must be an anchor).
+        own_anchors: copy an anchor's tensors (they are the decoded entries' buffers, which the caller may reuse).
+        verify: check what each object wrote against its manifest's checksums.
+    """
+
+    def __init__(
+        self, tensors: dict[str, torch.Tensor] | None = None, *, own_anchors: bool = False, verify: bool = True
+    ) -> None:
+        self.tensors = tensors
+        self.own_anchors = own_anchors
+        self.verifies = verify
+
+    def write(self, manifest: DeltaManifest, deltas: Sequence[TensorDelta]) -> None:
+        tensors = dict(write(self.tensors, manifest, deltas))
+        if manifest.kind == "anchor" and self.own_anchors:
+            tensors = {n: t.clone() for n, t in tensors.items()}
+        self.tensors = tensors
+
+    def verify(self, manifest: DeltaManifest, deltas: Sequence[TensorDelta]) -> None:
+        if self.verifies:
+            assert self.tensors is not None
+            verify(self.tensors, manifest, names=None if manifest.kind == "anchor" else {d.ckpt_name for d in deltas})

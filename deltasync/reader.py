@@ -351,13 +351,17 @@ def iter_weights(
     """Each object on ``version``'s chain and the full state once it is applied, in order. The state is one set
     of tensors updated in place from object to object (no copy of the model per step): clone what you keep."""
     chain = read_chain(store, version, trust=trust)
-    state: dict[str, torch.Tensor] | None = None
+    into = apply.TensorsReceiver(verify=verify)
     for m in chain:
-        deltas = load_object(store, m, base=state)
-        state = dict(apply.write(state, m, deltas))
-        if verify:
-            apply.verify(state, m, names=None if m.kind == "anchor" else {d.ckpt_name for d in deltas})
-        yield m, state
+        where = f"{store.uri}/{object_prefix(m.version, m.kind)}"
+
+        def read(m: DeltaManifest = m) -> list[TensorDelta]:  # decoded against the objects before it
+            return load_object(store, m, base=into.tensors)
+
+        # admitted already: read_chain checked the chain is one run's and one model's, each delta on its base
+        apply.apply_update([apply.Step(m, where, read)], into)
+        assert into.tensors is not None
+        yield m, into.tensors
 
 
 def read_weights(

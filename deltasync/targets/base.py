@@ -6,6 +6,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
+from ..apply import Holding
 from ..errors import ApplyError, RefusalReason, UpdateRefused, VersionGapError
 from ..manifest import AdapterEntry
 from ..staging import StagedUpdate
@@ -96,6 +97,10 @@ class EngineClaim:
         return {k: v for k, v in fields.items() if v is not None}
 
 
+_HELD = ("healthy", "run_id", "high_water", "fingerprint", "model_id", "adapter_base", "adapter")
+"""What an engine's state says of what it holds (:class:`~deltasync.apply.Holding`'s fields of the same names)."""
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class EngineState:
     """An engine as its agent sees it (every rank agreeing, or the first disagreement)."""
@@ -132,6 +137,19 @@ class EngineState:
     """The adapter it serves (mode ``lora``; ``None``: none yet)."""
     ranks: tuple[Mapping[str, Any], ...] = field(default=(), repr=False)
     """Each rank's raw status."""
+
+    def holding(self) -> Holding:
+        """What the engine holds, as its agent admits objects for it (on its fingerprint: the agent does not know
+        its spec)."""
+        return Holding(version=self.version if self.healthy else None, **{f: getattr(self, f) for f in _HELD})
+
+    @classmethod
+    def of(cls, holding: Holding, *, label: str | None, agent_id: str | None, detail: str) -> EngineState:
+        """The state of an engine that holds ``holding`` (an engine in this process)."""
+        version = holding.version if holding.healthy else None
+        return cls(
+            version=version, label=label, agent_id=agent_id, detail=detail, **{f: getattr(holding, f) for f in _HELD}
+        )
 
 
 @runtime_checkable

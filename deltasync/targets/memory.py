@@ -15,9 +15,11 @@ import threading
 import torch
 
 from .. import apply
+from ..apply import Step
 from ..errors import ApplyError, RefusalReason, UpdateRefused
+from ..format import TensorDelta
 from ..manifest import ModelSpec
-from ..staging import StagedUpdate, read_staged
+from ..staging import StagedObject, StagedUpdate, read_staged, read_staged_manifest
 from .base import UNHEALTHY_LABEL, EngineClaim, EngineState
 
 __all__ = ["InMemoryTarget"]
@@ -63,18 +65,7 @@ class InMemoryTarget:
         return self.holding.version if self.holding.healthy else None
 
     def state(self) -> EngineState:
-        h = self.holding
-        return EngineState(
-            version=self.version,
-            label=self.label,
-            healthy=h.healthy,
-            run_id=h.run_id,
-            high_water=h.high_water,
-            fingerprint=h.fingerprint,
-            model_id=h.model_id,
-            agent_id=self.owner,
-            detail=self.detail,
-        )
+        return EngineState.of(self.holding, label=self.label, agent_id=self.owner, detail=self.detail)
 
     def recover(self) -> None:
         """Nothing outlives an agent here but the label, which is made to say what is held."""
@@ -125,52 +116,60 @@ class InMemoryTarget:
     def apply(self, update: StagedUpdate) -> None:
         """Validate every object of the session, then write them; see :class:`~deltasync.targets.EngineTarget`."""
         with self.lock:
-            holding, checked = self.holding, []
+            into = _Weights(self, update.target_version)
             try:
-                for obj in update.objects:
-                    manifest, deltas = read_staged(obj, root=self.staging_root)
-                    apply.admit(
-                        manifest,
-                        holding,
-                        where=obj.manifest_path,
-                        target=update.target_version,
-                        allow_rollback=self.allow_rollback,
-                    )
-                    checked.append((manifest, deltas))
-                    holding = holding.after(manifest)
+                steps = [self._step(obj) for obj in update.objects]
+                holding = apply.apply_update(
+                    steps,
+                    into,
+                    self.holding,
+                    target=update.target_version,
+                    allow_rollback=self.allow_rollback,
+                    read_ahead=True,
+                )
             except UpdateRefused as exc:
                 if apply.releases_claim(exc.reason, self.holding):
                     self.owner = None  # not this engine's agent: its claim goes
                 raise
-            except (ValueError, OSError) as exc:  # a malformed staged file: refused, nothing written
+            except (ValueError, OSError) as exc:  # a malformed staged file: refused before the first write
                 raise UpdateRefused(
                     f"{update.objects[0].label}: the staged update is unreadable ({exc})",
                     reason=RefusalReason.MALFORMED,
                 ) from exc
-            try:
-                weights = self.weights
-                for manifest, deltas in checked:
-                    weights = dict(apply.write(weights, manifest, deltas))
-                    if manifest.kind == "anchor":
-                        weights = {n: t.clone() for n, t in weights.items()}  # own them: staged buffers may be reused
-                    apply.verify(
-                        weights, manifest, names=None if manifest.kind == "anchor" else {d.ckpt_name for d in deltas}
-                    )
-            except Exception as exc:
-                self.holding = apply.Holding(
-                    healthy=False,
-                    spec=self.holding.spec,
-                    model_id=self.holding.model_id,
-                    run_id=self.holding.run_id,
-                    high_water=self.holding.high_water,
-                )
-                self.label = UNHEALTHY_LABEL
-                self.detail = f"failed past the first write: {exc}"
-                raise ApplyError(f"applying v{update.target_version}: {exc}; the engine needs an anchor") from exc
-            self.weights, self.holding = weights, holding
+            assert holding is not None
+            self.weights, self.holding = into.tensors, holding
             self.label = str(update.target_version)
             self.detail = ""
             self.applied.append(update.target_version)
 
+    def _step(self, obj: StagedObject) -> Step:
+        """A staged object as the apply sequence takes it: its manifest now (admitted before anything else is
+        read), its entries when the sequence reads them."""
+        in_process = obj.manifest is not None and obj.deltas is not None  # else its files are read and checked
+        manifest = obj.manifest if in_process else read_staged_manifest(obj, root=self.staging_root)
+        assert manifest is not None
+
+        def read() -> list[TensorDelta]:
+            return read_staged(obj, root=self.staging_root, manifest=manifest)[1]
+
+        return Step(manifest, obj.manifest_path, read)
+
     def __repr__(self) -> str:
         return f"InMemoryTarget(version={self.version}, label={self.label!r})"
+
+
+class _Weights(apply.TensorsReceiver):
+    """The target's state dict under the apply sequence; a failure past the first write makes it unhealthy."""
+
+    def __init__(self, target: InMemoryTarget, version: int) -> None:
+        super().__init__(target.weights, own_anchors=True)  # staged buffers may be reused: own an anchor's
+        self.target, self.version = target, version
+
+    def unlabel(self, exc: Exception) -> None:
+        t, h = self.target, self.target.holding
+        t.holding = apply.Holding(
+            healthy=False, spec=h.spec, model_id=h.model_id, run_id=h.run_id, high_water=h.high_water
+        )
+        t.label = UNHEALTHY_LABEL
+        t.detail = f"failed past the first write: {exc}"
+        raise ApplyError(f"applying v{self.version}: {exc}; the engine needs an anchor") from exc
