@@ -474,3 +474,25 @@ def test_every_rank_hears_of_a_key_squatted_on_another_rank_and_moves_on_alike(
     assert outcomes == {0: expected, 1: expected}
     if lease:
         assert_bit_equal(read_weights(store, 2), {"w": full[1]})
+
+
+@pytest.mark.parametrize("record", [b"junk\n", b"signature-cut"], ids=["garbage", "signature line cut"])
+def test_a_run_record_replaced_after_publishing_does_not_stop_a_restarted_publisher(
+    tmp_path: Path, key: tuple[Path, VerifyKey], server: ServerThread, caplog: pytest.LogCaptureFixture, record: bytes
+) -> None:
+    """A trainer restarts (a crash, a preemption, the run's next job) after a store writer replaced run.json: the
+    objects its key signed in the store name its run, so the record is ignored with a warning and publishing goes
+    on; a key-only reader reads the new version."""
+    key_path, verify_key = key
+    root = tmp_path / "store"
+    with _client(server) as client, Publisher(LocalStore(root), client, _config(key_path)) as pub:
+        _publish(pub, _stream(0), 2)
+    original = (root / RUN_KEY).read_bytes()
+    (root / RUN_KEY).unlink()
+    (root / RUN_KEY).write_bytes(original.split(b"\n")[0] + b"\n" if record == b"signature-cut" else record)
+    with caplog.at_level(logging.WARNING, logger="deltasync.runrecord"), _client(server) as client:
+        with Publisher(LocalStore(root), client, _config(key_path)) as pub:
+            truth = _publish(pub, _stream(1), 1)
+    assert any("not written by this publisher" in m and "which it goes on publishing" in m for m in caplog.messages)
+    [(version, weights)] = truth.items()
+    assert_bit_equal(read_weights(LocalStore(root), version, trust=Trust(verify_key=verify_key)), weights)
