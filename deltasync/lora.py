@@ -57,13 +57,37 @@ class AdapterNames(NameMap):
         return self.rename(runtime_name) if self.rename is not None else runtime_name
 
 
-def adapter_state(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+def _adapter_name(module: torch.nn.Module, adapter: str | None) -> str:
+    """The adapter of a PEFT model to publish: ``adapter``, else the one active adapter.
+
+    Raises:
+        ValueError: not a PEFT model, no such adapter, or several adapters active and none named.
+    """
+    configs = getattr(module, "peft_config", None)
+    if not configs:
+        raise ValueError(f"{type(module).__name__} is not a PEFT model (no peft_config): wrap it with get_peft_model")
+    if adapter is None:
+        active = getattr(module, "active_adapters", None) or [getattr(module, "active_adapter", None)]
+        if len(active) != 1 or active[0] is None:
+            raise ValueError(
+                f"{type(module).__name__} has {len(active)} active adapters {list(active)}: name the one to publish "
+                "(adapter_entry(model, adapter=NAME))"
+            )
+        adapter = str(active[0])
+    if adapter not in configs:
+        raise ValueError(f"{type(module).__name__} has no adapter {adapter!r} (its adapters: {sorted(configs)})")
+    return adapter
+
+
+def adapter_state(module: torch.nn.Module, adapter: str | None = None) -> dict[str, torch.Tensor]:
     """A PEFT LoRA model's adapter tensors by the names ``save_pretrained`` writes (``base_model.model....lora_A.
-    weight``, the adapter's own name left out): what vLLM loads as the adapter. FSDP2 shards stay shards."""
+    weight``, the adapter's own name left out): what vLLM loads as the adapter. ``adapter``: which of the model's
+    adapters (default: the active one). FSDP2 shards stay shards."""
     from peft import get_peft_model_state_dict
 
     out = {}
-    for name, tensor in get_peft_model_state_dict(module).items():
+    state = get_peft_model_state_dict(module, adapter_name=_adapter_name(module, adapter))
+    for name, tensor in state.items():
         for prefix in _WRAPPERS:
             name = name.replace(prefix, "")
         if not name.startswith(ADAPTER_PREFIX):
@@ -90,13 +114,14 @@ _INERT = frozenset(
         "megatron_core",  # read only with megatron_config, which must stay unset
         "qalora_group_size",  # read only with use_qalora, which must stay unset
         "eva_config",  # EVA's data-driven initialization: the saved adapter is plain LoRA
-        "lora_ga_config",  # LoRA-GA's initialization (it changes the base only while training)
     }
 )
 """LoraConfig fields that do not change what a saved adapter computes once loaded by vLLM."""
-_SERVABLE_INITS = frozenset({"gaussian", "eva", "orthogonal", "mica", "lora_ga"})
-"""``init_lora_weights`` values that only set the adapter's first weights (vLLM 0.32's PEFTHelper list); PiSSA,
-OLoRA, CorDA and LoftQ also rewrite the base model's weights, so their adapters are wrong on the served base."""
+_SERVABLE_INITS = frozenset({"gaussian", "eva", "orthogonal", "mica"})
+"""``init_lora_weights`` values that only set the adapter's first weights; PiSSA, OLoRA, CorDA, LoftQ and LoRA-GA
+also rewrite the base model's weights (LoRA-GA subtracts its first B A from each adapted base weight, PEFT 0.21's
+``lora/layer.py``), so their adapters are wrong on the served base (vLLM 0.32 admits ``lora_ga``: the publisher
+must refuse it)."""
 
 
 def _unservable_fields(config: Any) -> list[str]:
@@ -138,11 +163,8 @@ def adapter_entry(
             alphas, DoRA, extra trained modules, biases, layer selection, an initialization that rewrites the
             base, ...; each named with its value): an engine could not serve it as that one plain adapter.
     """
-    configs = getattr(module, "peft_config", None)
-    if not configs:
-        raise ValueError(f"{type(module).__name__} is not a PEFT model (no peft_config): wrap it with get_peft_model")
-    name = adapter or getattr(module, "active_adapter", None) or next(iter(configs))
-    config = configs[name]
+    name = _adapter_name(module, adapter)
+    config: Any = getattr(module, "peft_config")[name]  # noqa: B009 - a PEFT attribute torch does not type
     why = []
     if str(getattr(config, "peft_type", "")).rsplit(".", 1)[-1] != "LORA":
         why.append(f"peft_type {config.peft_type}")
@@ -166,6 +188,7 @@ def adapter_entry(
         target_modules=tuple(sorted(set(targets))),
         use_rslora=bool(getattr(config, "use_rslora", False)),
         base_fingerprint=model_fingerprint(base),
+        adapter_name=name,
     )
 
 

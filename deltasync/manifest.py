@@ -160,6 +160,9 @@ class AdapterEntry:
     """:func:`model_fingerprint` of the base model the adapter applies to (its checkpoint names, dtypes, shapes)."""
     peft_type: str = "LORA"
     """PEFT's adapter type; only ``LORA`` is published."""
+    adapter_name: str | None = field(default=None, compare=False)
+    """The adapter's name in the trainer's PEFT model (which of its adapters is published; ``None``: the active
+    one). The publisher's own knowledge: never published, and no part of the adapter's identity."""
 
     def to_dict(self) -> dict[str, Any]:
         return {

@@ -367,7 +367,7 @@ class Publisher:
     def _resolve(self, state: torch.nn.Module | Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """This rank's local tensors by checkpoint name; fixes the views at the first call."""
         if self.adapter is not None:
-            state = adapter_state(state) if isinstance(state, torch.nn.Module) else state
+            state = adapter_state(state, self.adapter.adapter_name) if isinstance(state, torch.nn.Module) else state
             if not state or not all(n.startswith(ADAPTER_PREFIX) for n in state):
                 wrong = next((n for n in state if not n.startswith(ADAPTER_PREFIX)), "nothing")
                 raise ValueError(

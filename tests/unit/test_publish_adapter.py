@@ -208,3 +208,37 @@ def test_the_agent_config_names_the_served_adapter_directory_with_lora_mode_only
     with pytest.raises(ValueError, match="apply_mode lora goes with adapter_dir"):
         AgentConfig(**fields)  # type: ignore[arg-type]
     assert AgentConfig(apply_mode="lora", adapter_dir="/srv/adapter").adapter_dir == "/srv/adapter"
+
+
+def test_an_initialization_that_rewrote_the_base_is_refused(tiny_model_dir: Path) -> None:
+    """LoRA-GA subtracts its first B A from each adapted base weight while it initializes (PEFT 0.21): the saved
+    adapter is wrong on the served base, as PiSSA's is."""
+    model = _peft_model(tiny_model_dir)
+    model.peft_config["default"].init_lora_weights = "lora_ga"
+    with pytest.raises(ValueError, match="init_lora_weights='lora_ga' .it rewrites the base weights"):
+        adapter_entry(model)
+
+
+def test_the_adapter_published_is_the_one_the_entry_describes(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """A model with two adapters (a frozen reference and the one trained): the publisher publishes the active one,
+    or the one named in adapter_entry, never PEFT's 'default' by accident."""
+    peft = pytest.importorskip("peft")
+    model = _peft_model(tiny_model_dir)
+    model.add_adapter("policy", peft.LoraConfig(r=4, lora_alpha=8, target_modules=TARGETS))
+    model.set_adapter("policy")
+    _step(model, 1)
+    policy = {k: v.to(torch.bfloat16) for k, v in adapter_state(model, "policy").items()}
+    default = {k: v.to(torch.bfloat16) for k, v in adapter_state(model, "default").items()}
+    assert any(not torch.equal(policy[n], default[n]) for n in policy)
+    for entry in (adapter_entry(model), adapter_entry(model, adapter="policy")):
+        store = LocalStore(tmp_path / f"s-{id(entry)}")
+        with Publisher(store, adapter=entry) as pub:
+            pub.publish(model)
+        assert_bit_equal(read_weights(store, 0), policy)
+    model.set_adapter("default")  # the entry names policy: what it publishes does not follow the active one
+    store = LocalStore(tmp_path / "named")
+    with Publisher(store, adapter=adapter_entry(model, adapter="policy")) as pub:
+        pub.publish(model)
+    assert_bit_equal(read_weights(store, 0), policy)
+    with pytest.raises(ValueError, match="has no adapter 'nope'"):
+        adapter_entry(model, adapter="nope")
