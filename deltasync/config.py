@@ -93,7 +93,8 @@ class PublisherConfig:
     """Shard encoding (docs/FORMAT.md)."""
     anchor_encoding: Literal["raw", "packed"] | None = None
     """The anchors' encoding, if not ``encoding``: ``raw`` anchors are ~1.4x the bytes of ``packed`` ones (bf16)
-    but a cold replica's first sync skips their decode (~4 s per GB of bf16 on one core; docs/SCALING.md 5b)."""
+    but a cold replica's first sync skips their decode (~4 s per GB of bf16 on one core; docs/SCALING.md, "Anchors:
+    raw or packed")."""
     dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
     """The published (inference) dtype; weights are cast while copied."""
     anchor_every: int | None = 20

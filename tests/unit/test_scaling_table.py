@@ -17,4 +17,6 @@ def test_scaling_table_matches_the_doc() -> None:
     per_replica, per_fleet = out.stdout.strip().split("\n\n")
     assert len(per_replica.splitlines()) == 2 + 4 and len(per_fleet.splitlines()) == 2 + 12
     doc = (ROOT / "docs" / "SCALING.md").read_text()
-    assert per_replica in doc, "docs/SCALING.md section 3 is stale: paste benchmarks/scaling_table.py's first table"
+    assert per_replica in doc, (
+        "docs/SCALING.md's per-replica table is stale: paste benchmarks/scaling_table.py's first table"
+    )

@@ -332,9 +332,9 @@ def test_change_proof_and_sketch_change_take_one_element_strided_fp32() -> None:
 
 @pytest.mark.xfail(
     strict=True,
-    reason="known limit (docs/RELIABILITY.md, Fail closed): errors of 2**63 in the same lane of an even number of "
-    "tensors cancel for any odd factors; only wrong sketch strings make them, the values written are the "
-    "published ones, and the whole-state proof reports the version as drift",
+    reason="known limit (docs/RELIABILITY.md, the linear sketch's limits): errors of 2**63 in the same lane of an "
+    "even number of tensors cancel for any odd factors; only wrong sketch strings make them, the values written are "
+    "the published ones, and the whole-state proof reports the version as drift",
 )
 def test_change_proof_decides_as_each_tensor_alone_for_errors_of_two_to_the_63() -> None:
     """Two tensors whose published sketches are each off by 2**63 in every lane: each alone is refused; the sum
