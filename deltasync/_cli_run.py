@@ -155,6 +155,12 @@ def add_coordinator_parser(sub: Any) -> None:
         help="a request body not received this long after its head gets 408 (default 30)",
     )
     coord.add_argument(
+        "--response-write-timeout-s",
+        type=float,
+        help="close a connection whose unsent answer has not shrunk for this long: its client reads none of it "
+        "(default 30)",
+    )
+    coord.add_argument(
         "--keep-alive-timeout-s", type=float, help="close kept-alive connections idle this long (default 5)"
     )
     coord.add_argument(

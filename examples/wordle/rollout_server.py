@@ -11,8 +11,9 @@ trainer takes it is not started. The trainer takes groups with ``POST /v1/take``
 
 It is served as the coordinator is (:mod:`deltasync_coordinator.http`): a request without the token is refused
 from its head, before any body byte is read; bodies are capped (``--max-body-bytes``) even with the token;
-heads, bodies and TLS handshakes that do not arrive in time are closed; connections are capped overall and per
-client address below the open-files limit; and clients are logged by their socket's address.
+heads, bodies and TLS handshakes that do not arrive in time are closed, and so are answers left unread and
+requests pipelined past a small depth; connections are capped overall and per client address below the
+open-files limit; and clients are logged by their socket's address.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from typing import Any
 
 import httpx
 from deltasync_coordinator.connections import ConnectionLedger, fit_to_open_files, open_files_limit
-from deltasync_coordinator.http import SizeLimits, protocol, proxy_options, refuse, tls_context
+from deltasync_coordinator.http import Bounds, SizeLimits, protocol, proxy_options, refuse, tls_context
 from fastapi import FastAPI, HTTPException
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -221,6 +222,12 @@ def add_service_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--tls-handshake-timeout-s", type=float, default=5.0, help="a TLS handshake not done in time: closed"
     )
+    parser.add_argument(
+        "--response-write-timeout-s",
+        type=float,
+        default=30.0,
+        help="a connection whose unsent answer has not shrunk this long (its client reads none of it): closed",
+    )
 
 
 def service_token(parser: argparse.ArgumentParser, args: argparse.Namespace) -> str | None:
@@ -256,14 +263,14 @@ def serve(service: RolloutService, token: str | None, args: argparse.Namespace) 
 
     overall, per_peer = fit_to_open_files(args.max_connections, args.max_connections_per_peer, open_files_limit())
     tls = tls_context(args.ssl_certfile, args.ssl_keyfile) if args.ssl_certfile else None
-    http = protocol(
-        MAX_HEADER_BYTES,
-        ledger=ConnectionLedger(overall, per_peer, logger_name=logger.name),
+    bounds = Bounds(
+        max_head_bytes=MAX_HEADER_BYTES,
         head_timeout_s=args.request_head_timeout_s,
         body_timeout_s=args.request_body_timeout_s,
-        tls=tls,
+        write_timeout_s=args.response_write_timeout_s,
         tls_handshake_timeout_s=args.tls_handshake_timeout_s,
     )
+    http = protocol(bounds, ledger=ConnectionLedger(overall, per_peer, logger_name=logger.name), tls=tls)
     app = create_app(service, token, max_body_bytes=args.max_body_bytes)
     run(app, host=args.host, port=args.port, log_level="warning", http=http, **proxy_options(()))
 

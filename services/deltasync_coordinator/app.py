@@ -148,8 +148,15 @@ def _metrics(
                 connections.refused,
             )
             yield _counter(
+                "deltasync_requests_refused",
+                "requests refused with 503 on an admitted connection: past max_pipelined_requests waiting on it",
+                "reason",
+                connections.refused_requests,
+            )
+            yield _counter(
                 "deltasync_requests_timed_out",
-                "connections closed because a TLS handshake, a request head or a body did not complete in time",
+                "connections closed because a TLS handshake, a request head or a body did not arrive in time, or "
+                "an answer was not read in time",
                 "phase",
                 connections.timed_out,
             )

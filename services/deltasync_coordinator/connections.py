@@ -1,11 +1,12 @@
 """The coordinator's open connections: caps overall and per client address, the counts of refusals and of TLS
-handshake and read timeouts, and a refusal log that a flood cannot fill.
+handshake, read and write timeouts, and a refusal log that a flood cannot fill.
 
 Every connection costs an open file. Past the process's open-files limit the server can no longer accept (nor
 open its own ledger files), so ``/healthz`` and authenticated requests would fail with resets while slow clients
 hold every descriptor. The caps keep the server below that limit and one client address below the overall cap;
 :mod:`.http` enforces them on each connection from its TCP accept (before any TLS handshake), and times the
-handshake and the request reads. Addresses are always the socket's peer: no header can name another.
+handshake, the request reads and the client's reading of the answers. Addresses are always the socket's peer:
+no header can name another.
 """
 
 from __future__ import annotations
@@ -38,9 +39,13 @@ LOG_WINDOW_S = 60.0
 
 REASONS = ("max_connections", "max_connections_per_peer")
 """Why a connection was refused (the ``reason`` label of ``deltasync_connections_refused_total``)."""
-PHASES = ("handshake", "head", "body")
-"""What was not received in time (the ``phase`` label of ``deltasync_requests_timed_out_total``): the TLS
-handshake, a request head, a request body."""
+REQUEST_REASONS = ("max_pipelined_requests",)
+"""Why the protocol refused a request of an admitted connection (the ``reason`` label of
+``deltasync_requests_refused_total``): one queued past the cap on pipelined requests (answered 503 in its turn,
+then the connection closes)."""
+PHASES = ("handshake", "head", "body", "write")
+"""What did not complete in time (the ``phase`` label of ``deltasync_requests_timed_out_total``): the TLS
+handshake, a request head, a request body (all read from the client), or the client's reading of an answer."""
 
 
 def open_files_limit() -> int:
@@ -94,11 +99,13 @@ class ConnectionLedger:
         """Connections open now."""
         self.refused = dict.fromkeys(REASONS, 0)
         """Connections refused so far, by reason."""
+        self.refused_requests = dict.fromkeys(REQUEST_REASONS, 0)
+        """Requests of admitted connections refused so far, by reason."""
         self.timed_out = dict.fromkeys(PHASES, 0)
-        """Connections closed because a TLS handshake, a request head or a body did not complete in time, by
-        phase."""
+        """Connections closed because a TLS handshake, a request head or a body did not arrive in time, or an
+        answer was not read in time, by phase."""
         self._by_peer: dict[str, int] = {}
-        self._bursts = {kind: _Burst() for kind in (*REASONS, *PHASES)}
+        self._bursts = {kind: _Burst() for kind in (*REASONS, *REQUEST_REASONS, *PHASES)}
 
     def admit(self, peer: str, status: int | None = 503) -> str | None:
         """Count a new connection from ``peer`` (its socket's address), or say why it is refused (the answer's
@@ -119,6 +126,12 @@ class ConnectionLedger:
         self.log(reason, peer, status, detail)
         return detail
 
+    def record_request_refusal(self, reason: str, peer: str, status: int, detail: str) -> None:
+        """Count and log a request of an admitted connection refused for ``reason`` (one of
+        :data:`REQUEST_REASONS`) with ``status``; the connection closes after that answer."""
+        self.refused_requests[reason] += 1
+        self.log(reason, peer, status, detail)
+
     def release(self, peer: str) -> None:
         """A connection that :meth:`admit` counted has closed."""
         self.open -= 1
@@ -127,8 +140,8 @@ class ConnectionLedger:
             self._by_peer[peer] = held
 
     def record_timeout(self, phase: str, peer: str, status: int | None, detail: str) -> None:
-        """Count and log a connection closed because its request's ``phase`` did not arrive in time (answered
-        ``status``, or closed without an answer when None)."""
+        """Count and log a connection closed because its ``phase`` (one of :data:`PHASES`) did not complete in
+        time (answered ``status``, or closed without an answer when None)."""
         self.timed_out[phase] += 1
         self.log(phase, peer, status, detail)
 

@@ -10,10 +10,22 @@ clients (the Wordle demo's rollout service serves with it too).
   15 s held its connection, and its open file, for good. A head not received within ``request_head_timeout_s``
   (counted from the connection's opening, or from the first byte after a response) and a body not received
   within ``request_body_timeout_s`` of its head get 408 and the connection closes; a connection that sent nothing
-  is closed without an answer (it asked nothing). Only reading is timed: a long-poll waits as long as it asks.
+  is closed without an answer (it asked nothing). The app is not timed: a long-poll waits as long as it asks.
 - **Connection caps**: connections past the :class:`~.connections.ConnectionLedger`'s caps (overall and per
   client address, below the open-files limit) are answered 503 at once and closed, before they cost more than
   a moment's descriptor. uvicorn's ``limit_concurrency`` answers only after a complete head, too late.
+- **Unread answers**: a client that sends requests and never reads the answers leaves them in the server's
+  buffers; uvicorn then waits for a drain that never comes, with no clock running (reading is done, and the
+  keep-alive timer starts only after a complete answer), so such connections would hold their places under the
+  caps for good. Writing is timed: on a plain connection the transport asks the protocol to pause as soon as any
+  byte waits in user space (its high-water mark is 0), and on TLS once its own buffer is full; a connection
+  that stays paused for ``response_write_timeout_s`` while its unsent bytes do not shrink (an answer in
+  progress, or a close waiting for its last bytes) is aborted. A client that reads, however slowly, moves the
+  clock on; a long-poll writes nothing while it waits, so it is never paused.
+- **Pipelined requests**: uvicorn parses every request of a received chunk and queues each one behind the
+  answer in progress, and resumes reading whenever the app reads a body. At most ``max_pipelined_requests``
+  wait on one connection: the next is answered 503, in order after them, and the connection closes after that
+  answer; nothing after it is parsed.
 - **TLS**: asyncio (given ``ssl=`` by uvicorn) waits 60 s for a handshake and calls the HTTP protocol only
   once it is done, so connections that never send a ClientHello held descriptors past every cap above,
   unlogged. Here the protocol serves TLS itself: it counts the connection in the ledger at its TCP accept
@@ -40,17 +52,21 @@ import logging
 import os
 import ssl
 from collections.abc import MutableMapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
+import httptools
 import uvicorn
 from starlette.responses import JSONResponse
-from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
+from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol, RequestResponseCycle
 
 from deltasync.schemas import RUN_HEADER
 
 from .connections import ConnectionLedger
 
 __all__ = [
+    "MAX_PIPELINED_REQUESTS",
+    "Bounds",
     "SizeLimits",
     "parse_trusted_proxies",
     "protocol",
@@ -68,6 +84,12 @@ logger = logging.getLogger("deltasync.coordinator")
 
 _MAX_STRAY_BYTES = 64 << 10
 """Raw bytes kept for the TLS layer before it takes the transport over: a ClientHello is far smaller."""
+MAX_PIPELINED_REQUESTS = 16
+"""Requests that may wait on one connection behind the answer in progress (HTTP clients rarely pipeline at all)."""
+
+
+class _PipelineFull(Exception):
+    """Raised from a parser callback to stop httptools at the request past the pipelining cap."""
 
 
 class _GuardedHttp(HttpToolsProtocol):
@@ -77,6 +99,8 @@ class _GuardedHttp(HttpToolsProtocol):
     run_header: tuple[bytes, bytes] | None = None
     ledger = ConnectionLedger(1 << 20, 1 << 20)  # replaced by protocol(): one ledger per served app
 
+    write_timeout_s = 30.0
+    max_pipelined_requests = MAX_PIPELINED_REQUESTS
     tls: ssl.SSLContext | None = None  # serve TLS, the handshake bounded by tls_handshake_timeout_s
     tls_handshake_timeout_s = 5.0
 
@@ -90,6 +114,10 @@ class _GuardedHttp(HttpToolsProtocol):
     _tls_phase: str | None = None  # "accepted" (the raw transport is ours), "handshake" (start_tls has it)
     _stray: bytes = b""  # raw bytes received in phase "accepted", for the TLS layer
     _early: bytes = b""  # decrypted bytes that arrived between the handshake's end and the HTTP start
+    _write_timer: asyncio.TimerHandle | None = None  # runs while the transport has paused our writing
+    _unsent = 0  # bytes waiting in the transport when the write clock last started
+    _answering: RequestResponseCycle | None = None  # the request whose app runs (uvicorn's `cycle` is the last parsed)
+    _pipeline_full = False  # a request past max_pipelined_requests is queued for a 503: nothing more is parsed
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         if self.tls is not None and not transport.get_extra_info("sslcontext"):
@@ -102,6 +130,11 @@ class _GuardedHttp(HttpToolsProtocol):
             self._refuse(503, refusal, [(b"retry-after", b"1")])
             return
         self._peer = peer
+        if self.tls is None:
+            # paused as soon as a byte waits in user space: every write the client does not drain is timed,
+            # a close waiting for its last bytes too (TLS: the layer's own buffer; its close is bounded by
+            # the layer's shutdown timeout)
+            transport.set_write_buffer_limits(high=0, low=0)
         self._start_head_clock()
 
     def _accept_tls(self, raw: asyncio.Transport) -> None:
@@ -191,18 +224,59 @@ class _GuardedHttp(HttpToolsProtocol):
             self._end_handshake()
             return
         self._stop_clock()
+        self._stop_write_clock()
+        self._disconnect_answering()
         if self._peer is not None:
             self.ledger.release(self._peer)
             self._peer = None
         super().connection_lost(exc)
 
+    def _start_asgi_task(self, cycle: RequestResponseCycle, app: Any) -> None:
+        self._answering = cycle
+        super()._start_asgi_task(cycle, app)
+
+    def _disconnect_answering(self) -> None:
+        """Tell the request being answered that its client is gone. uvicorn tells only the last request parsed,
+        so an answer in progress behind which others were pipelined would go on writing to a closed transport
+        (uvloop raises there)."""
+        cycle = self._answering
+        if cycle is not None and not cycle.response_complete:
+            cycle.disconnected = True
+            cycle.message_event.set()
+
     def pause_writing(self) -> None:
-        if self.flow is not None:  # the TLS layer's own writes, before HTTP started, need no flow control
-            super().pause_writing()
+        if self.flow is None:  # the TLS layer's own writes, before HTTP started, need no flow control
+            return
+        super().pause_writing()
+        if self._write_timer is None:
+            self._unsent = self.transport.get_write_buffer_size()
+            self._write_timer = self.loop.call_later(self.write_timeout_s, self._write_timed_out)
 
     def resume_writing(self) -> None:
-        if self.flow is not None:
-            super().resume_writing()
+        if self.flow is None:
+            return
+        self._stop_write_clock()
+        super().resume_writing()
+
+    def _stop_write_clock(self) -> None:
+        if self._write_timer is not None:
+            self._write_timer.cancel()
+            self._write_timer = None
+
+    def _write_timed_out(self) -> None:
+        """Writing has been paused for ``write_timeout_s``. If the unsent bytes shrank meanwhile, the client reads,
+        slowly: the clock starts again. If not, it read nothing of its answer for that long and none can reach it:
+        the connection is aborted (its unsent bytes dropped), counted and logged like a read timeout."""
+        unsent = self.transport.get_write_buffer_size()
+        if unsent < self._unsent:
+            self._unsent = unsent
+            self._write_timer = self.loop.call_later(self.write_timeout_s, self._write_timed_out)
+            return
+        self._write_timer = None
+        detail = f"answer not read within {self.write_timeout_s:g} s (response_write_timeout_s; {unsent} bytes unsent)"
+        self.ledger.record_timeout("write", self._peer or "?", None, detail)
+        self._disconnect_answering()  # before connection_lost runs, the app may write again
+        self.transport.abort()
 
     def data_received(self, data: bytes) -> None:
         if self._tls_phase is not None:
@@ -214,13 +288,32 @@ class _GuardedHttp(HttpToolsProtocol):
             else:  # decrypted by the TLS layer: what came with the client's last handshake message
                 self._early += data
             return
+        if self._pipeline_full:  # the parser stopped at the refused request: what follows is never read
+            return
         if self.cycle is None or self.cycle.response_complete:  # bytes between requests start the next head
             self._start_head_clock()
         if self._phase == "head":
             self._head_bytes += len(data)
-        super().data_received(data)
+        self._feed(data)
         if self._phase == "head" and self._head_bytes > self.max_head_bytes and not self.transport.is_closing():
             self._refuse(431, f"request head over {self.max_head_bytes} bytes")
+
+    def _feed(self, data: bytes) -> None:
+        """uvicorn's ``data_received``, where a stop at the pipelining cap is no parse error (its 503 is queued)."""
+        self._unset_keepalive_if_required()
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserError:
+            if self._pipeline_full:
+                return
+            msg = "Invalid HTTP request received."
+            self.logger.warning(msg)
+            self.send_400_response(msg)
+        except httptools.HttpParserUpgrade:
+            if self._should_upgrade():
+                self.handle_websocket_upgrade()
+            else:
+                self._unsupported_upgrade_warning()
 
     def on_message_begin(self) -> None:
         super().on_message_begin()
@@ -231,6 +324,17 @@ class _GuardedHttp(HttpToolsProtocol):
         self._stop_clock()
         self._start_clock("body", self.body_timeout_s)  # stopped at once by on_message_complete without a body
         super().on_headers_complete()
+        if len(self.pipeline) > self.max_pipelined_requests:
+            # this request (queued last) is answered 503 in its turn, without its body; the connection closes
+            # after that answer, and the parser stops here: no further request costs memory or an answer
+            cycle, _ = self.pipeline[0]
+            self.pipeline[0] = (cycle, self._refuse_pipelined)  # type: ignore[assignment]
+            self._stop_clock()
+            self._pipeline_full = True
+            self.ledger.record_request_refusal(
+                "max_pipelined_requests", self._peer or "?", 503, self._pipelined_detail()
+            )
+            raise _PipelineFull
 
     def on_message_complete(self) -> None:
         self._stop_clock()
@@ -242,6 +346,17 @@ class _GuardedHttp(HttpToolsProtocol):
 
     def send_400_response(self, msg: str) -> None:
         self._refuse(400, msg)
+
+    def _pipelined_detail(self) -> str:
+        return (
+            f"more than {self.max_pipelined_requests} requests pipelined on one connection (max_pipelined_requests); "
+            "send each request after the answer to the one before, or open another connection"
+        )
+
+    async def _refuse_pipelined(self, scope: _Scope, receive: Any, send: Any) -> None:
+        """The ASGI app of the request past ``max_pipelined_requests`` (counted and logged when it was parsed)."""
+        headers = [(b"connection", b"close"), (b"retry-after", b"1"), *([self.run_header] if self.run_header else [])]
+        await refuse(send, 503, self._pipelined_detail(), headers)
 
     def _start_head_clock(self) -> None:
         if self._timer is None:
@@ -308,32 +423,60 @@ class _GuardedHttp(HttpToolsProtocol):
             self.transport.close()
 
 
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Bounds:
+    """What one connection served by :func:`protocol` may take (see the module docstring)."""
+
+    max_head_bytes: int = 64 << 10
+    """A request head (all its bytes while unfinished) over this gets 431."""
+    head_timeout_s: float = 10.0
+    """A request head not received this long after the connection opened (or after the first byte that follows
+    an answer) gets 408."""
+    body_timeout_s: float = 30.0
+    """A request body not received this long after its head gets 408."""
+    write_timeout_s: float = 30.0
+    """A connection whose unsent answer has not shrunk for this long is aborted (its client reads nothing)."""
+    tls_handshake_timeout_s: float = 5.0
+    """With TLS: a handshake not done this long after the TCP accept is closed."""
+    max_pipelined_requests: int = MAX_PIPELINED_REQUESTS
+    """Requests that may wait on one connection behind the one being answered; the next gets 503."""
+
+    def __post_init__(self) -> None:
+        for name in ("max_head_bytes", "head_timeout_s", "body_timeout_s", "write_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if not self.tls_handshake_timeout_s > 0:
+            raise ValueError(f"tls_handshake_timeout_s must be > 0, got {self.tls_handshake_timeout_s}")
+        if self.max_pipelined_requests < 1:
+            raise ValueError(f"max_pipelined_requests must be >= 1, got {self.max_pipelined_requests}")
+
+
 def protocol(
-    max_head_bytes: int,
+    bounds: Bounds,
     run_id: str | None = None,
     *,
     ledger: ConnectionLedger | None = None,
-    head_timeout_s: float = 10.0,
-    body_timeout_s: float = 30.0,
     tls: ssl.SSLContext | None = None,
-    tls_handshake_timeout_s: float = 5.0,
 ) -> type[asyncio.Protocol]:
-    """An httptools protocol class (pass it as uvicorn's ``http``) that refuses request heads over
-    ``max_head_bytes`` (431), answers 408 to heads and bodies not received within ``head_timeout_s`` and
-    ``body_timeout_s``, and counts its connections in ``ledger`` (503 past its caps; default: a ledger of its own
-    without practical caps). With ``tls`` (:func:`tls_context`) it serves TLS itself, counted from the TCP accept,
-    each handshake bounded by ``tls_handshake_timeout_s``; then give uvicorn no ``ssl_*`` options."""
-    if not tls_handshake_timeout_s > 0:
-        raise ValueError(f"tls_handshake_timeout_s must be > 0, got {tls_handshake_timeout_s}")
+    """An httptools protocol class (pass it as uvicorn's ``http``) that holds each connection to ``bounds``:
+    refuses request heads over ``max_head_bytes`` (431), answers 408 to heads and bodies not received within
+    ``head_timeout_s`` and ``body_timeout_s``, aborts connections whose answers wait unread for
+    ``write_timeout_s``, answers 503 to a request past ``max_pipelined_requests`` waiting on one connection, and
+    counts its connections in ``ledger`` (503 past its caps; default: a ledger of its own without practical caps).
+    Every answer it writes itself names ``run_id`` when given. With ``tls`` (:func:`tls_context`) it serves TLS
+    itself, counted from the TCP accept, each handshake bounded by ``tls_handshake_timeout_s``; then give uvicorn
+    no ``ssl_*`` options."""
     header = (RUN_HEADER.lower().encode(), run_id.encode()) if run_id else None
     attributes = {
-        "max_head_bytes": max_head_bytes,
+        "max_head_bytes": bounds.max_head_bytes,
         "run_header": header,
         "ledger": ledger or ConnectionLedger(1 << 20, 1 << 20),
-        "head_timeout_s": head_timeout_s,
-        "body_timeout_s": body_timeout_s,
+        "head_timeout_s": bounds.head_timeout_s,
+        "body_timeout_s": bounds.body_timeout_s,
         "tls": tls,
-        "tls_handshake_timeout_s": tls_handshake_timeout_s,
+        "tls_handshake_timeout_s": bounds.tls_handshake_timeout_s,
+        "write_timeout_s": bounds.write_timeout_s,
+        "max_pipelined_requests": bounds.max_pipelined_requests,
     }
     return type("DeltasyncHttp", (_GuardedHttp,), attributes)
 
@@ -387,15 +530,14 @@ def serve_options(app: object) -> dict[str, Any]:
     state = app.state  # type: ignore[attr-defined]
     settings = state.settings
     tls = None if settings.ssl_certfile is None else tls_context(settings.ssl_certfile, settings.ssl_keyfile)
-    http = protocol(
-        settings.max_header_bytes,
-        state.registry.run_id,
-        ledger=state.connections,
+    bounds = Bounds(
+        max_head_bytes=settings.max_header_bytes,
         head_timeout_s=settings.request_head_timeout_s,
         body_timeout_s=settings.request_body_timeout_s,
-        tls=tls,
+        write_timeout_s=settings.response_write_timeout_s,
         tls_handshake_timeout_s=settings.tls_handshake_timeout_s,
     )
+    http = protocol(bounds, state.registry.run_id, ledger=state.connections, tls=tls)
     return {
         "http": http,
         "timeout_keep_alive": settings.keep_alive_timeout_s,

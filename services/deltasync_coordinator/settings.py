@@ -73,6 +73,13 @@ class Settings(BaseSettings):
     request_body_timeout_s: float = Field(
         30.0, gt=0, le=3600, description="a request body not received this long after its head gets 408"
     )
+    response_write_timeout_s: float = Field(
+        30.0,
+        gt=0,
+        le=3600,
+        description="a connection whose unsent answer has not shrunk for this long (its client reads none of it) "
+        "is closed",
+    )
     keep_alive_timeout_s: float = Field(
         5.0, gt=0, le=600, description="a kept-alive connection idle this long is closed"
     )
