@@ -319,7 +319,7 @@ class Agent:
                 if self.config.tp_size > 1:
                     raise ApplyError(
                         f"the engine failed past the first write; with TP > 1 that desyncs vLLM's executor "
-                        f"(vLLM issue 49972): restart the vLLM server ({self.target.state().detail})"
+                        f"(vLLM #49972): restart the vLLM server ({self.target.state().detail})"
                     ) from None
                 failed = True
             else:

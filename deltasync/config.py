@@ -35,7 +35,7 @@ class AgentConfig:
     """vLLM server ``/pause`` mode: ``keep`` freezes in-flight requests and continues them after the update."""
     tp_size: int = 1
     """Tensor-parallel size of the engine (>1: failures are recorded, never raised, by the engine; a failure past
-    the first write needs a server restart, vLLM issue 49972)."""
+    the first write needs a server restart, vLLM #49972)."""
     allow_rollback: bool = False
     """Let the engine go below the highest version it has served, or to another run (an operator's decision,
     logged); by default a coordinator behind the engine, or of another run, is refused."""
