@@ -21,7 +21,7 @@ from pydantic import BaseModel, ValidationError
 from .errors import CoordinatorError, RunMismatch
 from .schemas import RUN_HEADER
 
-__all__ = ["ClientTransport", "RetryPolicy", "is_loopback"]
+__all__ = ["ClientTransport", "RetryPolicy", "is_loopback", "refuse_token_in_clear"]
 
 # The client's logger: its retries, failovers and warnings are the client's (operators filter on this name).
 logger = logging.getLogger("deltasync.client")
@@ -123,21 +123,38 @@ def is_loopback(host: str) -> bool:
     return address.is_loopback or (mapped is not None and mapped.is_loopback)
 
 
-def _refuse_if_clear(urls: tuple[str, ...], insecure_http: bool) -> None:
-    """A token sent over plain HTTP to another host travels in clear: refused, unless ``insecure_http`` (then
-    said loudly, once per client)."""
-    for url in urls:
-        if not url.startswith("http://") or is_loopback(httpx.URL(url).host):
-            continue
-        if not insecure_http:
-            raise ValueError(
-                f"coordinator {url} is plain http:// on another host: the bearer token would travel in clear; use "
-                "https:// (with ca_bundle= / --ca-bundle), or accept the risk with insecure_http=True / "
-                "--insecure-http"
-            )
-        logger.warning(
-            "coordinator %s is plain http:// on another host: the bearer token travels in clear (insecure_http)", url
+def refuse_token_in_clear(url: str, what: str, *, insecure_http: bool, fix: str) -> None:
+    """A bearer token for ``url`` sent over plain HTTP to another host would travel in clear: refused, unless
+    ``insecure_http`` (then said loudly). The scheme and the host are parsed (``HTTP://`` is plain HTTP too),
+    never matched by prefix.
+
+    Args:
+        url: where the token would go.
+        what: the service, first word of the message (``"coordinator"``).
+        insecure_http: the operator accepts the risk.
+        fix: what to do instead, the end of the message.
+
+    Raises:
+        ValueError: ``"{what} {url} is plain http:// on another host: the bearer token would travel in clear;
+            {fix}"``.
+    """
+    parsed = httpx.URL(url)
+    if parsed.scheme != "http" or is_loopback(parsed.host):
+        return
+    if not insecure_http:
+        raise ValueError(
+            f"{what} {url} is plain http:// on another host: the bearer token would travel in clear; {fix}"
         )
+    logger.warning(
+        "%s %s is plain http:// on another host: the bearer token travels in clear (insecure_http)", what, url
+    )
+
+
+def _refuse_if_clear(urls: tuple[str, ...], insecure_http: bool) -> None:
+    """The coordinator's URLs, each by :func:`refuse_token_in_clear` (said loudly once per client)."""
+    fix = "use https:// (with ca_bundle= / --ca-bundle), or accept the risk with insecure_http=True / --insecure-http"
+    for url in urls:
+        refuse_token_in_clear(url, "coordinator", insecure_http=insecure_http, fix=fix)
 
 
 def _outcome(response: httpx.Response) -> str:

@@ -533,15 +533,11 @@ class RemoteRollouts:
     ) -> None:
         import ssl
 
-        from deltasync._client_transport import is_loopback
+        from deltasync._client_transport import refuse_token_in_clear
 
-        if token is not None and url.startswith("http://") and not is_loopback(httpx.URL(url).host):
-            if not insecure_http:
-                raise ValueError(
-                    f"rollout service {url} is plain http:// on another host: its token would travel in clear; use "
-                    "https:// (with --ca-bundle), or accept the risk with --insecure-http"
-                )
-            logger.warning("rollout service %s is plain http:// on another host: the token travels in clear", url)
+        if token is not None:
+            fix = "use https:// (with --ca-bundle), or accept the risk with --insecure-http"
+            refuse_token_in_clear(url, "rollout service", insecure_http=insecure_http, fix=fix)
         headers = {} if token is None else {"Authorization": f"Bearer {token}"}
         verify: ssl.SSLContext | bool = ssl.create_default_context(cafile=ca_bundle) if ca_bundle else True
         self._http = httpx.Client(base_url=url, timeout=60, headers=headers, verify=verify)
