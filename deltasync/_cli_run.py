@@ -12,9 +12,12 @@ import resource
 import signal
 import sys
 import threading
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-__all__ = ["add_agent_parser", "add_coordinator_parser", "add_s3_endpoint"]
+if TYPE_CHECKING:
+    from .client import CoordinatorClient
+
+__all__ = ["add_agent_parser", "add_coordinator_flags", "add_coordinator_parser", "add_s3_endpoint", "open_coordinator"]
 
 logger = logging.getLogger("deltasync.cli")
 
@@ -34,6 +37,33 @@ def add_s3_endpoint(parser: Any) -> None:
         "--s3-endpoint",
         help="endpoint of an S3-compatible service (MinIO, R2, ...) for an s3:// store "
         "(default: AWS_ENDPOINT_URL_S3, AWS_ENDPOINT_URL, else AWS)",
+    )
+
+
+def add_coordinator_flags(parser: Any, coordinator_help: str, *, required: bool = False) -> None:
+    """``--coordinator`` (``coordinator_help``), ``--ca-bundle`` and ``--insecure-http``: how a command reaches the
+    coordinator (:func:`open_coordinator`), the same for every command that does."""
+    parser.add_argument("--coordinator", required=required, help=coordinator_help)
+    parser.add_argument("--ca-bundle", help="CA certificates (PEM) for an https coordinator")
+    parser.add_argument(
+        "--insecure-http",
+        action="store_true",
+        default=None,
+        help="send the token to a plain http:// coordinator on another host, in clear (default: refused)",
+    )
+
+
+def open_coordinator(args: argparse.Namespace, token_env: str, retries: int | None = None) -> CoordinatorClient:
+    """The client of :func:`add_coordinator_flags`' flags, with the token from the environment variable
+    ``token_env`` (``retries``: rounds after the first, default the client's)."""
+    from .client import CoordinatorClient, RetryPolicy
+
+    return CoordinatorClient(
+        args.coordinator,
+        token=os.environ.get(token_env),
+        ca_bundle=args.ca_bundle,
+        insecure_http=bool(args.insecure_http),
+        retry=RetryPolicy() if retries is None else RetryPolicy(retries=retries),
     )
 
 
@@ -184,7 +214,6 @@ def add_coordinator_parser(sub: Any) -> None:
 
 def _cmd_agent(args: argparse.Namespace) -> int:
     from .agent import Agent
-    from .client import CoordinatorClient
     from .config import AgentConfig
     from .store import open_store
     from .targets import HttpVllmTarget
@@ -199,10 +228,7 @@ def _cmd_agent(args: argparse.Namespace) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
     target = HttpVllmTarget(args.vllm_url, pause_mode=config.pause_mode)
-    token = os.environ.get("DELTASYNC_AGENT_TOKEN")
-    with CoordinatorClient(
-        args.coordinator, token=token, ca_bundle=args.ca_bundle, insecure_http=config.insecure_http
-    ) as coordinator:
+    with open_coordinator(args, "DELTASYNC_AGENT_TOKEN") as coordinator:
         agent = Agent(
             store=open_store(args.store, s3_endpoint=args.s3_endpoint),
             coordinator=coordinator,
@@ -229,18 +255,11 @@ def add_agent_parser(sub: Any) -> None:
         help="the vLLM server (started with VLLM_PLUGINS=deltasync); the engine credential comes from "
         "DELTASYNC_ENGINE_TOKEN or DELTASYNC_ENGINE_TOKEN_FILE",
     )
-    agent.add_argument(
-        "--coordinator",
+    add_coordinator_flags(
+        agent,
+        "the coordinator's URL (https:// with --ca-bundle), or several replicas of one ledger: URL1,URL2 "
+        "(sticky, failing over in order); token: DELTASYNC_AGENT_TOKEN",
         required=True,
-        help="the coordinator's URL (https:// with --ca-bundle), or several replicas of one ledger: URL1,URL2 "
-        "(sticky, failing over in order)",
-    )
-    agent.add_argument("--ca-bundle", help="CA certificates (PEM) for an https coordinator")
-    agent.add_argument(
-        "--insecure-http",
-        action="store_true",
-        default=None,
-        help="send the agent token to a plain http:// coordinator on another host, in clear (default: refused)",
     )
     agent.add_argument("--store", required=True, help="store URI or path")
     add_s3_endpoint(agent)

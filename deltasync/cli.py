@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from . import apply
+from ._cli_run import add_agent_parser, add_coordinator_flags, add_coordinator_parser, add_s3_endpoint, open_coordinator
 from ._logging import setup_logging
 from ._shard_header import parse_shard
 from .errors import (
@@ -214,30 +215,10 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
     return 0
 
 
-def _client(url: str, token_env: str, ca_bundle: str | None, insecure_http: bool = False) -> Any:
-    from .client import CoordinatorClient, RetryPolicy
-
-    token = os.environ.get(token_env)
-    return CoordinatorClient(
-        url, token=token, ca_bundle=ca_bundle, insecure_http=insecure_http, retry=RetryPolicy(retries=3)
-    )
-
-
-def _add_insecure_http(parser: Any) -> None:
-    """``--insecure-http`` (``CoordinatorClient(insecure_http=...)``), beside every ``--coordinator``."""
-    parser.add_argument(
-        "--insecure-http",
-        action="store_true",
-        help="send the token to a plain http:// coordinator on another host, in clear (default: refused)",
-    )
-
-
 def _cmd_verify(args: argparse.Namespace) -> int:
     store = open_store(args.store, s3_endpoint=args.s3_endpoint)
     verify_key = VerifyKey.from_file(args.public_key) if args.public_key else None
-    client = (
-        _client(args.coordinator, "DELTASYNC_TOKEN", args.ca_bundle, args.insecure_http) if args.coordinator else None
-    )
+    client = open_coordinator(args, "DELTASYNC_TOKEN", retries=3) if args.coordinator else None
     ledger = None if client is None else client.registered_digest
     trust = Trust(verify_key=verify_key, ledger=ledger, run_id=args.run_id)
     try:
@@ -282,7 +263,7 @@ def _cmd_verify(args: argparse.Namespace) -> int:
 
 
 def _cmd_gc(args: argparse.Namespace) -> int:
-    with _client(args.coordinator, "DELTASYNC_PUBLISHER_TOKEN", args.ca_bundle, args.insecure_http) as client:
+    with open_coordinator(args, "DELTASYNC_PUBLISHER_TOKEN", retries=3) as client:
         report = client.collect_garbage(dry_run=args.dry_run)
     out = {
         "dry_run": args.dry_run,
@@ -327,7 +308,6 @@ def _cmd_token(args: argparse.Namespace) -> int:
 
 def _parser() -> argparse.ArgumentParser:
     from . import __version__
-    from ._cli_run import add_agent_parser, add_coordinator_parser, add_s3_endpoint
 
     parser = argparse.ArgumentParser(
         prog="deltasync",
@@ -365,23 +345,21 @@ def _parser() -> argparse.ArgumentParser:
         help="refuse objects of any other run; the store's run.json is then never relied on (with --public-key "
         "alone: the run the store's signed run.json names, else the one run the key's signed objects name)",
     )
-    verify.add_argument(
-        "--coordinator",
-        help="refuse manifests whose sha256 is not the one registered there (token: DELTASYNC_TOKEN); several "
+    add_coordinator_flags(
+        verify,
+        "refuse manifests whose sha256 is not the one registered there (token: DELTASYNC_TOKEN); several "
         "replicas of one ledger: URL1,URL2",
     )
-    verify.add_argument("--ca-bundle", help="CA certificates (PEM) for an https coordinator")
-    _add_insecure_http(verify)
     verify.add_argument("--json", action="store_true", help="print JSON")
     add_s3_endpoint(verify)
     verify.set_defaults(func=_cmd_verify)
     gc = sub.add_parser("gc", help="garbage collection through the coordinator (token: DELTASYNC_PUBLISHER_TOKEN)")
-    gc.add_argument(
-        "--coordinator", required=True, help="the coordinator's URL, or several replicas of one ledger: URL1,URL2"
+    add_coordinator_flags(
+        gc,
+        "the coordinator's URL, or several replicas of one ledger: URL1,URL2 (token: DELTASYNC_PUBLISHER_TOKEN)",
+        required=True,
     )
     gc.add_argument("--dry-run", action="store_true", help="prove the kept anchor and list what would go")
-    gc.add_argument("--ca-bundle", help="CA certificates (PEM) for an https coordinator")
-    _add_insecure_http(gc)
     gc.add_argument("--json", action="store_true", help="print JSON")
     gc.set_defaults(func=_cmd_gc)
     keygen = sub.add_parser("keygen", help="make an Ed25519 key pair to sign manifests (PATH and PATH.pub)")

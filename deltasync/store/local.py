@@ -123,39 +123,49 @@ class LocalStore:
     def _wrap(self, key: str, action: str, exc: OSError) -> StoreError:
         return StoreError(f"{self.uri}: could not {action} {key!r} ({exc})")
 
-    # ------------------------------------------------------------------ writes
-
-    def _create(self, key: str, write: object) -> None:
+    @contextmanager
+    def _entry(self, key: str, action: str, *, create: bool = False) -> Iterator[tuple[int, str]]:
+        """The descriptor of the directory that holds ``key`` (made on the way with ``create``) and the key's file
+        name there. What fails in the body is told about ``key``: a missing directory or file is ObjectNotFound
+        (without ``create``), another OS error a StoreError saying it could not ``action`` it."""
         dirs, name = self._split(key)
         try:
-            with self._dir(dirs, create=True) as dfd:
-                if self._lexists(dfd, name):
-                    raise ObjectExists(f"{self.uri}: {key!r} exists; objects are create-only (another writer?)")
-                tmp = f"{_TMP_PREFIX}{name}.{uuid.uuid4().hex}"
-                fd = os.open(
-                    tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644, dir_fd=dfd
-                )
-                try:
-                    with os.fdopen(fd, "wb") as f:
-                        write(f)  # type: ignore[operator]
-                        f.flush()
-                        os.fsync(f.fileno())
-                    try:
-                        os.link(tmp, name, src_dir_fd=dfd, dst_dir_fd=dfd, follow_symlinks=False)
-                    except FileExistsError:
-                        raise ObjectExists(
-                            f"{self.uri}: {key!r} exists; objects are create-only (another writer?)"
-                        ) from None
-                finally:
-                    try:
-                        os.unlink(tmp, dir_fd=dfd)
-                    except FileNotFoundError:
-                        pass
-                os.fsync(dfd)
+            with self._dir(dirs, create=create) as dfd:
+                yield dfd, name
+        except ObjectNotFound:
+            raise ObjectNotFound(f"{self.uri}: no object {key!r}") from None
         except StoreError:
             raise
         except OSError as exc:
-            raise self._wrap(key, "write", exc) from exc
+            if isinstance(exc, FileNotFoundError) and not create:
+                raise ObjectNotFound(f"{self.uri}: no object {key!r}") from None
+            raise self._wrap(key, action, exc) from exc
+
+    # ------------------------------------------------------------------ writes
+
+    def _create(self, key: str, write: object) -> None:
+        with self._entry(key, "write", create=True) as (dfd, name):
+            if self._lexists(dfd, name):
+                raise ObjectExists(f"{self.uri}: {key!r} exists; objects are create-only (another writer?)")
+            tmp = f"{_TMP_PREFIX}{name}.{uuid.uuid4().hex}"
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644, dir_fd=dfd)
+            try:
+                with os.fdopen(fd, "wb") as f:
+                    write(f)  # type: ignore[operator]
+                    f.flush()
+                    os.fsync(f.fileno())
+                try:
+                    os.link(tmp, name, src_dir_fd=dfd, dst_dir_fd=dfd, follow_symlinks=False)
+                except FileExistsError:
+                    raise ObjectExists(
+                        f"{self.uri}: {key!r} exists; objects are create-only (another writer?)"
+                    ) from None
+            finally:
+                try:
+                    os.unlink(tmp, dir_fd=dfd)
+                except FileNotFoundError:
+                    pass
+            os.fsync(dfd)
 
     @staticmethod
     def _lexists(dfd: int, name: str) -> bool:
@@ -193,25 +203,15 @@ class LocalStore:
 
     @contextmanager
     def _open_regular(self, key: str) -> Iterator[tuple[int, os.stat_result]]:
-        dirs, name = self._split(key)
-        try:
-            with self._dir(dirs, create=False) as dfd:
-                try:
-                    fd = os.open(name, _READ_FLAGS, dir_fd=dfd)
-                except FileNotFoundError:
-                    raise ObjectNotFound(f"{self.uri}: no object {key!r}") from None
-                except OSError as exc:
-                    if exc.errno == errno.ELOOP:
-                        raise UnsafeObject(
-                            f"{self.uri}: {key!r} is a symlink; deltasync reads only regular files: remove it"
-                        ) from None
-                    raise
-        except ObjectNotFound:
-            raise ObjectNotFound(f"{self.uri}: no object {key!r}") from None
-        except StoreError:
-            raise
-        except OSError as exc:
-            raise self._wrap(key, "read", exc) from exc
+        with self._entry(key, "read") as (dfd, name):
+            try:
+                fd = os.open(name, _READ_FLAGS, dir_fd=dfd)
+            except OSError as exc:
+                if exc.errno == errno.ELOOP:
+                    raise UnsafeObject(
+                        f"{self.uri}: {key!r} is a symlink; deltasync reads only regular files: remove it"
+                    ) from None
+                raise
         try:
             st = os.fstat(fd)
             if not stat.S_ISREG(st.st_mode):
@@ -338,25 +338,15 @@ class LocalStore:
 
     def delete(self, key: str) -> None:
         """Delete a regular file (never a link, never outside the root) and the directories it leaves empty."""
-        dirs, name = self._split(key)
-        try:
-            with self._dir(dirs, create=False) as dfd:
-                try:
-                    st = os.stat(name, dir_fd=dfd, follow_symlinks=False)
-                except FileNotFoundError:
-                    raise ObjectNotFound(f"{self.uri}: no object {key!r}") from None
-                if not stat.S_ISREG(st.st_mode):
-                    raise UnsafeObject(
-                        f"{self.uri}: {key!r} is {_kind(st.st_mode)}; deltasync deletes only regular files it "
-                        "wrote, never through a link: remove it by hand"
-                    )
-                os.unlink(name, dir_fd=dfd)
-        except ObjectNotFound:
-            raise ObjectNotFound(f"{self.uri}: no object {key!r}") from None
-        except StoreError:
-            raise
-        except OSError as exc:
-            raise self._wrap(key, "delete", exc) from exc
+        with self._entry(key, "delete") as (dfd, name):
+            st = os.stat(name, dir_fd=dfd, follow_symlinks=False)
+            if not stat.S_ISREG(st.st_mode):
+                raise UnsafeObject(
+                    f"{self.uri}: {key!r} is {_kind(st.st_mode)}; deltasync deletes only regular files it "
+                    "wrote, never through a link: remove it by hand"
+                )
+            os.unlink(name, dir_fd=dfd)
+        dirs = self._split(key)[0]
         for depth in range(len(dirs), 0, -1):  # remove emptied directories, innermost first
             try:
                 with self._dir(dirs[: depth - 1], create=False) as parent:

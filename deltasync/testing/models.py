@@ -71,17 +71,11 @@ TINY_LLAMA_CONFIG: dict[str, Any] = {
 }
 """A random Llama: untied ``lm_head``, head_dim 128, GQA, an intermediate size that is not a multiple of 64."""
 
-TINY_QWEN2_CONFIG: dict[str, Any] = {
-    "vocab_size": 512,
-    "hidden_size": 128,
-    "intermediate_size": 256,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 2,
-    "num_key_value_heads": 1,
-    "max_position_embeddings": 512,
-    "tie_word_embeddings": False,
+TINY_QWEN2_CONFIG: dict[str, Any] = {k: v for k, v in TINY_QWEN3_CONFIG.items() if k != "head_dim"} | {
+    "tie_word_embeddings": False
 }
-"""A random Qwen2: q, k and v biases (fused into ``qkv_proj.bias``), head_dim 64."""
+"""A random Qwen2 of the tiny Qwen3's shapes: q, k and v biases (fused into ``qkv_proj.bias``), head_dim 64 (from
+the hidden size and heads), its own ``lm_head``."""
 
 TINY_QWEN3_MOE_CONFIG: dict[str, Any] = {
     "vocab_size": 512,

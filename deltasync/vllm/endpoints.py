@@ -28,7 +28,8 @@ class DeltaSyncEndpoints:
     required_tasks: tuple[str, ...] | None = None
 
     def attach_router(self, app: Any) -> None:
-        from .guard import GUARD_ROUTE, EngineGuard, load_engine_token
+        from ..engine_credential import GUARD_ROUTE, load_engine_token
+        from .guard import EngineGuard
 
         token = load_engine_token()  # a bad credential file stops the server here, with the reason
         app.add_middleware(EngineGuard)  # it reads the credential itself: never a constructor argument vLLM logs

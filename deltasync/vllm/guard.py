@@ -58,20 +58,7 @@ from ..engine_credential import (
     response_proof,
 )
 
-__all__ = [
-    "ENGINE_AUTH_HEADER",
-    "ENGINE_PROOF_HEADER",
-    "ENGINE_TOKEN_ENV",
-    "ENGINE_TOKEN_FILE_ENV",
-    "ENGINE_TOKEN_HEADER",
-    "GUARD_ROUTE",
-    "EngineGuard",
-    "challenge_proof",
-    "is_inference_route",
-    "load_engine_token",
-    "request_mac",
-    "response_proof",
-]
+__all__ = ["EngineGuard", "is_inference_route"]
 
 # vLLM configures the "vllm" logger tree in its processes; a "deltasync.*" logger would be silent there.
 logger = logging.getLogger("vllm.deltasync.guard")

@@ -591,8 +591,8 @@ class ServedVersions:
 
     @classmethod
     def from_vllm(cls, vllm_url: str, interval_s: float = 0.02) -> ServedVersions:
+        from deltasync.engine_credential import load_engine_token
         from deltasync.targets import EngineAuth
-        from deltasync.vllm.guard import load_engine_token
 
         token = load_engine_token()
         http = httpx.Client(base_url=vllm_url, timeout=30, auth=None if token is None else EngineAuth(token))

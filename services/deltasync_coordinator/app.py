@@ -31,7 +31,7 @@ from .db import open_database
 from .fleet import LAG_BUCKETS, Fleet
 from .http import SizeLimits
 from .ledger import Busy, LedgerDatabase
-from .registry import LEDGER_MIGRATIONS, Registry
+from .registry import LEDGER_MIGRATIONS, Conflict, NotFound, Registry
 from .retention import Retention
 from .routes import agents, gc, lease, ops, versions
 from .settings import Settings, check_credentials
@@ -263,6 +263,12 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     async def _busy(request: Request, exc: Busy) -> JSONResponse:
         health.db_problem = str(exc)
         return JSONResponse({"detail": f"{exc}; retry"}, status_code=503, headers={"Retry-After": "1"})
+
+    @app.exception_handler(Conflict)
+    @app.exception_handler(NotFound)
+    async def _refused(request: Request, exc: Exception) -> JSONResponse:
+        # the registry's refusals, answered alike from every route (the routes stay thin)
+        return JSONResponse({"detail": str(exc)}, status_code=409 if isinstance(exc, Conflict) else 404)
 
     app.add_middleware(SizeLimits, max_bytes=settings.max_body_bytes, max_header_bytes=settings.max_header_bytes)
     app.add_middleware(  # the outermost

@@ -12,6 +12,7 @@ With ``insecure`` nothing is checked (the app logs that loudly at start).
 from __future__ import annotations
 
 import hmac
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Annotated, Any
 
@@ -35,6 +36,7 @@ __all__ = [
     "RegistryDep",
     "RetentionDep",
     "SettingsDep",
+    "errors",
     "require_agent",
     "require_metrics",
     "require_publisher",
@@ -52,6 +54,15 @@ BODY_ERRORS: dict[int | str, dict[str, Any]] = {
     413: {"model": ErrorPublic, "description": "the body is over the size cap"},
 }
 """OpenAPI documentation of the failures of routes that take a body."""
+
+
+def errors(described: Mapping[int, str] | None = None, *, body: bool = False) -> dict[int | str, dict[str, Any]]:
+    """A route's documented failures (OpenAPI): each of ``described`` (status -> what it means), a body's
+    (``body``), and the auth failures; every one answered as :class:`~deltasync.schemas.ErrorPublic`."""
+    out: dict[int | str, dict[str, Any]] = {
+        status: {"model": ErrorPublic, "description": what} for status, what in (described or {}).items()
+    }
+    return out | (BODY_ERRORS if body else {}) | AUTH_ERRORS
 
 
 async def get_registry(request: Request) -> Registry:

@@ -17,9 +17,10 @@ from typing import Any
 import httpx
 import pytest
 
+from deltasync.engine_credential import ENGINE_AUTH_HEADER, ENGINE_PROOF_HEADER
 from deltasync.errors import EngineUnproven
 from deltasync.targets import EngineAuth, HttpVllmTarget
-from deltasync.vllm.guard import ENGINE_AUTH_HEADER, ENGINE_PROOF_HEADER, EngineGuard
+from deltasync.vllm.guard import EngineGuard
 from tests.conftest import ServerThread
 
 TOKEN = "engine-credential-for-the-tests-0123456789"
@@ -213,7 +214,7 @@ def test_a_signed_client_reads_inference_routes_too() -> None:
 def _signed_headers(path: str, body: bytes, *, counter: int, signed_ms: int, nonce: str) -> dict[str, str]:
     import hashlib
 
-    from deltasync.vllm.guard import request_mac
+    from deltasync.engine_credential import request_mac
 
     mac = request_mac(TOKEN, (nonce, counter, signed_ms), "POST", path, hashlib.sha256(body).hexdigest())
     return {ENGINE_AUTH_HEADER: f"v1 {nonce} {counter} {signed_ms} {mac}"}

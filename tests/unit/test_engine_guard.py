@@ -10,14 +10,8 @@ from typing import Any
 
 import pytest
 
-from deltasync.vllm.guard import (
-    ENGINE_TOKEN_HEADER,
-    LOG_BURST,
-    LOG_WINDOW_S,
-    EngineGuard,
-    is_inference_route,
-    load_engine_token,
-)
+from deltasync.engine_credential import ENGINE_TOKEN_HEADER, load_engine_token
+from deltasync.vllm.guard import LOG_BURST, LOG_WINDOW_S, EngineGuard, is_inference_route
 
 pytestmark = pytest.mark.vllm  # imports vLLM (no engine is started)
 

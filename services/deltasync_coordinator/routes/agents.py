@@ -9,7 +9,7 @@ from starlette.concurrency import run_in_threadpool
 
 from deltasync.schemas import AGENT_ID_PATTERN, AgentHeartbeat, AgentPublic, AgentsPublic
 
-from ..deps import AUTH_ERRORS, BODY_ERRORS, FleetDep, SettingsDep, require_agent, require_reader
+from ..deps import FleetDep, SettingsDep, errors, require_agent, require_reader
 from ..fleet import Fleet
 from ..registry import Invalid
 
@@ -22,10 +22,7 @@ router = APIRouter(prefix="/v1", tags=["agents"])
     "/agents/{agent_id}/heartbeat",
     response_model=AgentPublic,
     dependencies=[Depends(require_agent)],
-    responses={
-        **AUTH_ERRORS,
-        **BODY_ERRORS,
-    },
+    responses=errors(body=True),
 )
 async def heartbeat(
     body: AgentHeartbeat, request: Request, agent_id: Annotated[str, Path(pattern=AGENT_ID_PATTERN)]
@@ -40,7 +37,7 @@ async def heartbeat(
         raise HTTPException(422, detail) from None
 
 
-@router.get("/agents", response_model=AgentsPublic, dependencies=[Depends(require_reader)], responses=AUTH_ERRORS)
+@router.get("/agents", response_model=AgentsPublic, dependencies=[Depends(require_reader)], responses=errors())
 async def agents(
     fleet: FleetDep,
     settings: SettingsDep,

@@ -7,17 +7,17 @@ from typing import Annotated
 from fastapi import APIRouter, Depends, HTTPException, Query, Request
 from starlette.concurrency import run_in_threadpool
 
-from deltasync.schemas import ErrorPublic, GcPublic
+from deltasync.schemas import GcPublic
 from deltasync.store import open_store
 
-from ..deps import AUTH_ERRORS, RetentionDep, SettingsDep, require_publisher, require_reader
+from ..deps import RetentionDep, SettingsDep, errors, require_publisher, require_reader
 
 __all__ = ["router"]
 
 router = APIRouter(prefix="/v1", tags=["gc"])
 
 
-@router.get("/gc/candidates", response_model=GcPublic, dependencies=[Depends(require_reader)], responses=AUTH_ERRORS)
+@router.get("/gc/candidates", response_model=GcPublic, dependencies=[Depends(require_reader)], responses=errors())
 async def gc_candidates(retention: RetentionDep) -> GcPublic:
     """Objects no live agent and no recent plan can still need, from the ledger alone (the newest anchor is
     assumed intact; ``POST /v1/gc?dry_run=true`` proves it first)."""
@@ -28,7 +28,7 @@ async def gc_candidates(retention: RetentionDep) -> GcPublic:
     "/gc",
     response_model=GcPublic,
     dependencies=[Depends(require_publisher)],
-    responses={409: {"model": ErrorPublic, "description": "no store configured"}, **AUTH_ERRORS},
+    responses=errors({409: "no store configured"}),
 )
 async def collect_garbage(
     request: Request,

@@ -10,7 +10,7 @@ from starlette.concurrency import run_in_threadpool
 
 from deltasync.schemas import HealthPublic
 
-from ..deps import AUTH_ERRORS, require_metrics, require_reader
+from ..deps import errors, require_metrics, require_reader
 
 __all__ = ["router"]
 
@@ -37,7 +37,7 @@ async def healthz(request: Request) -> HealthPublic:
     "/metrics",
     response_class=Response,
     dependencies=[Depends(require_metrics)],
-    responses={200: {"content": {CONTENT_TYPE_LATEST: {}}}, **AUTH_ERRORS},
+    responses=errors() | {200: {"content": {CONTENT_TYPE_LATEST: {}}}},
 )
 async def metrics(request: Request) -> Response:
     """Prometheus text format: aggregates only (no per-agent series)."""
@@ -45,7 +45,7 @@ async def metrics(request: Request) -> Response:
     return Response(body, media_type=CONTENT_TYPE_LATEST)
 
 
-@router.get("/openapi.json", dependencies=[Depends(require_reader)], responses=AUTH_ERRORS)
+@router.get("/openapi.json", dependencies=[Depends(require_reader)], responses=errors())
 async def openapi(request: Request) -> dict[str, Any]:
     """The OpenAPI schema of this API."""
     schema: dict[str, Any] = request.app.openapi()

@@ -8,11 +8,11 @@ from typing import Annotated
 from fastapi import APIRouter, Depends, HTTPException, Path, Query, Request, Response
 from starlette.concurrency import run_in_threadpool
 
-from deltasync.schemas import LEASE_HEADER, ErrorPublic, PlanPublic, VersionCreate, VersionPublic, VersionsPublic
+from deltasync.schemas import LEASE_HEADER, PlanPublic, VersionCreate, VersionPublic, VersionsPublic
 from deltasync.vocab import MAX_VERSION, Kind
 
-from ..deps import AUTH_ERRORS, BODY_ERRORS, ReaderDep, RegistryDep, require_publisher, require_reader
-from ..registry import Conflict, NotFound, Registry
+from ..deps import ReaderDep, RegistryDep, errors, require_publisher, require_reader
+from ..registry import Registry
 from ..settings import Settings
 
 __all__ = ["VersionNotifier", "router"]
@@ -108,22 +108,15 @@ async def _disconnected(request: Request) -> None:
             }
         ]
     },
-    responses={
-        200: {"model": VersionPublic, "description": "identical re-registration"},
-        409: {"model": ErrorPublic, "description": "conflicting, stale, base unknown, or without the lease"},
-        **BODY_ERRORS,
-        **AUTH_ERRORS,
-    },
+    responses=errors({409: "conflicting, stale, base unknown, or without the lease"}, body=True)
+    | {200: {"model": VersionPublic, "description": "identical re-registration"}},
 )
 async def register_version(body: VersionCreate, request: Request) -> Response:
     """Register a committed object (after its manifest is in the store). Idempotent; a new object needs the
     live publisher lease (``Deltasync-Lease`` header)."""
     registry: Registry = request.app.state.registry
     lease = request.headers.get(LEASE_HEADER)
-    try:
-        record, created = await run_in_threadpool(registry.register, body, lease)
-    except Conflict as exc:
-        raise HTTPException(409, str(exc)) from None
+    record, created = await run_in_threadpool(registry.register, body, lease)
     if created:
         request.app.state.notifier.notify(registry.latest_version())
     return Response(record.model_dump_json(), status_code=201 if created else 200, media_type="application/json")
@@ -133,10 +126,7 @@ async def register_version(body: VersionCreate, request: Request) -> Response:
     "/versions",
     response_model=VersionsPublic,
     dependencies=[Depends(require_reader)],
-    responses={
-        503: {"model": ErrorPublic, "description": "too many long-polls; retry after Retry-After"},
-        **AUTH_ERRORS,
-    },
+    responses=errors({503: "too many long-polls; retry after Retry-After"}),
 )
 async def list_versions(
     request: Request,
@@ -187,7 +177,7 @@ async def list_versions(
     "/versions/latest",
     response_model=VersionPublic,
     dependencies=[Depends(require_reader)],
-    responses={404: {"model": ErrorPublic, "description": "nothing registered"}, **AUTH_ERRORS},
+    responses=errors({404: "nothing registered"}),
 )
 async def latest_version(registry: RegistryDep) -> VersionPublic:
     """The newest registered object (the delta when a version has both)."""
@@ -201,7 +191,7 @@ async def latest_version(registry: RegistryDep) -> VersionPublic:
     "/versions/{version}",
     response_model=VersionPublic,
     dependencies=[Depends(require_reader)],
-    responses={404: {"model": ErrorPublic, "description": "unknown version"}, **AUTH_ERRORS},
+    responses=errors({404: "unknown version"}),
 )
 async def get_version(
     registry: RegistryDep,
@@ -209,20 +199,13 @@ async def get_version(
     kind: Kind | None = None,
 ) -> VersionPublic:
     """One registered object (the delta when the version has both and ``kind`` is not given)."""
-    try:
-        return await run_in_threadpool(registry.get, version, kind)
-    except NotFound as exc:
-        raise HTTPException(404, str(exc)) from None
+    return await run_in_threadpool(registry.get, version, kind)
 
 
 @router.get(
     "/plan",
     response_model=PlanPublic,
-    responses={
-        404: {"model": ErrorPublic, "description": "no route to the target"},
-        409: {"model": ErrorPublic, "description": "from is above the latest version (the agent is ahead)"},
-        **AUTH_ERRORS,
-    },
+    responses=errors({404: "no route to the target", 409: "from is above the latest version (the agent is ahead)"}),
 )
 async def plan(
     registry: RegistryDep,
@@ -232,9 +215,4 @@ async def plan(
 ) -> PlanPublic:
     """What an agent at ``from`` (omit it if it holds nothing) fetches to reach ``to`` (default: latest).
     Recorded: garbage collection keeps a recent plan's objects."""
-    try:
-        return await run_in_threadpool(registry.plan, from_version, to_version, caller.agent_id)
-    except NotFound as exc:
-        raise HTTPException(404, str(exc)) from None
-    except Conflict as exc:
-        raise HTTPException(409, str(exc)) from None
+    return await run_in_threadpool(registry.plan, from_version, to_version, caller.agent_id)
