@@ -3,13 +3,14 @@ by the environment, queued within the staleness bound, and handed to the trainer
 
     python -m examples.wordle.rollout_server --tokenizer DIR --vllm-url URL --env-url URL [--host H --port P]
 
-The workers never hold the engine credential: they reach only vLLM's inference routes. Production is sized to
+The workers never hold the engine credential: they reach only vLLM's inference routes, and the environment with
+its own token (``WORDLE_ENV_TOKEN``, :mod:`examples.wordle.env_server`). Production is sized to
 consumption (:class:`~examples.wordle.rollouts.RolloutQueue`): a group that would be beyond the bound when the
 trainer takes it is not started. The trainer takes groups with ``POST /v1/take``
 (:class:`~examples.wordle.rollouts.RemoteRollouts`); every request but ``/healthz`` must carry
 ``WORDLE_ROLLOUT_TOKEN`` as a bearer token. Without it the service refuses to start, unless ``--insecure``.
 
-It is served as the coordinator is (:mod:`deltasync_coordinator.http`): a request without the token is refused
+It is served as the coordinator is (:mod:`examples.wordle.serving`): a request without the token is refused
 from its head, before any body byte is read; bodies are capped (``--max-body-bytes``) even with the token;
 heads, bodies and TLS handshakes that do not arrive in time are closed, and so are answers left unread and
 requests pipelined past a small depth; connections are capped overall and per client address below the
@@ -20,8 +21,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
-import secrets
 import sys
 import threading
 import time
@@ -29,20 +28,28 @@ from collections.abc import Sequence
 from typing import Any
 
 import httpx
-from deltasync_coordinator.connections import ConnectionLedger, fit_to_open_files, open_files_limit
-from deltasync_coordinator.http import Bounds, SizeLimits, protocol, proxy_options, refuse, tls_context
+from deltasync_coordinator.http import SizeLimits
 from fastapi import FastAPI, HTTPException
 from pydantic import BaseModel, ConfigDict, Field
 
+from . import serving
+from .env_server import env_client
 from .rollouts import Group, LocalRollouts, Positions, wordle_producer
+from .serving import MAX_HEADER_BYTES, Bearer, Credential
 
 __all__ = ["RolloutService", "add_service_arguments", "create_app", "serve", "service_token"]
 
 logger = logging.getLogger("wordle.rollout_server")
 TOKEN_ENV = "WORDLE_ROLLOUT_TOKEN"
+CREDENTIAL = Credential(
+    env=TOKEN_ENV,
+    service="the rollout service",
+    sender="the trainer",
+    may="take groups",
+    does="takes groups and reads its stats",
+)
 MAX_BODY_BYTES = 64 << 10
 """A take's body is a few dozen bytes."""
-MAX_HEADER_BYTES = 16 << 10
 
 
 class TakeRequest(BaseModel):
@@ -129,26 +136,6 @@ class RolloutService:
         }
 
 
-class _Bearer:
-    """ASGI middleware: every request but ``GET /healthz`` carries the bearer token, checked from the head alone:
-    a refused request's body is never read (FastAPI reads a route's body before its dependencies run), and the
-    connection closes after the 401."""
-
-    def __init__(self, app: Any, token: str) -> None:
-        self.app, self.expected = app, f"Bearer {token}".encode()
-
-    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        if scope["type"] != "http" or scope["path"] == "/healthz":
-            await self.app(scope, receive, send)
-            return
-        presented = [v for k, v in scope["headers"] if k == b"authorization"]
-        if len(presented) != 1 or not secrets.compare_digest(presented[0], self.expected):
-            detail = f"the rollout service needs its bearer token ({TOKEN_ENV})"
-            await refuse(send, 401, detail, [(b"www-authenticate", b"Bearer"), (b"connection", b"close")])
-            return
-        await self.app(scope, receive, send)
-
-
 def create_app(service: RolloutService, token: str | None, *, max_body_bytes: int = MAX_BODY_BYTES) -> FastAPI:
     """The service's routes. ``token``: the bearer token every request but ``/healthz`` must carry, checked before
     the body is read (``None``: no authentication, for ``--insecure`` only); an empty or short one is refused.
@@ -157,8 +144,8 @@ def create_app(service: RolloutService, token: str | None, *, max_body_bytes: in
     from fastapi.exceptions import RequestValidationError
     from fastapi.responses import JSONResponse
 
-    if token is not None and len(token) < 16:
-        raise ValueError(f"{TOKEN_ENV} must be at least 16 characters (an empty one would turn authentication off)")
+    if token is not None:
+        CREDENTIAL.check(token)
     app = FastAPI(title="Wordle rollout workers", version="1", openapi_url=None, docs_url=None, redoc_url=None)
 
     @app.exception_handler(RequestValidationError)
@@ -192,94 +179,38 @@ def create_app(service: RolloutService, token: str | None, *, max_body_bytes: in
 
     app.add_middleware(SizeLimits, max_bytes=max_body_bytes, max_header_bytes=MAX_HEADER_BYTES, close=True)
     if token is not None:
-        app.add_middleware(_Bearer, token=token)  # outermost: nothing of a refused request is read
+        app.add_middleware(
+            Bearer, token=token, credential=CREDENTIAL
+        )  # outermost: nothing of a refused request is read
     return app
 
 
 def add_service_arguments(parser: argparse.ArgumentParser) -> None:
     """Where the service listens, its credential's escape hatch, and the bounds it serves with."""
-    parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, default=8800)
-    parser.add_argument(
-        "--ssl-certfile",
-        help="serve HTTPS with this certificate (PEM): the bearer token and the groups cross the network",
-    )
-    parser.add_argument("--ssl-keyfile", help="the certificate's private key (PEM)")
-    parser.add_argument(
-        "--insecure",
-        action="store_true",
-        help=f"serve without {TOKEN_ENV}: anyone who reaches --host:--port takes groups (development only)",
-    )
-    parser.add_argument("--max-body-bytes", type=int, default=MAX_BODY_BYTES, help="larger bodies get 413")
-    parser.add_argument(
-        "--max-connections", type=int, default=1024, help="open connections (lowered below the open-files limit)"
-    )
-    parser.add_argument("--max-connections-per-peer", type=int, default=256, help="open connections of one address")
-    parser.add_argument("--request-head-timeout-s", type=float, default=10.0, help="a head not received in time: 408")
-    parser.add_argument(
-        "--request-body-timeout-s", type=float, default=30.0, help="a body not received this long after its head: 408"
-    )
-    parser.add_argument(
-        "--tls-handshake-timeout-s", type=float, default=5.0, help="a TLS handshake not done in time: closed"
-    )
-    parser.add_argument(
-        "--response-write-timeout-s",
-        type=float,
-        default=30.0,
-        help="a connection whose unsent answer has not shrunk this long (its client reads none of it): closed",
-    )
+    serving.add_service_arguments(parser, CREDENTIAL, port=8800, max_body_bytes=MAX_BODY_BYTES)
 
 
 def service_token(parser: argparse.ArgumentParser, args: argparse.Namespace) -> str | None:
     """The bearer token from the environment; without one the service does not start, unless ``--insecure``
     (then it says so loudly). Exits through ``parser.error`` (status 2) with the fix."""
-    if bool(args.ssl_certfile) != bool(args.ssl_keyfile):
-        parser.error("--ssl-certfile and --ssl-keyfile go together")
-    token = os.environ.get(TOKEN_ENV) or None
-    if token is not None and args.insecure:
-        parser.error(f"--insecure would ignore {TOKEN_ENV}, which is set: drop one or the other")
-    if token is None and not args.insecure:
-        parser.error(
-            f"the rollout service refuses to start without a credential: set {TOKEN_ENV} (at least 16 characters; "
-            "the trainer sends it as a bearer token), or pass --insecure to let anyone who reaches "
-            f"{args.host}:{args.port} take groups (development only)"
-        )
-    if token is not None and len(token) < 16:
-        parser.error(f"{TOKEN_ENV} must be at least 16 characters (an empty one would turn authentication off)")
-    if token is None:
-        logger.warning(
-            "INSECURE: the rollout service runs without %s (--insecure): anyone who reaches %s:%d takes groups and "
-            "reads its stats. Never do this on a shared network.",
-            TOKEN_ENV,
-            args.host,
-            args.port,
-        )
-    return token
+    return CREDENTIAL.from_environment(parser, args)
 
 
 def serve(service: RolloutService, token: str | None, args: argparse.Namespace) -> None:
     """Serve ``service`` until interrupted, bounded like the coordinator (see the module docstring)."""
-    from deltasync_coordinator.http import run
-
-    overall, per_peer = fit_to_open_files(args.max_connections, args.max_connections_per_peer, open_files_limit())
-    tls = tls_context(args.ssl_certfile, args.ssl_keyfile) if args.ssl_certfile else None
-    bounds = Bounds(
-        max_head_bytes=MAX_HEADER_BYTES,
-        head_timeout_s=args.request_head_timeout_s,
-        body_timeout_s=args.request_body_timeout_s,
-        write_timeout_s=args.response_write_timeout_s,
-        tls_handshake_timeout_s=args.tls_handshake_timeout_s,
-    )
-    http = protocol(bounds, ledger=ConnectionLedger(overall, per_peer, logger_name=logger.name), tls=tls)
-    app = create_app(service, token, max_body_bytes=args.max_body_bytes)
-    run(app, host=args.host, port=args.port, log_level="warning", http=http, **proxy_options(()))
+    serving.serve(create_app(service, token, max_body_bytes=args.max_body_bytes), args, logger_name=logger.name)
 
 
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tokenizer", required=True, help="the model's tokenizer (a directory)")
     parser.add_argument("--vllm-url", required=True, help="vLLM's inference routes")
-    parser.add_argument("--env-url", required=True)
+    parser.add_argument("--env-url", required=True, help="the environment (its bearer token: WORDLE_ENV_TOKEN)")
+    parser.add_argument(
+        "--insecure-http",
+        action="store_true",
+        help="send WORDLE_ENV_TOKEN to a plain http:// environment on another host, in clear (default: refused)",
+    )
     parser.add_argument("--num-generations", type=int, default=8)
     parser.add_argument("--prompts-per-step", type=int, default=2)
     parser.add_argument("--max-tokens", type=int, default=12)
@@ -296,7 +227,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(args.tokenizer)
-    env = httpx.Client(base_url=args.env_url, timeout=60)
+    env = env_client(args.env_url, insecure_http=args.insecure_http)
     vllm = httpx.Client(base_url=args.vllm_url, timeout=300)
     make_group, positions, probe = wordle_producer(
         vllm, env, tok, positions=args.positions, seed=args.seed, n=args.num_generations, max_tokens=args.max_tokens

@@ -319,6 +319,7 @@ def run_once(out: Path, model: Path, args: argparse.Namespace, *, sync: bool) ->
     publisher_env = {"DELTASYNC_PUBLISHER_TOKEN": secrets.token_hex(16)}
     tokens = {**publisher_env, "DELTASYNC_AGENT_SECRET": secret}  # the coordinator's credentials
     agent_env = {"DELTASYNC_AGENT_TOKEN": make_agent_token(secret, "vllm-0")}  # bound to the agent's id
+    env_token = {"WORDLE_ENV_TOKEN": secrets.token_urlsafe(24)}  # the environment's, and its client's: the trainer
     py, store = sys.executable, out / "store"
     try:
         coord_port, env_port = free_port(), free_port()
@@ -328,7 +329,7 @@ def run_once(out: Path, model: Path, args: argparse.Namespace, *, sync: bool) ->
             + ["--port", str(coord_port)],
             tokens,
         )
-        env = procs.start("env", [py, "-m", "examples.wordle.env_server", "--port", str(env_port)])
+        env = procs.start("env", [py, "-m", "examples.wordle.env_server", "--port", str(env_port)], env_token)
         coord_url, env_url = f"http://127.0.0.1:{coord_port}", f"http://127.0.0.1:{env_port}"
         wait_until_serving(coord_url + "/healthz", coord, "the coordinator", timeout_s=120, interval_s=0.2)
         wait_until_serving(env_url + "/healthz", env, "the environment", timeout_s=120, interval_s=0.2)
@@ -362,7 +363,9 @@ def run_once(out: Path, model: Path, args: argparse.Namespace, *, sync: bool) ->
         train_args += ["--max-staleness", str(args.max_staleness), "--seed", str(args.seed), *lora_trainer] + (
             ["--sync"] if sync else []
         )
-        trainer = procs.start("trainer", [py, "-m", "examples.wordle.train", *train_args], {**publisher_env, **engine})
+        trainer = procs.start(
+            "trainer", [py, "-m", "examples.wordle.train", *train_args], {**publisher_env, **engine, **env_token}
+        )
         rows, pauses, seen, cpu = follow(trainer, out, coord_url, procs, publisher_env["DELTASYNC_PUBLISHER_TOKEN"])
         if trainer.returncode != 0:
             print((out / "logs" / "trainer.log").read_text()[-3000:], file=sys.stderr)

@@ -112,6 +112,7 @@ class Deployment:
         publisher_token, secret = secrets.token_hex(16), secrets.token_hex(16)
         self.coordinator_env = {"DELTASYNC_PUBLISHER_TOKEN": publisher_token, "DELTASYNC_AGENT_SECRET": secret}
         self.rollout_token = secrets.token_hex(16)
+        self.env_token = secrets.token_hex(16)  # the environment's, held by it and by the rollout workers beside it
         self.store_uri = f"s3://{BUCKET}/run"
         self.s3_endpoint = {
             "AWS_ENDPOINT_URL_S3": f"http://{self.addr['store']}:{PORTS['store']}",
@@ -255,7 +256,10 @@ class Deployment:
 
         env = h["env"]
         self.start(
-            "env", env, [py, "-m", "examples.wordle.env_server", "--host", "127.0.0.1", "--port", str(PORTS["env"])]
+            "env",
+            env,
+            [py, "-m", "examples.wordle.env_server", "--host", "127.0.0.1", "--port", str(PORTS["env"])],
+            {"WORDLE_ENV_TOKEN": self.env_token},
         )
         print("[hosts] waiting for vLLM (about a minute on 2 cores)", flush=True)
         self.wait_http(env, self.vllm_url + "/health", "vllm", timeout_s=600)
@@ -277,7 +281,7 @@ class Deployment:
             + ["--max-staleness", str(self.args.max_staleness), "--seed", str(self.args.seed)]
             + ["--positions", str(max(64, 2 * self.args.steps))]
             + ["--ssl-certfile", "server.pem", "--ssl-keyfile", "server.key"],
-            {"WORDLE_ROLLOUT_TOKEN": self.rollout_token},
+            {"WORDLE_ROLLOUT_TOKEN": self.rollout_token, "WORDLE_ENV_TOKEN": self.env_token},
         )
         self.wait_http(env, f"http://127.0.0.1:{PORTS['env']}/healthz", "env")
         self.wait_http(h["trainer"], self.rollouts_url + "/healthz", "rollouts", ca=str(h["trainer"].root / "ca.pem"))

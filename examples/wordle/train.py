@@ -39,6 +39,7 @@ from deltasync.integrations.trl import DeltaSyncWeightTransfer
 from deltasync.publisher import Publisher
 from deltasync.testing.models import qwen3_effective_checksums
 
+from .env_server import env_client
 from .game import render_messages
 from .grpo import grpo_tis_loss
 from .rollouts import LocalRollouts, RemoteRollouts, ServedVersions, prompt_ids, wordle_producer
@@ -201,13 +202,16 @@ def run_parser(doc: str | None) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", required=True)
     parser.add_argument("--vllm-url", help="vLLM's server (not needed with --rollouts-url, --served-from coordinator)")
-    parser.add_argument("--env-url", help="the environment (not needed with --rollouts-url)")
+    parser.add_argument(
+        "--env-url", help="the environment (not needed with --rollouts-url; its bearer token: WORDLE_ENV_TOKEN)"
+    )
     parser.add_argument("--coordinator", required=True, help="URL, or replicas of one ledger: URL1,URL2")
     parser.add_argument("--ca-bundle", help="CA certificates (PEM) for an https coordinator (and rollout service)")
     parser.add_argument(
         "--insecure-http",
         action="store_true",
-        help="send tokens over plain http:// to another host anyway (the coordinator's and the rollout service's)",
+        help="send tokens over plain http:// to another host anyway (the coordinator's, the rollout service's and "
+        "the environment's)",
     )
     parser.add_argument("--store", required=True)
     parser.add_argument("--out", type=Path, required=True)
@@ -315,7 +319,7 @@ def main() -> None:
             args.rollouts_url, os.environ.get("WORDLE_ROLLOUT_TOKEN"), args.ca_bundle, insecure_http=args.insecure_http
         )
     else:
-        env = httpx.Client(base_url=args.env_url, timeout=60)
+        env = env_client(args.env_url, insecure_http=args.insecure_http)  # WORDLE_ENV_TOKEN, when set
         vllm = httpx.Client(base_url=args.vllm_url, timeout=300)
         make_group, positions, probe = wordle_producer(
             vllm,

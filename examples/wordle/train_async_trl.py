@@ -19,7 +19,6 @@ import logging
 import os
 from typing import Any
 
-import httpx
 import torch
 
 from deltasync.client import CoordinatorClient
@@ -27,6 +26,7 @@ from deltasync.config import PublisherConfig
 from deltasync.integrations.trl import DeltaSyncWeightTransfer
 from deltasync.publisher import Publisher
 
+from .env_server import env_client
 from .rollouts import game_positions, score
 from .train import run_parser
 
@@ -51,7 +51,7 @@ def build_trainer(args: argparse.Namespace, *, rollout_worker: Any = None) -> An
     from transformers import AutoTokenizer, TrainerCallback
     from trl.experimental.async_grpo import AsyncGRPOConfig, AsyncGRPOTrainer
 
-    env = httpx.Client(base_url=args.env_url, timeout=60)
+    env = env_client(args.env_url, insecure_http=args.insecure_http)  # WORDLE_ENV_TOKEN, when set
     tok = AutoTokenizer.from_pretrained(args.model)
     rows = game_positions(env, tok, max(64, args.steps * args.prompts_per_step), args.seed)
     dataset = Dataset.from_list([{"prompt": messages, "session_id": sid} for _, messages, sid in rows])

@@ -31,6 +31,7 @@ from deltasync.testing.postgres import find_binaries
 
 ROOT = Path(__file__).resolve().parents[2]
 POISON = "the test suite is not part of what a user runs: import deltasync.testing instead"
+ENV_TOKEN = "env-token-0123456789abcdef"
 
 SCRIPTS = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "benchmarks").rglob("*.py") if "__pycache__" not in p.parts)
 MODULES = [
@@ -174,7 +175,7 @@ def env_server(user_tree: Path, tmp_path: Path) -> Iterator[str]:
         proc = subprocess.Popen(
             [sys.executable, "-m", "examples.wordle.env_server", "--port", str(port)],
             cwd=user_tree,
-            env=_env(),
+            env={**_env(), "WORDLE_ENV_TOKEN": ENV_TOKEN},
             stdout=f,
             stderr=subprocess.STDOUT,
             start_new_session=True,
@@ -188,7 +189,8 @@ def env_server(user_tree: Path, tmp_path: Path) -> Iterator[str]:
 
 
 def test_env_server_serves_a_game(env_server: str) -> None:
-    with httpx.Client(base_url=env_server, timeout=30) as client:
+    auth = {"Authorization": f"Bearer {ENV_TOKEN}"}
+    with httpx.Client(base_url=env_server, timeout=30, headers=auth) as client:
         obs = client.post("/v1/sessions", json={"seed": 0}).raise_for_status().json()
         step = client.post(f"/v1/sessions/{obs['session_id']}/guess", json={"guess": "crane"}).raise_for_status()
         assert step.json()["valid"]
