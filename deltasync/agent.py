@@ -38,20 +38,20 @@ import torch
 
 from . import apply
 from ._gc import quiet_gc
+from ._run_checks import RunChecks
 from ._stager import Stager
 from .client import CoordinatorClient, SyncPlan
 from .config import AgentConfig
 from .errors import (
     ApplyError,
     CoordinatorError,
-    DeltaSyncError,
     EngineUnproven,
     RefusalReason,
     RunMismatch,
     UpdateRefused,
     VersionGapError,
 )
-from .reader import Trust, read_manifest
+from .reader import Trust
 from .signing import VerifyKey
 from .staging import StagedUpdate
 from .store.base import Store
@@ -128,6 +128,8 @@ class Agent:
             in_process=getattr(target, "in_process", False),
         )
         """Fetches, admits and stages each update, and keeps the host copy (:mod:`deltasync._stager`)."""
+        self.checks = RunChecks(coordinator, store, self.config, self._trust)
+        """The run this agent follows, checked against its engine's (:mod:`deltasync._run_checks`)."""
         self.started = False
         self.needs_anchor = False
         self.last_version: int | None = None
@@ -181,9 +183,9 @@ class Agent:
                 "(each engine has one agent: point this one at its own engine)",
                 reason=RefusalReason.RUN,
             )
-        run = self._check_run(st)
+        run = self.checks.run(st)
         claim = EngineClaim(
-            model_fingerprint=self._run_model(st),
+            model_fingerprint=self.checks.model(st),
             agent_id=self.config.agent_id,
             session=self.session,
             ttl_s=max(3 * self.config.poll_wait_s, 30.0),
@@ -222,58 +224,6 @@ class Agent:
         self.target.init(dataclasses.replace(claim, release=True))
         self.started = False
 
-    def _run_model(self, st: EngineState) -> str | None:
-        """The model this agent's run publishes (its newest anchor's fingerprint; an adapter run's base), which an
-        engine serving another model refuses at the claim; ``None`` when the run has published nothing yet (then
-        the engine refuses the first object of another model, and the claim goes with it).
-
-        Raises:
-            DeltaSyncError, OSError: the run has published but its newest anchor cannot be read now (as the read
-                raised it), and the engine is not this agent's already: a fresh engine is not claimed by an agent
-                that cannot say what it will serve (the next sync tries again).
-        """
-        try:
-            plan = self.coordinator.plan(None)
-            anchor = next((s for s in plan.steps if s.kind == "anchor"), None)
-            if anchor is None:
-                return None
-            manifest = read_manifest(self.store, anchor.version, "anchor", trust=self._trust())
-        except CoordinatorError as exc:
-            if exc.status_code == 404:
-                return None  # nothing published yet
-            raise
-        except (DeltaSyncError, OSError) as exc:
-            if st.agent_id == self.config.agent_id:  # its own engine (a restarted agent): nothing to tell it
-                logger.warning("agent %s: cannot read the run's newest anchor (%s)", self.config.agent_id, exc)
-                return None
-            logger.warning(
-                "agent %s: cannot read its run's newest anchor (%s): not claiming the engine until it can tell the "
-                "engine which model its run publishes",
-                self.config.agent_id,
-                exc,
-            )
-            raise
-        return manifest.model_fingerprint if manifest.adapter is None else manifest.adapter.base_fingerprint
-
-    def _check_run(self, st: EngineState) -> str | None:
-        """The coordinator's run, checked against the engine's (before the claim changes anything)."""
-        run = self.coordinator.run_id or self.coordinator.health().get("run_id")
-        run = None if run is None else str(run)
-        if st.run_id is None or run is None or run == st.run_id:
-            return run
-        if self.config.allow_rollback:
-            logger.warning(
-                "agent %s: the coordinator's run %s is not the engine's run %s: switching runs (allow_rollback)",
-                self.config.agent_id,
-                run,
-                st.run_id,
-            )
-            return run
-        raise RunMismatch(
-            f"the coordinator at {self.coordinator.base_url} keeps run {run}, the engine serves run {st.run_id}: "
-            "refusing to follow another ledger (restart the agent with --allow-rollback to switch on purpose)"
-        )
-
     def sync(self, wait_s: float = 0.0) -> SyncResult:
         """Bring the engine to the latest version once (waiting up to ``wait_s`` for news). Starts the agent
         (:meth:`start`) if it was not started.
@@ -287,7 +237,7 @@ class Agent:
         if not self.started:
             self.start()
         st = self._engine_state()
-        self._check_run(st)
+        self.checks.run(st)
         st = self._prove_when_due(st)
         held = st.version if st.healthy and not self.needs_anchor else None
         if wait_s > 0 and held is not None and self.config.audit_interval_s is not None:
@@ -299,7 +249,7 @@ class Agent:
         if plan is None or plan.route == "none":
             self._heartbeat(st.version, "paused" if self._paused_for_lag else "idle")
             return SyncResult(from_version=st.version, to_version=st.version, route="none", timings={}, bytes=0)
-        self._check_rollback(plan, st)
+        self.checks.rollback(plan, st)
         self._bound_lag(plan, held)
         progress = plan.bytes >= _PROGRESS_HEARTBEAT_BYTES  # small syncs report once, when done
         if progress:
@@ -450,24 +400,6 @@ class Agent:
             if stager.host_version != held and not stager.rebuild_host(held, self._trust()):
                 plan = self.coordinator.plan(None)
         return plan
-
-    def _check_rollback(self, plan: SyncPlan, st: EngineState) -> None:
-        if st.high_water is None or plan.to_version >= st.high_water:
-            return
-        if self.config.allow_rollback:
-            logger.warning(
-                "agent %s: rolling the engine back from v%d to v%d (allow_rollback)",
-                self.config.agent_id,
-                st.high_water,
-                plan.to_version,
-            )
-            return
-        raise UpdateRefused(
-            f"agent {self.config.agent_id}: the coordinator's latest is v{plan.to_version}, the engine has served "
-            f"v{st.high_water} of this run and never goes back (is the ledger restored from an old backup?); "
-            "restart the agent with --allow-rollback to roll back on purpose",
-            reason=RefusalReason.ROLLBACK,
-        )
 
     def _bound_lag(self, plan: SyncPlan, held: int | None) -> None:
         lag = plan.to_version - (held if held is not None else -1)
