@@ -57,8 +57,12 @@ _HISTORY = [
 
 @cache
 def _tracked() -> frozenset[str]:
-    """Every path git tracks here, with every directory above one (what a fresh clone has)."""
-    out = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, capture_output=True, check=True).stdout
+    """Every path git tracks here, with every directory above one (what a fresh clone has); outside a git checkout,
+    none (the files on disk are what there is)."""
+    try:
+        out = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, capture_output=True, check=True).stdout
+    except (OSError, subprocess.CalledProcessError):
+        return frozenset()
     files = {f for f in out.decode().split("\0") if f}
     dirs = {p.as_posix() for f in files for p in Path(f).parents if p.as_posix() != "."}
     return frozenset(files | dirs)
