@@ -3,10 +3,10 @@ publisher's diff on the device, the decode of a delta's indices (gap coding, as 
 them) and values into device tensors, and the scatter into fused live parameters through the patch map
 (:mod:`deltasync.vllm.patch_map`), for a Qwen3-0.6B-shaped and a Qwen3-8B-shaped model at ~2% changed elements.
 
-Torch only: the GPU machines this runs on have torch but neither vLLM nor zstandard, so the patch map module is
-loaded from its file (it imports nothing but torch) and the zstd stage of the decode is left out (it runs on
-the host, before the pause, and is measured by ``benchmarks/bench_codec.py``). Finishes in well under 4 minutes
-on one H200. CI runs it with ``--device cpu --quick`` so it cannot rot.
+The GPU machines this runs on have torch but no vLLM: it imports the patch map as a user does
+(:mod:`deltasync.vllm.patch_map` needs no vLLM), and leaves out the zstd stage of the decode (it runs on the
+host, before the pause, and is measured by ``benchmarks/bench_codec.py``). Finishes in well under 4 minutes on
+one H200. CI runs it with ``--device cpu --quick`` so it cannot rot.
 
     python benchmarks/gpu/bench_scatter.py [--device cuda] [--fraction 0.02] [--quick]
 """
@@ -14,7 +14,6 @@ on one H200. CI runs it with ``--device cpu --quick`` so it cannot rot.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import sys
 import time
@@ -23,20 +22,14 @@ from typing import Any
 
 import torch
 
-_MAP_FILE = Path(__file__).resolve().parents[2] / "deltasync" / "vllm" / "patch_map.py"
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # deltasync from this checkout
+
+from deltasync.format import TensorDelta  # noqa: E402
+from deltasync.vllm.patch_map import PatchMap, Runs  # noqa: E402
 
 QWEN3_0_6B = {"vocab": 151936, "hidden": 1024, "inter": 3072, "layers": 28, "heads": 16, "kv": 8, "head_dim": 128}
 QWEN3_8B = {"vocab": 151936, "hidden": 4096, "inter": 12288, "layers": 36, "heads": 32, "kv": 8, "head_dim": 128}
 QUICK = {"vocab": 512, "hidden": 128, "inter": 256, "layers": 2, "heads": 2, "kv": 1, "head_dim": 64}
-
-
-def load_patch_map() -> Any:
-    spec = importlib.util.spec_from_file_location("deltasync_patch_map", _MAP_FILE)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
 
 
 def layout(
@@ -85,7 +78,7 @@ def timed(device: torch.device, fn: Any) -> tuple[Any, float]:
     return out, time.perf_counter() - t0
 
 
-def run(name: str, config: dict[str, int], device: torch.device, fraction: float, pm: Any) -> dict[str, Any]:
+def run(name: str, config: dict[str, int], device: torch.device, fraction: float) -> dict[str, Any]:
     ckpt, live_shapes, where = layout(config)
     gen = torch.Generator(device=device).manual_seed(0)
     live = {
@@ -99,8 +92,8 @@ def run(name: str, config: dict[str, int], device: torch.device, fraction: float
         cols = shape[1] if len(shape) > 1 else 1
         numel = shape[0] * cols
         one = torch.tensor([0]), torch.tensor([row * cols]), torch.tensor([numel])
-        runs[n] = [pm.Runs(param, *one)]
-    patch_map = pm.PatchMap(runs, {}, params, 0.0)
+        runs[n] = [Runs(param, *one)]
+    patch_map = PatchMap(runs, {}, params, 0.0)
 
     # the trainer's step: old and new weights in checkpoint names, ~fraction of elements changed
     old = {}
@@ -134,21 +127,18 @@ def run(name: str, config: dict[str, int], device: torch.device, fraction: float
     if device.type == "cuda":
         host = {n: (g.pin_memory(), v.pin_memory()) for n, (g, v) in host.items()}
 
-    class Delta:  # the fields PatchMap.plan reads from a TensorDelta
-        def __init__(self, n: str, indices: torch.Tensor, values: torch.Tensor) -> None:
-            self.ckpt_name, self.indices, self.values, self.span = n, indices, values, None
-
-    def decode() -> list[Delta]:
+    def decode() -> list[TensorDelta]:
         out = []
         for n, (gaps, values) in host.items():
             g = gaps.to(device, non_blocking=True)
             idx = torch.cumsum(g.to(torch.int64), 0)
-            out.append(Delta(n, idx, values.to(device, non_blocking=True)))
+            values = values.to(device, non_blocking=True)
+            out.append(TensorDelta(ckpt_name=n, shape=ckpt[n], dtype=torch.bfloat16, indices=idx, values=values))
         return out
 
     deltas, decode_s = timed(device, decode)
     for n, r in runs.items():  # the map's runs live on the device too (searchsorted there)
-        runs[n] = [pm.Runs(x.param, x.ckpt_start.to(device), x.param_start.to(device), x.length.to(device)) for x in r]
+        runs[n] = [Runs(x.param, x.ckpt_start.to(device), x.param_start.to(device), x.length.to(device)) for x in r]
     ops, plan_s = timed(device, lambda: patch_map.plan(deltas))
     written, scatter_s = timed(device, lambda: patch_map.write(ops))
     bad, check_s = timed(device, lambda: patch_map.check_written(ops))
@@ -192,11 +182,10 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     parser.add_argument("--quick", action="store_true", help="tiny shapes only (the CI run of the CPU fallback)")
     args = parser.parse_args(argv)
     device = torch.device(args.device)
-    pm = load_patch_map()
     models = {"tiny": QUICK} if args.quick else {"qwen3-0.6b": QWEN3_0_6B, "qwen3-8b": QWEN3_8B}
     results = []
     for name, config in models.items():
-        results.append(run(name, config, device, args.fraction, pm))
+        results.append(run(name, config, device, args.fraction))
         if device.type == "cuda":
             torch.cuda.empty_cache()  # the model of the run before is gone
     print(json.dumps({"torch": torch.__version__, "results": results}))

@@ -65,11 +65,11 @@ def probe_passes(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
     with a large tensor, an embedding, gets: ``deltasync.vllm.patch_map.SPLIT_AT_ENV``), with the halves' period
     as it is (a small tensor's high half is all ones) and cut to 61 (both halves vary; a group with a tensor of
     more than 61 * 61 elements is then probed in int32)."""
-    from deltasync.vllm import patch_map
+    from deltasync.vllm.patch_map import SPLIT_AT_ENV, scan
 
-    monkeypatch.setenv(patch_map.SPLIT_AT_ENV, str(1 << 62) if request.param == "int32" else "0")
+    monkeypatch.setenv(SPLIT_AT_ENV, str(1 << 62) if request.param == "int32" else "0")
     if request.param == "int16-halves-short":
-        monkeypatch.setattr(patch_map, "_PERIOD", 61)
+        monkeypatch.setattr(scan, "PERIOD", 61)
     return str(request.param)
 
 

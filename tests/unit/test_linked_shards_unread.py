@@ -1,5 +1,7 @@
-"""Adversarial review: a local store's shards linked unread (promise 2) and the patch map built at vLLM start
-(promise 3; code paths only, no vLLM started)."""
+"""A local store's shards linked into staging unread (a hard link, not a copy) are still the published bytes when
+they are decoded: a store file changed in place after linking, replaced before linking (a symlink, a FIFO, a
+directory, another size, a hard link to other bytes), or a staged name swapped for a symlink out of the staging
+root, is refused, never decoded."""
 
 from __future__ import annotations
 
@@ -8,7 +10,6 @@ import shutil
 from pathlib import Path
 
 import pytest
-import torch
 
 from deltasync import LocalStore, compute_delta, read_manifest, write_anchor, write_delta
 from deltasync._fetch import ObjectFetcher
@@ -151,109 +152,3 @@ def test_staged_directory_symlinked_is_refused(world) -> None:
     d.symlink_to(tmp / "copy")
     with pytest.raises(FormatError):
         read_staged(obj, root=root, base=_base(s0))
-
-
-# ---- promise 3: the patch map at start -------------------------------------------------------------------------
-
-proof = pytest.importorskip("deltasync.vllm.proof")
-
-
-class _Engine(proof.ProvingEngine):
-    def _nothing(self, *args, **kwargs):
-        return None
-
-    finish_weight_update = receive_weights = shutdown = start_weight_update = _nothing
-
-
-def _bare_engine():
-    eng = object.__new__(_Engine)
-    eng._map, eng._map_failed, eng.healthy, eng.version = None, None, True, None
-    eng._staged, eng._manifest, eng.detail = None, None, ""
-    eng._untrusted = lambda param: None
-    return eng
-
-
-def test_map_at_start_never_raises() -> None:
-    """Anything the map build raises at start is swallowed (vLLM starts)."""
-    eng = _bare_engine()
-
-    def boom():
-        raise OSError("cannot read the checkpoint index")
-
-    eng.served_spec = boom
-    eng._map_at_start()  # must not raise
-
-
-def test_map_at_start_failure_is_recorded() -> None:
-    """A map that cannot be built at start is recorded (status map_error), not only logged."""
-    eng = _bare_engine()
-
-    def boom():
-        raise OSError("cannot read the checkpoint index")
-
-    eng.served_spec = boom
-    eng._map_at_start()
-    assert eng._map_failed is not None
-
-
-def test_map_corruption_at_start_leaves_engine_unhealthy(monkeypatch) -> None:
-    """build_map raising MapCorruption at start: the engine is unhealthy, vLLM still starts."""
-    from deltasync.vllm import base
-    from deltasync.vllm.patch_map import MapCorruption
-
-    eng = _bare_engine()
-    eng.served_spec = lambda: {"w": ("BF16", (4,))}
-    eng.model = torch.nn.Module()
-    eng.model.load_weights = lambda weights: None
-
-    def corrupt(*a, **k):
-        raise MapCorruption("changed live weights")
-
-    monkeypatch.setattr(base, "build_map", corrupt)
-    eng._map_at_start()
-    assert eng.healthy is False
-
-
-class _Toy(torch.nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.layers = torch.nn.ModuleList([torch.nn.Module(), torch.nn.Module()])
-        for i, layer in enumerate(self.layers):
-            shape = (4, 4) if i == 0 else (4, 8)  # two kinds of layer: each probed in full
-            layer.w = torch.nn.Parameter(torch.full(shape, float(i + 1), dtype=torch.bfloat16), requires_grad=False)
-
-
-def test_map_build_abort_after_stray_write_is_corruption(monkeypatch) -> None:
-    """A loader that writes a stray value into another layer's live weight, then the build aborts: a build that
-    changed live weights must raise MapCorruption (the engine then goes unhealthy)."""
-    from deltasync.vllm import patch_map as pmod
-
-    model = _Toy()
-    params = dict(model.named_parameters())
-
-    def load(weights):
-        for name, t in weights:
-            params[name].data.copy_(t.to(params[name].dtype) if params[name].dtype != t.dtype else t)
-            if name == "layers.0.w":  # a stray write into the other layer's (live, unswapped) weight
-                params["layers.1.w"].data.view(-1)[0] = 42
-
-    calls = {"n": 0}
-    real = pmod._reuse
-
-    def oom_on_second(buf, like):
-        calls["n"] += 1
-        if calls["n"] > 1:
-            raise torch.OutOfMemoryError("stand-in")
-        return real(buf, like)
-
-    monkeypatch.setattr(pmod, "_reuse", oom_on_second)
-    spec = {"layers.0.w": ("BF16", (4, 4)), "layers.1.w": ("BF16", (4, 8))}
-    before = {k: v.detach().clone() for k, v in params.items()}
-    try:
-        pmod.build_map(model, spec, load)
-    except pmod.MapCorruption:
-        return
-    except Exception as exc:  # noqa: BLE001
-        assert calls["n"] > 1, f"the build failed elsewhere: {exc!r}"
-        changed = [k for k in before if not torch.equal(before[k], params[k].detach())]
-        assert not changed, f"build aborted without MapCorruption after changing {changed}"
