@@ -11,14 +11,25 @@ the same name also loads deltasync's general plugin, the weight-transfer backend
   dev routes (sleep, server info) stay absent.
 
 Both always come together: the plugin never adds an administrative route without its guard.
+
+It also makes the guard's log name each caller by its socket's address. vLLM serves with uvicorn's
+``proxy_headers`` on and its default ``forwarded_allow_ips``, which believes ``X-Forwarded-For`` from 127.0.0.1:
+any process on the engine's host (environment code, a rollout worker) could have its refused requests logged
+under an address of its choosing. uvicorn reads that default from ``FORWARDED_ALLOW_IPS`` when vLLM builds its
+``Config``, after ``build_app`` has run this plugin, so the plugin sets it to ``""`` (trust no proxy) unless the
+operator set it.
 """
 
 from __future__ import annotations
 
+import os
 from argparse import Namespace
 from typing import Any
 
-__all__ = ["DeltaSyncEndpoints"]
+__all__ = ["FORWARDED_ALLOW_IPS_ENV", "DeltaSyncEndpoints"]
+
+FORWARDED_ALLOW_IPS_ENV = "FORWARDED_ALLOW_IPS"
+"""Where uvicorn reads the addresses whose ``X-Forwarded-For`` it believes when vLLM passes none."""
 
 
 class DeltaSyncEndpoints:
@@ -32,6 +43,8 @@ class DeltaSyncEndpoints:
         from .guard import EngineGuard
 
         token = load_engine_token()  # a bad credential file stops the server here, with the reason
+        # before vLLM builds uvicorn's Config: the guard logs the socket's peer (an operator's proxy list stays)
+        os.environ.setdefault(FORWARDED_ALLOW_IPS_ENV, "")
         app.add_middleware(EngineGuard)  # it reads the credential itself: never a constructor argument vLLM logs
         present = {(m, getattr(r, "path", "")) for r in app.routes for m in (getattr(r, "methods", None) or ())}
         if ("POST", "/update_weights") not in present:

@@ -201,7 +201,9 @@ class EngineGuard:
 
     Refusals are JSON ``{"error": ...}`` with status 401 (no credential) or 403 (a wrong credential, or none
     configured on the server), and one WARNING line naming the caller's address, method and (escaped) path, at
-    most :data:`LOG_BURST` a minute.
+    most :data:`LOG_BURST` a minute. The address is the socket's peer: the endpoint plugin sets
+    ``FORWARDED_ALLOW_IPS=""`` (unless the operator set it) before vLLM configures uvicorn, whose default
+    believes ``X-Forwarded-For`` from 127.0.0.1 (:mod:`deltasync.vllm.endpoints`).
     """
 
     def __init__(self, app: Any, token: str | None = None) -> None:
