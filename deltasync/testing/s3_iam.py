@@ -25,11 +25,12 @@ the request head before any byte of the body is read, with 403 ``AccessDenied`` 
 The server listens with the coordinator's bounded protocol (:mod:`deltasync_coordinator.http`, moto's WSGI app
 behind uvicorn's WSGI bridge), not werkzeug's threaded development server, which gave each connection a thread
 for as long as its client liked: heads and bodies that do not arrive in time get 408 and are closed, answers
-left unread are cut, at most 16 requests wait pipelined on a connection, connections are capped
-overall and per client address below the open-files limit (503), and a body is refused by its
-``Content-Length`` before it is read when it exceeds ``--max-body-bytes`` (400 ``EntityTooLarge``; 256 MiB by
-default, above what the S3 store sends in one request), and a chunked one without it is refused (411
-``MissingContentLength``). Header names
+left unread are cut, at most 16 requests wait pipelined on a connection, and connections are capped overall and
+per client address below the open-files limit (503). A body is refused by its ``Content-Length`` before it is
+read when it exceeds ``--max-body-bytes`` (400 ``EntityTooLarge``; 256 MiB by default, above what the S3 store
+sends in one request), and a chunked one without it is refused (411 ``MissingContentLength``). A request the
+guard lets through (a well-formed signature, right or wrong) has its body read whole before moto checks the
+signature, as moto reads every body: at most ``--max-body-bytes`` each, for the request's time. Header names
 with an underscore are dropped, as werkzeug drops them (``X_Amz_Date`` could otherwise stand in for
 ``X-Amz-Date``).
 
