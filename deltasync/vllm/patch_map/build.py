@@ -229,15 +229,28 @@ class MapBuild:
         n = numel(shape)
         probe = arange(n, torch.int64 if n >= 2**31 - 1 else itype)
         self.load_probe(swap, name, probe.view(shape))
+
+        def read(q: str, flat: torch.Tensor) -> Runs | None:
+            if not int(torch.count_nonzero(flat)):  # ~4x faster than any() on CPU
+                return None
+            r = runs_of(q, flat, n, probe)
+            flat.zero_()
+            return r
+
+        return self.read_stand_ins(swap, read)
+
+    def read_stand_ins(self, swap: Swap, read: Callable[[str, torch.Tensor], Runs | None]) -> list[Runs]:
+        """The runs ``read(param, flat stand-in)`` finds in each stand-in (it zeroes what it read).
+
+        Raises:
+            Refused: ``read`` found values that no probe holds, or an element written twice.
+        """
         found = []
         try:
             for q in swap.names:
-                flat = swap.data(q).view(-1)
-                if int(torch.count_nonzero(flat)):  # ~4x faster than any() on CPU
-                    r = runs_of(q, flat, n, probe)
-                    if r is not None:
-                        found.append(r)
-                    flat.zero_()
+                r = read(q, swap.data(q).view(-1))
+                if r is not None:
+                    found.append(r)
         except ValueError as exc:
             raise Refused(str(exc)) from None
         return found
@@ -270,18 +283,14 @@ class MapBuild:
         del low
         high = split_probe(n, high=True)
         self.load_probe(swap, name, high.view(shape))
-        found = []
-        try:
-            for q in swap.names:
-                flat = swap.data(q).view(-1)
-                if q not in lows:
-                    if int(torch.count_nonzero(flat)):
-                        raise ValueError(f"{q}: written by the second half of a probe only (the loader transforms it)")
-                    continue
-                r = high_pass(q, flat, n, high, lows.pop(q))
-                if r is not None:
-                    found.append(r)
-                flat.zero_()
-        except ValueError as exc:
-            raise Refused(str(exc)) from None
-        return found
+
+        def read(q: str, flat: torch.Tensor) -> Runs | None:
+            if q not in lows:
+                if int(torch.count_nonzero(flat)):
+                    raise ValueError(f"{q}: written by the second half of a probe only (the loader transforms it)")
+                return None
+            r = high_pass(q, flat, n, high, lows.pop(q))
+            flat.zero_()
+            return r
+
+        return self.read_stand_ins(swap, read)

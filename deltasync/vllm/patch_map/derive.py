@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import torch
@@ -172,18 +172,22 @@ class DerivedLayer:
         offsets = {n: self.kind.offsets[template(n)] for n in derived}
         with self.swap as swap:
             swap.hold({q: self.kind.stand_in(q, swap.originals[q], probe.dtype) for q in swap.names})
-            order = reversed(list(derived))  # the real values go in checkpoint order (take)
-            weights = [
-                (n, probe[offsets[n] : offsets[n] + numel(self.spec[n][1])].view(self.spec[n][1])) for n in order
-            ]
-            try:
-                replaced = swap.load(weights)
-            except Exception as exc:  # noqa: BLE001 - probed one by one instead
-                return f"the loader refused the layer's probes together ({type(exc).__name__}: {exc})"
-            if replaced:
-                return REPLACED
-            why = self.runs_hold(derived, offsets, probe) or self.count_written(derived)
+            # in reverse checkpoint order: the real values go in checkpoint order (take)
+            why = self.load_probes(swap, reversed(list(derived)), offsets, probe, "together")
+            why = why or self.runs_hold(derived, offsets, probe) or self.count_written(derived)
             return why or self.prove_in_checkpoint_order(swap, derived, offsets)
+
+    def load_probes(
+        self, swap: Swap, names: Iterable[str], offsets: Mapping[str, int], probe: torch.Tensor, how: str
+    ) -> str | None:
+        """Load the layer's tensors ``names`` (in that order) in one call, each as its stretch of ``probe``;
+        ``None`` if the loader took them, else why not (``how``: the load, in the reason)."""
+        weights = [(n, probe[offsets[n] : offsets[n] + numel(self.spec[n][1])].view(self.spec[n][1])) for n in names]
+        try:
+            replaced = swap.load(weights)
+        except Exception as exc:  # noqa: BLE001 - probed one by one instead
+            return f"the loader refused the layer's probes {how} ({type(exc).__name__}: {exc})"
+        return REPLACED if replaced else None
 
     def runs_hold(
         self, derived: Mapping[str, list[Runs]], offsets: Mapping[str, int], probe: torch.Tensor
@@ -228,13 +232,9 @@ class DerivedLayer:
         order is not: two tensors' real values hold the same bits at a stray's place about once in 600 builds."""
         probe = self.kind.second
         assert probe is not None
-        weights = [(n, probe[offsets[n] : offsets[n] + numel(self.spec[n][1])].view(self.spec[n][1])) for n in derived]
-        try:
-            replaced = swap.load(weights)
-        except Exception as exc:  # noqa: BLE001 - probed one by one instead
-            return f"the loader refused the layer's probes in checkpoint order ({type(exc).__name__}: {exc})"
-        if replaced:
-            return REPLACED
+        why = self.load_probes(swap, derived, offsets, probe, "in checkpoint order")
+        if why is not None:
+            return why
         why = self.runs_hold(derived, offsets, probe)
         if why is not None:
             return f"{why} (checkpoint order)"
