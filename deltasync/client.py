@@ -139,7 +139,9 @@ def _version(m: VersionPublic) -> PublishedVersion:
 
 def _lease_error(exc: CoordinatorError, message: str | None = None, *, orphaned: bool = False) -> LeaseError:
     """A 409 about the publisher lease as the :class:`LeaseError` callers branch on."""
-    return LeaseError(message or str(exc), status_code=409, method=exc.method, url=exc.url, orphaned=orphaned)
+    error = LeaseError(message or str(exc), status_code=409, method=exc.method, url=exc.url)
+    error.orphaned = orphaned
+    return error
 
 
 class CoordinatorClient(ClientTransport):

@@ -212,25 +212,11 @@ class RunMismatch(CoordinatorError):
 
 
 class LeaseError(CoordinatorError):
-    """The publisher lease of the run is held by another publisher, or this publisher lost it (fenced).
+    """The publisher lease of the run is held by another publisher, or this publisher lost it (fenced)."""
 
-    Attributes:
-        orphaned: the lease is held under this client's own holder name, most likely taken by an attempt
-            whose answer was lost (a replica that went away mid-request): nobody renews it, so it lapses
-            within its TTL.
-    """
-
-    def __init__(
-        self,
-        message: str,
-        *,
-        status_code: int | None = None,
-        method: str = "",
-        url: str = "",
-        orphaned: bool = False,
-    ) -> None:
-        super().__init__(message, status_code=status_code, method=method, url=url)
-        self.orphaned = orphaned
+    orphaned: bool = False
+    """The lease is held under this client's own holder name, most likely taken by an attempt whose answer was
+    lost (a replica that went away mid-request): nobody renews it, so it lapses within its TTL."""
 
 
 class ApplyError(DeltaSyncError, RuntimeError):

@@ -28,13 +28,17 @@ from .retention import Retention
 from .settings import Settings
 
 __all__ = [
+    "AGENTS",
     "AUTH_ERRORS",
     "BODY_ERRORS",
     "Caller",
     "FleetDep",
+    "PUBLISHERS",
+    "READERS",
     "ReaderDep",
     "RegistryDep",
     "RetentionDep",
+    "SCRAPERS",
     "SettingsDep",
     "errors",
     "require_agent",
@@ -176,3 +180,13 @@ async def require_metrics(request: Request) -> Caller:
         {"publisher", "agent", "reader", "metrics"},
         "the bearer token is not allowed to scrape metrics",
     )
+
+
+READERS = [Depends(require_reader)]
+"""``dependencies`` of a route any reader calls (the publisher, an agent, the read token)."""
+PUBLISHERS = [Depends(require_publisher)]
+"""``dependencies`` of a route only the publisher calls."""
+AGENTS = [Depends(require_agent)]
+"""``dependencies`` of a route only the agent it names calls (its own token)."""
+SCRAPERS = [Depends(require_metrics)]
+"""``dependencies`` of the metrics route (the metrics token, or any other valid token)."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -18,6 +19,11 @@ _MIN_SECRET_CHARS = 16
 
 class InsecureConfiguration(ValueError):
     """The coordinator would start without credentials and ``insecure`` was not given."""
+
+
+def _timeout(default: float, most: float, description: str) -> Any:
+    """A connection timeout setting: more than 0, at most ``most`` seconds."""
+    return Field(default, gt=0, le=most, description=description)
 
 
 class Settings(BaseSettings):
@@ -63,32 +69,26 @@ class Settings(BaseSettings):
         description="open connections from one client address (a proxy or NAT is one); more are refused with 503 "
         "(kept 32 below max_connections)",
     )
-    request_head_timeout_s: float = Field(
+    request_head_timeout_s: float = _timeout(
         10.0,
-        gt=0,
-        le=600,
-        description="a request head not received this long after the connection opened (or after its first byte, "
-        "between requests) gets 408 and the connection closes",
+        600,
+        "a request head not received this long after the connection opened (or after its first byte, between "
+        "requests) gets 408 and the connection closes",
     )
-    request_body_timeout_s: float = Field(
-        30.0, gt=0, le=3600, description="a request body not received this long after its head gets 408"
+    request_body_timeout_s: float = _timeout(
+        30.0, 3600, "a request body not received this long after its head gets 408"
     )
-    response_write_timeout_s: float = Field(
+    response_write_timeout_s: float = _timeout(
         30.0,
-        gt=0,
-        le=3600,
-        description="a connection whose unsent answer has not shrunk for this long (its client reads none of it) "
-        "is closed",
+        3600,
+        "a connection whose unsent answer has not shrunk for this long (its client reads none of it) is closed",
     )
-    keep_alive_timeout_s: float = Field(
-        5.0, gt=0, le=600, description="a kept-alive connection idle this long is closed"
-    )
-    tls_handshake_timeout_s: float = Field(
+    keep_alive_timeout_s: float = _timeout(5.0, 600, "a kept-alive connection idle this long is closed")
+    tls_handshake_timeout_s: float = _timeout(
         5.0,
-        gt=0,
-        le=600,
-        description="with ssl_certfile: a TLS handshake not completed this long after the connection opened is "
-        "closed (every connection counts against the connection caps from its TCP accept)",
+        600,
+        "with ssl_certfile: a TLS handshake not completed this long after the connection opened is closed (every "
+        "connection counts against the connection caps from its TCP accept)",
     )
     trusted_proxies: str = Field(
         "",

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from fastapi import APIRouter, Depends, HTTPException, Path, Query, Request
+from fastapi import APIRouter, HTTPException, Path, Query, Request
 from starlette.concurrency import run_in_threadpool
 
 from deltasync.schemas import AGENT_ID_PATTERN, AgentHeartbeat, AgentPublic, AgentsPublic
 
-from ..deps import FleetDep, SettingsDep, errors, require_agent, require_reader
+from ..deps import AGENTS, READERS, FleetDep, SettingsDep, errors
 from ..fleet import Fleet
 from ..registry import Invalid
 
@@ -21,7 +21,7 @@ router = APIRouter(prefix="/v1", tags=["agents"])
 @router.post(
     "/agents/{agent_id}/heartbeat",
     response_model=AgentPublic,
-    dependencies=[Depends(require_agent)],
+    dependencies=AGENTS,
     responses=errors(body=True),
 )
 async def heartbeat(
@@ -37,7 +37,7 @@ async def heartbeat(
         raise HTTPException(422, detail) from None
 
 
-@router.get("/agents", response_model=AgentsPublic, dependencies=[Depends(require_reader)], responses=errors())
+@router.get("/agents", response_model=AgentsPublic, dependencies=READERS, responses=errors())
 async def agents(
     fleet: FleetDep,
     settings: SettingsDep,

@@ -4,32 +4,27 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from fastapi import APIRouter, Depends, HTTPException, Query, Request
+from fastapi import APIRouter, HTTPException, Query, Request
 from starlette.concurrency import run_in_threadpool
 
 from deltasync.schemas import GcPublic
 from deltasync.store import open_store
 
-from ..deps import RetentionDep, SettingsDep, errors, require_publisher, require_reader
+from ..deps import PUBLISHERS, READERS, RetentionDep, SettingsDep, errors
 
 __all__ = ["router"]
 
 router = APIRouter(prefix="/v1", tags=["gc"])
 
 
-@router.get("/gc/candidates", response_model=GcPublic, dependencies=[Depends(require_reader)], responses=errors())
+@router.get("/gc/candidates", response_model=GcPublic, dependencies=READERS, responses=errors())
 async def gc_candidates(retention: RetentionDep) -> GcPublic:
     """Objects no live agent and no recent plan can still need, from the ledger alone (the newest anchor is
     assumed intact; ``POST /v1/gc?dry_run=true`` proves it first)."""
     return await run_in_threadpool(retention.candidates)
 
 
-@router.post(
-    "/gc",
-    response_model=GcPublic,
-    dependencies=[Depends(require_publisher)],
-    responses=errors({409: "no store configured"}),
-)
+@router.post("/gc", response_model=GcPublic, dependencies=PUBLISHERS, responses=errors({409: "no store configured"}))
 async def collect_garbage(
     request: Request,
     retention: RetentionDep,

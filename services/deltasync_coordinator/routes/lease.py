@@ -4,12 +4,12 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from fastapi import APIRouter, Depends, HTTPException, Path
+from fastapi import APIRouter, HTTPException, Path
 from starlette.concurrency import run_in_threadpool
 
 from deltasync.schemas import LeaseCreate, LeasePublic
 
-from ..deps import RegistryDep, errors, require_publisher
+from ..deps import PUBLISHERS, RegistryDep, errors
 
 __all__ = ["router"]
 
@@ -19,7 +19,7 @@ router = APIRouter(prefix="/v1", tags=["lease"])
 @router.post(
     "/lease",
     response_model=LeasePublic,
-    dependencies=[Depends(require_publisher)],
+    dependencies=PUBLISHERS,
     responses=errors({409: "another publisher holds the run, or the lease is lost"}, body=True),
 )
 async def acquire_lease(body: LeaseCreate, registry: RegistryDep) -> LeasePublic:
@@ -30,7 +30,7 @@ async def acquire_lease(body: LeaseCreate, registry: RegistryDep) -> LeasePublic
 @router.delete(
     "/lease/{lease_id}",
     status_code=204,
-    dependencies=[Depends(require_publisher)],
+    dependencies=PUBLISHERS,
     responses=errors({404: "not the live lease"}),
 )
 async def release_lease(registry: RegistryDep, lease_id: Annotated[str, Path(pattern=r"^[0-9a-f]{32}$")]) -> None:

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from fastapi import APIRouter, Depends, Request, Response
+from fastapi import APIRouter, Request, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.concurrency import run_in_threadpool
 
 from deltasync.schemas import HealthPublic
 
-from ..deps import errors, require_metrics, require_reader
+from ..deps import READERS, SCRAPERS, errors
 
 __all__ = ["router"]
 
@@ -36,7 +36,7 @@ async def healthz(request: Request) -> HealthPublic:
 @router.get(
     "/metrics",
     response_class=Response,
-    dependencies=[Depends(require_metrics)],
+    dependencies=SCRAPERS,
     responses=errors() | {200: {"content": {CONTENT_TYPE_LATEST: {}}}},
 )
 async def metrics(request: Request) -> Response:
@@ -45,7 +45,7 @@ async def metrics(request: Request) -> Response:
     return Response(body, media_type=CONTENT_TYPE_LATEST)
 
 
-@router.get("/openapi.json", dependencies=[Depends(require_reader)], responses=errors())
+@router.get("/openapi.json", dependencies=READERS, responses=errors())
 async def openapi(request: Request) -> dict[str, Any]:
     """The OpenAPI schema of this API."""
     schema: dict[str, Any] = request.app.openapi()

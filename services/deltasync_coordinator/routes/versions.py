@@ -5,13 +5,13 @@ from __future__ import annotations
 import asyncio
 from typing import Annotated
 
-from fastapi import APIRouter, Depends, HTTPException, Path, Query, Request, Response
+from fastapi import APIRouter, HTTPException, Path, Query, Request, Response
 from starlette.concurrency import run_in_threadpool
 
 from deltasync.schemas import LEASE_HEADER, PlanPublic, VersionCreate, VersionPublic, VersionsPublic
 from deltasync.vocab import MAX_VERSION, Kind
 
-from ..deps import ReaderDep, RegistryDep, errors, require_publisher, require_reader
+from ..deps import PUBLISHERS, READERS, ReaderDep, RegistryDep, errors
 from ..registry import Registry
 from ..settings import Settings
 
@@ -96,7 +96,7 @@ async def _disconnected(request: Request) -> None:
     "/versions",
     response_model=VersionPublic,
     status_code=201,
-    dependencies=[Depends(require_publisher)],
+    dependencies=PUBLISHERS,
     openapi_extra={
         "parameters": [
             {
@@ -125,7 +125,7 @@ async def register_version(body: VersionCreate, request: Request) -> Response:
 @router.get(
     "/versions",
     response_model=VersionsPublic,
-    dependencies=[Depends(require_reader)],
+    dependencies=READERS,
     responses=errors({503: "too many long-polls; retry after Retry-After"}),
 )
 async def list_versions(
@@ -176,7 +176,7 @@ async def list_versions(
 @router.get(
     "/versions/latest",
     response_model=VersionPublic,
-    dependencies=[Depends(require_reader)],
+    dependencies=READERS,
     responses=errors({404: "nothing registered"}),
 )
 async def latest_version(registry: RegistryDep) -> VersionPublic:
@@ -190,7 +190,7 @@ async def latest_version(registry: RegistryDep) -> VersionPublic:
 @router.get(
     "/versions/{version}",
     response_model=VersionPublic,
-    dependencies=[Depends(require_reader)],
+    dependencies=READERS,
     responses=errors({404: "unknown version"}),
 )
 async def get_version(
