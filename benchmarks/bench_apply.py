@@ -222,7 +222,7 @@ def run_engine(tmp: Path, model: Path, label: str, args: argparse.Namespace, fig
     from deltasync.testing.launchers import CoordinatorProcess, offline_llm
     from deltasync.testing.models import QWEN3_0_6B_CONFIG, qwen3_shapes
     from deltasync.testing.stream import UpdateStream
-    from deltasync.vllm.plain import ENV
+    from deltasync.vllm.config import PLAIN_ENV as ENV
 
     rows: list[dict[str, Any]] = []
     os.environ[ENV] = "1" if label == "plain" else "0"

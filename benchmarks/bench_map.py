@@ -64,7 +64,7 @@ def _build(worker: Any) -> dict[str, Any]:
     import torch
 
     engine = worker.weight_transfer_engine
-    pm = engine._map  # built while vLLM started (deltasync.vllm.base.MAP_AT_START_ENV): its own build time
+    pm = engine.served.built_map  # built while vLLM started (DELTASYNC_MAP_AT_START): its own build time
     if pm is None:  # DELTASYNC_MAP_AT_START=0: the first build here (with DELTASYNC_BENCH_PROFILE=first, profiled)
         first_profile = None
         if os.environ.get("DELTASYNC_BENCH_PROFILE") == "first":
@@ -72,7 +72,7 @@ def _build(worker: Any) -> dict[str, Any]:
 
             first_profile = cProfile.Profile()
             first_profile.enable()
-        pm = engine.patch_map()
+        pm = engine.served.patch_map()
         if first_profile is not None:
             import pstats
 
@@ -87,9 +87,8 @@ def _build(worker: Any) -> dict[str, Any]:
 
         profile = cProfile.Profile()
         profile.enable()
-    engine._map, first = None, pm
     t0 = time.perf_counter()
-    engine.patch_map()
+    engine.served.learn_map()
     rebuild_s = time.perf_counter() - t0
     if profile is not None:
         import pstats
@@ -98,7 +97,6 @@ def _build(worker: Any) -> dict[str, Any]:
         pstats.Stats(profile).sort_stats("cumulative").print_stats(25)
         if os.environ.get("DELTASYNC_BENCH_PROFILE_CALLERS"):  # a regex: who calls the functions it matches
             pstats.Stats(profile).print_callers(os.environ["DELTASYNC_BENCH_PROFILE_CALLERS"])
-    engine._map = first
     params = [p for _, p in engine.model.named_parameters()]
     numel = sum(p.numel() for p in params)
     copy_s = 0.0

@@ -7,13 +7,13 @@ the rest for its scheduler). An engine that decodes and proves an update on thos
 however many the host gives the engine. The threads here run on the cores of the process that started this one
 when OpenMP was told to bind this one and its main thread's cores are a strict subset of the parent's (the pin
 came from OpenMP, not from the launcher), else on this process's own (a ``taskset`` stands; under an OpenMP bind
-it reads as the bind), or on ``DELTASYNC_CPUS``: a deployment that serves from the CPU and wants the update's work
-off its inference cores names the others there.
+it reads as the bind), or on the cores :func:`use_cpus` names (an engine's ``DELTASYNC_CPUS``, read with its other
+settings: :class:`deltasync.vllm.config.EngineConfig`): a deployment that serves from the CPU and wants the update's
+work off its inference cores names the others there.
 """
 
 from __future__ import annotations
 
-import functools
 import os
 import re
 import threading
@@ -22,20 +22,18 @@ from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import TypeVar
 
 __all__ = [
-    "CPUS_ENV",
+    "MAX_CPU_ID",
     "MAX_DEFAULT_THREADS",
     "PARALLEL_MIN_ELEMENTS",
     "format_cpu_list",
     "parallel_map",
     "parse_cpu_list",
+    "use_cpus",
     "work_cpus",
 ]
 
-CPUS_ENV = "DELTASYNC_CPUS"
-"""A CPU list (``0-3,8``) for deltasync's threads; unset: the cores the process could use at import."""
-
 MAX_DEFAULT_THREADS = 8
-"""Threads at most, unless ``DELTASYNC_CPUS`` names more cores: the work is memory-bound past a few cores, and a
+"""Threads at most, unless :func:`use_cpus` names more cores: the work is memory-bound past a few cores, and a
 tensor-parallel engine runs one decoder per rank."""
 
 PARALLEL_MIN_ELEMENTS = 1 << 18
@@ -61,7 +59,8 @@ def _launch_cpus() -> frozenset[int]:
     thread's cores are a strict subset of the parent's (pinned by the OpenMP runtime since its start), else its
     own. A parent that is gone (this process re-parented to init) or unreadable leaves this process's own. Under
     an OpenMP bind, a ``taskset`` narrower than the parent's cores cannot be told from the bind: name the cores
-    with ``DELTASYNC_CPUS`` there."""
+    with ``DELTASYNC_CPUS`` there. (The OpenMP variables are read as facts about how this process was started,
+    not as deltasync settings.)"""
     own = _affinity(os.getpid())
     if not any(os.environ.get(name, "").strip().lower() not in ("", "false") for name in _OPENMP_BIND_ENV):
         return own
@@ -83,8 +82,9 @@ MAX_CPU_ID = (1 << 16) - 1
 to it would be a set of billions."""
 
 
-def parse_cpu_list(text: str, *, what: str = CPUS_ENV) -> frozenset[int]:
-    """The cores of a Linux CPU list (``"0-3,8"``, as ``taskset -c`` and cpusets write them).
+def parse_cpu_list(text: str, *, what: str) -> frozenset[int]:
+    """The cores of a Linux CPU list (``"0-3,8"``, as ``taskset -c`` and cpusets write them); ``what``: where it
+    comes from, for messages (the setting's name).
 
     Raises:
         ValueError: not a CPU list (ASCII digits, ascending ranges), empty, or a core id over :data:`MAX_CPU_ID`.
@@ -107,11 +107,6 @@ def parse_cpu_list(text: str, *, what: str = CPUS_ENV) -> frozenset[int]:
 _DIGITS = re.compile(r"[0-9]+")
 
 
-@functools.lru_cache(maxsize=4)
-def _setting(text: str) -> frozenset[int]:
-    return parse_cpu_list(text)
-
-
 def format_cpu_list(cpus: frozenset[int] | set[int]) -> str:
     """The shortest CPU list of ``cpus`` (``{0, 1, 2, 5}``: ``"0-2,5"``), as :func:`parse_cpu_list` reads it."""
     runs: list[list[int]] = []
@@ -123,16 +118,25 @@ def format_cpu_list(cpus: frozenset[int] | set[int]) -> str:
     return ",".join(f"{a}" if a == b else f"{a}-{b}" for a, b in runs)
 
 
-def work_cpus() -> frozenset[int]:
-    """The cores deltasync's threads run on: ``DELTASYNC_CPUS``, else those this process was started with (its
-    parent's when it was pinned to fewer since; read once per process).
+_NAMED: dict[str, frozenset[int]] = {}  # "cpus": the cores use_cpus named for this process
 
-    Raises:
-        ValueError: ``DELTASYNC_CPUS`` is not a CPU list.
-    """
-    text = os.environ.get(CPUS_ENV, "").strip()
-    if text:
-        return _setting(text)
+
+def use_cpus(cpus: frozenset[int] | None) -> None:
+    """Run deltasync's threads in this process on ``cpus`` from now on, up to one thread per core (``None``: on the
+    cores this process was started with, up to :data:`MAX_DEFAULT_THREADS`). An engine calls it at its start with
+    its ``DELTASYNC_CPUS``."""
+    if cpus is None:
+        _NAMED.pop("cpus", None)
+    else:
+        _NAMED["cpus"] = frozenset(cpus)
+
+
+def work_cpus() -> frozenset[int]:
+    """The cores deltasync's threads run on: those :func:`use_cpus` named, else those this process was started with
+    (its parent's when it was pinned to fewer since; read once per process)."""
+    named = _NAMED.get("cpus")
+    if named is not None:
+        return named
     pid = os.getpid()
     if pid not in _LAUNCH:
         _LAUNCH[pid] = _launch_cpus()
@@ -188,7 +192,7 @@ def parallel_map(
     itself). ``cost``: each item's share, the largest started first, so that one big tensor does not start last
     and finish alone."""
     cpus = work_cpus()
-    cap = (os.cpu_count() or 1) if os.environ.get(CPUS_ENV, "").strip() else MAX_DEFAULT_THREADS
+    cap = (os.cpu_count() or 1) if "cpus" in _NAMED else MAX_DEFAULT_THREADS
     limit = max(min(len(cpus), cap), 1)
     workers = min(len(items), limit)
     if elements < PARALLEL_MIN_ELEMENTS or getattr(_IN_POOL, "active", False) or (workers <= 1 and _affinity() <= cpus):

@@ -8,7 +8,8 @@ free. Fresh pages are paid for on first touch (zeroed by the kernel; on a VM als
 measured here at 1-3 ns per byte, more than the arithmetic on them. Until the adaptive threshold had settled,
 the same plan took 0.25-1.3 s instead of ~20 ms (``benchmarks/bench_apply.py``, Qwen3-0.6B, lr 1e-6).
 
-:func:`keep_scratch` sets both limits once, where the engine starts: blocks up to glibc's largest mmap
+:func:`keep_scratch` sets both limits once, where the engine starts (``DELTASYNC_ENGINE_KEEP_MIB``, read with the
+engine's other settings: :class:`deltasync.vllm.config.EngineConfig`): blocks up to glibc's largest mmap
 threshold (32 MiB on 64-bit) come from the heap, and up to ``mib`` free at its top are kept for the next
 update instead of being given back. The memory kept is what the last updates used at most (it is reused, not
 added to: the peak of an update does not grow), and is visible in the worker's resident size between updates.
@@ -20,15 +21,12 @@ from __future__ import annotations
 
 import ctypes
 import logging
-import os
 import platform
 
-__all__ = ["KEEP_ENV", "KEEP_MIB", "keep_scratch"]
+__all__ = ["KEEP_MIB", "keep_scratch"]
 
 logger = logging.getLogger("vllm.deltasync.heap")
 
-KEEP_ENV = "DELTASYNC_ENGINE_KEEP_MIB"
-"""How much freed memory (MiB) an engine worker keeps for the next update; ``0`` leaves glibc's defaults."""
 KEEP_MIB = 512
 """The default: an lr 1e-6 update of Qwen3-0.6B uses ~100-250 MB of temporaries, an lr 1e-5 one ~500 MB."""
 
@@ -37,23 +35,12 @@ _M_MMAP_THRESHOLD = -3
 _MMAP_THRESHOLD_MAX = 32 << 20  # glibc's DEFAULT_MMAP_THRESHOLD_MAX on 64-bit: mallopt refuses more
 
 
-def keep_scratch(mib: int | None = None) -> bool:
-    """Make this process's glibc ``malloc`` keep up to ``mib`` MiB of freed memory (default: ``$DELTASYNC_ENGINE
-    _KEEP_MIB``, else :data:`KEEP_MIB`) and serve blocks up to 32 MiB from it; returns whether it was set.
+def keep_scratch(mib: int) -> bool:
+    """Make this process's glibc ``malloc`` keep up to ``mib`` MiB of freed memory and serve blocks up to 32 MiB
+    from it; returns whether it was set.
 
     Nothing is set (``False``) with ``mib`` 0, off Linux glibc, or where ``mallopt`` refuses a value.
-
-    Raises:
-        ValueError: ``$DELTASYNC_ENGINE_KEEP_MIB`` is not a whole number of MiB >= 0.
     """
-    if mib is None:
-        text = os.environ.get(KEEP_ENV, str(KEEP_MIB))
-        try:
-            mib = int(text)
-        except ValueError:
-            mib = -1
-        if mib < 0:
-            raise ValueError(f"{KEEP_ENV}={text!r}: expected a whole number of MiB >= 0 (0 keeps glibc's defaults)")
     if mib <= 0 or platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
         return False
     try:

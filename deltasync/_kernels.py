@@ -7,7 +7,8 @@ and reads back a temporary. Each loop here does one of those jobs in one pass ov
 the same results bit for bit (``tests/unit/test_kernels.py`` checks them against the numpy code on random and edge
 inputs; the codec and sketch tests run both ways).
 
-The loops are optional. Without numba, or with ``DELTASYNC_KERNELS=numpy``, :func:`kernels` is ``None`` and the
+The loops are optional. Without numba, or turned off (:func:`use_compiled`: an engine's ``DELTASYNC_KERNELS=numpy``,
+read with its other settings, :class:`deltasync.vllm.config.EngineConfig`), :func:`kernels` is ``None`` and the
 callers run their numpy code. They are compiled on first use, with numba's on-disk cache (the engine warms them
 at its start, :func:`warm`), and release the GIL, so the decoder's threads can run them side by side.
 """
@@ -15,7 +16,6 @@ at its start, :func:`warm`), and release the GIL, so the decoder's threads can r
 from __future__ import annotations
 
 import logging
-import os
 import threading
 from collections.abc import Callable
 from types import SimpleNamespace
@@ -25,12 +25,9 @@ import numpy as np
 
 Arr = np.ndarray[Any, Any]
 
-__all__ = ["KERNELS_ENV", "OrdinalCode", "kernels", "warm"]
+__all__ = ["OrdinalCode", "kernels", "use_compiled", "warm"]
 
 logger = logging.getLogger(__name__)
-
-KERNELS_ENV = "DELTASYNC_KERNELS"
-"""``numpy`` runs the numpy code even where numba is installed; anything else (or unset) uses numba if it is."""
 
 
 class OrdinalCode(NamedTuple):
@@ -48,6 +45,7 @@ class OrdinalCode(NamedTuple):
 
 _LOCK = threading.Lock()
 _LOADED: dict[str, Any] = {}
+_WANTED = {"compiled": True}  # use_compiled's setting for this process
 _ordinal_sum: Any = None
 """The compiled ``ordinal_sum`` once :func:`_build` ran (a global: see there)."""
 
@@ -56,7 +54,7 @@ def kernels() -> SimpleNamespace | None:
     """The compiled loops (``undo_ordinal``, ``undo_planes``, ``change_lanes``, ``change_rows``, ``join_gaps``),
     or ``None`` where numba is missing or turned off. The first call imports numba and compiles or loads the loops
     (~0.5-1.5 s); later calls cost a lookup."""
-    if os.environ.get(KERNELS_ENV, "").strip().lower() == "numpy":
+    if not _WANTED["compiled"]:
         return None
     loaded = _LOADED.get("k", False)
     if loaded is not False:
@@ -65,6 +63,12 @@ def kernels() -> SimpleNamespace | None:
         if "k" not in _LOADED:
             _LOADED["k"] = _compile()
         return _LOADED["k"]  # type: ignore[no-any-return]
+
+
+def use_compiled(on: bool) -> None:
+    """Whether :func:`kernels` hands out the compiled loops in this process from now on (``False``: the callers run
+    the numpy code, bit for bit the same results)."""
+    _WANTED["compiled"] = on
 
 
 def warm() -> bool:

@@ -273,7 +273,7 @@ def prove(
     forge: str | None = None,
     reread: list[str] | None = None,
 ) -> bool:
-    """The engine's proof before the pause (``ProvingEngine._prove`` for sparse changes to tensors held whole): the
+    """The engine's proof before the pause (:func:`deltasync.vllm.proof.prove_update` for sparse changes to tensors held whole): the
     old values the decoder read at the changed elements (or read again through the map), every tensor's change
     added to one :class:`ChangeProof`, on the decoder's threads. ``forge``: a tensor whose first new value is
     flipped in the proof's copy (the proof must then fail)."""

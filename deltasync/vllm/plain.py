@@ -15,20 +15,12 @@ with the changed elements; ``benchmarks/bench_apply.py`` measures both sides.
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Iterator
 from typing import Any
 
-__all__ = ["ENV", "enabled", "install", "kernel_modules", "plain_parameters", "read_through_kernel"]
+__all__ = ["install", "kernel_modules", "plain_parameters", "read_through_kernel"]
 
 logger = logging.getLogger("vllm.deltasync.plain")
-
-ENV = "DELTASYNC_VLLM_PLAIN_WEIGHTS"
-"""The environment variable that turns plain parameters on (``1``) in vLLM's processes."""
-
-
-def enabled() -> bool:
-    return os.environ.get(ENV, "").strip().lower() in ("1", "true", "yes", "on")
 
 
 def _plain_linear(x: Any, weight: Any, bias: Any) -> Any:
@@ -38,9 +30,8 @@ def _plain_linear(x: Any, weight: Any, bias: Any) -> Any:
 
 
 def install() -> None:
-    """Replace vLLM's CPU GEMM dispatch by one that keeps plain weights, if :func:`enabled`; idempotent."""
-    if not enabled():
-        return
+    """Replace vLLM's CPU GEMM dispatch by one that keeps plain weights; idempotent. The plugin calls it where the
+    engine's settings ask for it (:attr:`~deltasync.vllm.config.EngineConfig.plain_weights`)."""
     from vllm.model_executor.layers import utils
 
     if getattr(utils.dispatch_cpu_unquantized_gemm, "_deltasync_plain", False):
@@ -56,12 +47,13 @@ def install() -> None:
 
     dispatch_plain._deltasync_plain = True  # type: ignore[attr-defined]
     utils.dispatch_cpu_unquantized_gemm = dispatch_plain
-    logger.info("deltasync: %s=1: vLLM's CPU linear weights stay plain (no repack)", ENV)
+    logger.info("deltasync: DELTASYNC_VLLM_PLAIN_WEIGHTS=1: vLLM's CPU linear weights stay plain (no repack)")
 
 
 def plain_parameters(model: Any) -> tuple[bool, list[str]]:
     """Whether every dense linear layer of ``model`` computes from its live ``weight`` (GPU builds always do;
-    the CPU build only with :data:`ENV`), and the modules that do not (repacked: ``weight`` emptied)."""
+    the CPU build only with ``DELTASYNC_VLLM_PLAIN_WEIGHTS=1``), and the modules that do not (repacked: ``weight``
+    emptied)."""
     packed = []
     for name, module in model.named_modules():
         if not hasattr(module, "cpu_linear"):

@@ -4,7 +4,7 @@ A ``packed`` delta codes each changed value against the base version's value at 
 An engine that holds every tensor it serves decodes it against its own live parameters, reading only the changed
 elements, so its agent needs no copy of the model. The values read for the first object that changes a tensor are
 the very values that object replaces: the proof before the first write reuses them
-(:meth:`~deltasync.vllm.proof.ProvingEngine._prove`), one gather for both.
+(:func:`~deltasync.vllm.proof.prove_update`), one gather for both.
 
 Within one update session (a catch-up: an anchor, then deltas; or several deltas), each later object decodes
 against what the earlier ones give, held here as an overlay (:meth:`ServedValues.advance`); the engine has written

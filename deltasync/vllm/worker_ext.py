@@ -67,14 +67,11 @@ class DeltaSyncWorkerExtension:
             return {"ok": False, "version": None, "reason": "no deltasync weight-transfer engine", "parts": {}}
         result: dict[str, Any] = engine.prove_state(names)
         if names is None and result.get("ok") and _track_served_adapter(self, engine):
-            from .lora_slots import prove_served_slots
-
             try:
-                bad, result["slots"] = prove_served_slots(self, engine.adapter_dir, engine.adapter_copy)
+                bad, result["slots"] = engine.prove_slots(self)
             except Exception as exc:  # noqa: BLE001 - a proof that cannot run proves nothing: said, never raised
                 return {**result, "ok": False, "reason": f"the served adapter's slots: {type(exc).__name__}: {exc}"}
             if bad:
-                engine.report_drift(bad, by="this rank")
                 result.update(ok=False, bad=bad[:16])
         return result
 
@@ -123,23 +120,12 @@ class DeltaSyncWorkerExtension:
     def deltasync_adapter(self) -> dict[str, Any]:
         """Apply mode ``lora``: the adapter this rank serves, ``{"dir": path, "version": int, "checksums": {tensor:
         xxh3_128}}`` of the files vLLM loads it from; ``{}`` in the other modes."""
-        import os
-
-        from safetensors import safe_open
-
-        from ..format import tensor_checksum
-        from .lora_slots import ADAPTER_FILE
-
         engine = getattr(self, "weight_transfer_engine", None)
-        directory = getattr(engine, "adapter_dir", None)
-        if engine is None or engine.mode != "lora" or directory is None:
+        adapter = getattr(engine, "adapter", None)
+        if adapter is None or not hasattr(adapter, "files"):
             return {}
-        path = os.path.join(directory, ADAPTER_FILE)
-        if not os.path.exists(path):
-            return {"dir": directory, "version": engine.version, "checksums": {}}
-        with safe_open(path, framework="pt", device="cpu") as f:
-            sums = {n: tensor_checksum(f.get_tensor(n)) for n in f.keys()}
-        return {"dir": directory, "version": engine.version, "checksums": sums}
+        files: dict[str, Any] = adapter.files()
+        return files
 
     def deltasync_lora_replace(self, lora_int_id: int, adapter_dir: str) -> dict[str, Any]:
         """Replace the weights of the loaded LoRA adapter ``lora_int_id`` in its slot by the PEFT adapter staged in
@@ -170,9 +156,7 @@ class DeltaSyncWorkerExtension:
 def _track_served_adapter(worker: Any, engine: Any) -> bool:
     """``lora`` mode: make sure this worker records which adapter ids vLLM loads from the served directory (the
     whole-state proof reads them back); whether the engine serves one."""
-    directory = getattr(engine, "adapter_dir", None)
-    if engine is None or getattr(engine, "mode", None) != "lora" or directory is None:
+    adapter = getattr(engine, "adapter", None)
+    if adapter is None or not hasattr(adapter, "track"):
         return False
-    from .lora_slots import track_served_loads
-
-    return track_served_loads(worker, directory, getattr(engine, "adapter_copy", None)) is not None
+    return bool(adapter.track(worker))

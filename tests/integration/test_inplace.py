@@ -29,8 +29,8 @@ from deltasync.staging import StagedUpdate, stage_object
 from deltasync.targets import OfflineLLMTarget
 from deltasync.testing.launchers import offline_llm
 from deltasync.testing.models import build_tiny_model
+from deltasync.vllm.config import PLAIN_ENV
 from deltasync.vllm.patch_map import SPLIT_AT_ENV
-from deltasync.vllm.plain import ENV as PLAIN_ENV
 from tests.conftest import PUBLISHER_TOKEN, ServerThread, agent_token, coordinator_settings
 from tests.integration.fresh_engine import fresh_run, generate
 from tests.support.world import StreamPublisher
@@ -48,8 +48,8 @@ def _corrupt_a_written_element(worker: Any) -> str:
     """Runs in a vLLM worker (a callable sent by ``collective_rpc``): flips one element the last update wrote,
     as a faulty write or a stale map would, before the audit reads the update back."""
     engine = worker.weight_transfer_engine
-    op = next(op for op in engine._readback if hasattr(op, "index"))
-    flat = engine._map.param(op.param).data.view(-1).view(torch.int16)
+    op = next(op for op in engine.applier.written.writes if hasattr(op, "index"))
+    flat = engine.served.built_map.param(op.param).data.view(-1).view(torch.int16)
     flat[op.index[0]] ^= 1
     return str(op.param)
 

@@ -74,12 +74,13 @@ def probe_passes(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
 
 
 @pytest.fixture(params=["numba", "numpy"])
-def kernel_modes(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+def kernel_modes(request: pytest.FixtureRequest) -> Iterator[str]:
     """A codec or sketch test twice: with deltasync's compiled loops (numba, which vLLM installs) and with the
-    numpy code they replace (``DELTASYNC_KERNELS=numpy``, what a host without numba runs)."""
+    numpy code they replace (an engine's ``DELTASYNC_KERNELS=numpy``, what a host without numba runs)."""
     from deltasync import _kernels
 
-    monkeypatch.setenv(_kernels.KERNELS_ENV, str(request.param))
+    _kernels.use_compiled(request.param == "numba")
     if request.param == "numba" and _kernels.kernels() is None:
         pytest.fail("numba is not importable here, so the compiled loops go untested: `make venv` installs it")
-    return str(request.param)
+    yield str(request.param)
+    _kernels.use_compiled(True)

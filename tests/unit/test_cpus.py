@@ -1,4 +1,4 @@
-"""deltasync's threads run on the cores the process was started with (or ``DELTASYNC_CPUS``), not on the one core
+"""deltasync's threads run on the cores the process was started with (or an engine's ``DELTASYNC_CPUS``), not on the one core
 the OpenMP runtime pins vLLM's CPU worker's main thread to; a job's items come back in order, errors and all."""
 
 from __future__ import annotations
@@ -11,9 +11,24 @@ import threading
 import pytest
 
 from deltasync import _cpus
-from deltasync._cpus import CPUS_ENV, PARALLEL_MIN_ELEMENTS, parallel_map, parse_cpu_list, work_cpus
+from deltasync._cpus import PARALLEL_MIN_ELEMENTS, parallel_map, parse_cpu_list, use_cpus, work_cpus
+from deltasync.vllm.config import CPUS_ENV, EngineConfig
 
 BIG = PARALLEL_MIN_ELEMENTS
+
+
+@pytest.fixture(autouse=True)
+def _default_cores():  # type: ignore[no-untyped-def]
+    """Each test starts, and leaves this process, on the cores it was started with."""
+    use_cpus(None)
+    yield
+    use_cpus(None)
+
+
+def _use(text: str) -> None:
+    """The cores an engine started with ``DELTASYNC_CPUS=text`` runs its threads on."""
+    use_cpus(EngineConfig.from_env({CPUS_ENV: text}).cpus)
+
 
 needs_two = pytest.mark.skipif(
     len(os.sched_getaffinity(0)) < 2 if hasattr(os, "sched_getaffinity") else True,
@@ -25,13 +40,17 @@ needs_two = pytest.mark.skipif(
     ("text", "cpus"), [("0", {0}), ("0-3", {0, 1, 2, 3}), ("1,3-4", {1, 3, 4}), (" 2 , 0 ", {0, 2}), ("5-5", {5})]
 )
 def test_cpu_lists_parse(text: str, cpus: set[int]) -> None:
-    assert parse_cpu_list(text) == cpus
+    assert parse_cpu_list(text, what=CPUS_ENV) == cpus
+    assert EngineConfig.from_env({CPUS_ENV: text}).cpus == cpus
 
 
 @pytest.mark.parametrize("text", ["", "a", "1-", "-1", "3-1", "1,,2", "0x1", "1.5"])
 def test_bad_cpu_lists_name_the_setting(text: str) -> None:
     with pytest.raises(ValueError, match=f"{CPUS_ENV}=.*expected a CPU list"):
-        parse_cpu_list(text)
+        parse_cpu_list(text, what=CPUS_ENV)
+    if text:  # unset (empty): the cores the process was started with
+        with pytest.raises(ValueError, match=f"{CPUS_ENV}=.*expected a CPU list"):
+            EngineConfig.from_env({CPUS_ENV: text})
 
 
 def _on_one_core(job):  # type: ignore[no-untyped-def]
@@ -57,7 +76,10 @@ def _where() -> tuple[frozenset[int], int]:
     return frozenset(os.sched_getaffinity(0)), threading.get_ident()
 
 
-_REPORT = "from deltasync._cpus import format_cpu_list, work_cpus; print(format_cpu_list(work_cpus()))"
+_REPORT = (  # as an engine starts: its settings from the environment, then its threads' cores
+    "from deltasync._cpus import format_cpu_list, use_cpus, work_cpus; from deltasync.vllm.config import EngineConfig; "
+    "use_cpus(EngineConfig.from_env().cpus); print(format_cpu_list(work_cpus()))"
+)
 
 
 def _child(script: str, **env: str) -> str:
@@ -94,7 +116,6 @@ def test_a_process_started_on_fewer_cores_keeps_them() -> None:
 def test_a_pinned_caller_still_spreads_the_work_over_the_cores_it_had_at_import(monkeypatch) -> None:  # type: ignore[no-untyped-def]
     """The bug this fixes: the pool sized itself by the calling thread's affinity, one core in vLLM's CPU worker,
     and so decoded and proved serially there."""
-    monkeypatch.delenv(CPUS_ENV, raising=False)
     start = threading.Barrier(2, timeout=10)
 
     def job(i: int) -> tuple[frozenset[int], int]:
@@ -110,7 +131,7 @@ def test_a_pinned_caller_still_spreads_the_work_over_the_cores_it_had_at_import(
 
 @needs_two
 def test_the_setting_moves_the_work_off_the_callers_core(monkeypatch) -> None:  # type: ignore[no-untyped-def]
-    monkeypatch.setenv(CPUS_ENV, "1")
+    _use("1")
     seen = _on_one_core(lambda: parallel_map(lambda i: _where(), range(3), BIG))
     assert {cpus for cpus, _ in seen} == {frozenset({1})}
     caller = _on_one_core(lambda: threading.get_ident())
@@ -118,27 +139,24 @@ def test_the_setting_moves_the_work_off_the_callers_core(monkeypatch) -> None:  
 
 
 def test_small_jobs_run_on_the_caller(monkeypatch) -> None:  # type: ignore[no-untyped-def]
-    monkeypatch.delenv(CPUS_ENV, raising=False)
     here = threading.get_ident()
     assert {ident for _, ident in parallel_map(lambda i: _where(), range(4), BIG - 1)} == {here}
 
 
 def test_results_come_back_in_order_whatever_runs_first(monkeypatch) -> None:  # type: ignore[no-untyped-def]
-    monkeypatch.delenv(CPUS_ENV, raising=False)
     items = [3, 1, 4, 1, 5, 9, 2, 6]
     assert parallel_map(lambda x: x * 10, items, BIG, cost=lambda x: x) == [x * 10 for x in items]
     assert parallel_map(lambda x: x * 10, items, BIG) == [x * 10 for x in items]
 
 
 def test_the_largest_item_starts_first(monkeypatch) -> None:  # type: ignore[no-untyped-def]
-    monkeypatch.setenv(CPUS_ENV, "0")  # one thread: the order of starts is the order of submission
+    _use("0")  # one thread: the order of starts is the order of submission
     started: list[int] = []
     parallel_map(started.append, [2, 7, 1, 7, 3], BIG, cost=lambda x: x)
     assert started == [7, 7, 3, 2, 1]
 
 
 def test_an_error_in_one_item_reaches_the_caller(monkeypatch) -> None:  # type: ignore[no-untyped-def]
-    monkeypatch.delenv(CPUS_ENV, raising=False)
 
     def job(i: int) -> int:
         if i == 3:
@@ -149,16 +167,15 @@ def test_an_error_in_one_item_reaches_the_caller(monkeypatch) -> None:  # type: 
         parallel_map(job, range(8), BIG)
 
 
-def test_a_bad_setting_is_a_clear_error(monkeypatch) -> None:  # type: ignore[no-untyped-def]
-    monkeypatch.setenv(CPUS_ENV, "all")
+def test_a_bad_setting_is_a_clear_error() -> None:
     with pytest.raises(ValueError, match=f"{CPUS_ENV}='all'"):
-        parallel_map(lambda i: i, range(4), BIG)
+        EngineConfig.from_env({CPUS_ENV: "all"})
 
 
 def test_cores_it_may_not_use_leave_the_inherited_pin(monkeypatch) -> None:  # type: ignore[no-untyped-def]
     """A core this process may not run on (a cpuset narrowed, a core offline): the threads keep what they
     inherited rather than fail the job."""
-    monkeypatch.setenv(CPUS_ENV, "4095")
+    _use("4095")
     assert parallel_map(lambda i: i + 1, range(3), BIG) == [1, 2, 3]
     assert _cpus.work_cpus() == {4095}
 
@@ -166,14 +183,13 @@ def test_cores_it_may_not_use_leave_the_inherited_pin(monkeypatch) -> None:  # t
 @pytest.mark.parametrize("cpus", [{0}, {0, 1, 2, 5}, {3, 4, 7, 8, 9, 12}, set(range(64))])
 def test_cpu_lists_round_trip(cpus: set[int]) -> None:
     text = _cpus.format_cpu_list(cpus)
-    assert parse_cpu_list(text) == cpus and " " not in text
+    assert parse_cpu_list(text, what=CPUS_ENV) == cpus and " " not in text
     assert _cpus.format_cpu_list({0, 1, 2, 5}) == "0-2,5"
 
 
 @needs_two
 def test_the_same_threads_serve_every_job(monkeypatch) -> None:  # type: ignore[no-untyped-def]
     """Updates reuse the threads (and the glibc arenas they allocated from) instead of starting new ones."""
-    monkeypatch.delenv(CPUS_ENV, raising=False)
     threads = min(len(work_cpus()), _cpus.MAX_DEFAULT_THREADS)
     start = threading.Barrier(threads, timeout=10)
 
@@ -192,7 +208,7 @@ def test_the_same_threads_serve_every_job(monkeypatch) -> None:  # type: ignore[
 def test_a_job_started_on_a_pool_thread_runs_there(monkeypatch) -> None:  # type: ignore[no-untyped-def]
     """A job that maps again from inside the pool runs its inner items on its own thread: a pool that waited on
     itself would hang once every thread waited."""
-    monkeypatch.setenv(CPUS_ENV, "0")  # one thread: an inner job queued behind its caller would never run
+    _use("0")  # one thread: an inner job queued behind its caller would never run
 
     def outer(i: int) -> list[int]:
         me = threading.get_ident()
@@ -214,15 +230,14 @@ def test_hostile_settings_are_refused_at_once_naming_the_setting(monkeypatch, te
     """Non-ASCII digits (``int`` takes Arabic-Indic ones, ``isdigit`` superscripts it then rejects), a core id
     past any kernel's (the pool's threads failed to pin, and every later job raised ``BrokenThreadPool``), a range
     of a hundred million cores (a set of GBs, parsed again on every job)."""
-    monkeypatch.setenv(CPUS_ENV, text)
     with pytest.raises(ValueError, match=f"{CPUS_ENV}="):
-        parallel_map(lambda i: i, range(4), BIG)
+        EngineConfig.from_env({CPUS_ENV: text})
     with pytest.raises(ValueError, match=f"{CPUS_ENV}="):
-        parse_cpu_list(text)
+        parse_cpu_list(text, what=CPUS_ENV)
 
 
 def test_the_largest_core_id_still_parses(monkeypatch) -> None:  # type: ignore[no-untyped-def]
-    monkeypatch.setenv(CPUS_ENV, f"0,{_cpus.MAX_CPU_ID}")
+    _use(f"0,{_cpus.MAX_CPU_ID}")
     assert parallel_map(lambda i: i * 3, range(5), BIG) == [0, 3, 6, 9, 12]  # the big core cannot be pinned: kept
 
 
@@ -307,6 +322,6 @@ def test_a_reparented_process_keeps_its_own_cores(tmp_path) -> None:  # type: ig
 
 def test_idle_pools_are_bounded_however_many_core_sets_are_used(monkeypatch) -> None:  # type: ignore[no-untyped-def]
     for text in ["0", "0-1", "1", "0,1", "0-3", "2", "0-7"]:
-        monkeypatch.setenv(CPUS_ENV, text)
+        _use(text)
         assert parallel_map(lambda i: i, range(3), BIG) == [0, 1, 2]
     assert len(_cpus._IDLE) <= _cpus._MAX_IDLE

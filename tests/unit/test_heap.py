@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from deltasync._heap import KEEP_ENV, keep_scratch
+from deltasync._heap import keep_scratch
 
 glibc = pytest.mark.skipif(
     platform.system() != "Linux" or platform.libc_ver()[0] != "glibc", reason="glibc's malloc only"
@@ -65,10 +65,5 @@ def test_freed_scratch_is_kept_and_reused_without_page_faults() -> None:
         assert faults > pages // 2, f"glibc's defaults kept the block ({faults} faults): this test proves nothing here"
 
 
-def test_the_keep_limit_is_read_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv(KEEP_ENV, "0")
-    assert keep_scratch() is False
-    for bad in ("lots", "-1", "1.5"):
-        monkeypatch.setenv(KEEP_ENV, bad)
-        with pytest.raises(ValueError, match=f"{KEEP_ENV}=.*whole number of MiB"):
-            keep_scratch()
+def test_zero_keeps_glibc_s_defaults() -> None:
+    assert keep_scratch(0) is False

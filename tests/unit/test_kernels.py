@@ -1,4 +1,5 @@
-"""deltasync's compiled loops (``deltasync._kernels``) against the numpy code they replace (``DELTASYNC_KERNELS=numpy``).
+"""deltasync's compiled loops (``deltasync._kernels``) against the numpy code they replace (an engine's
+``DELTASYNC_KERNELS=numpy``).
 
 The promises, each attacked on random, edge and hostile inputs:
 
@@ -16,6 +17,7 @@ either way).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -32,33 +34,49 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from deltasync import _codec, _kernels, sketch
-from deltasync._kernels import KERNELS_ENV, kernels, warm
+from deltasync._kernels import kernels, use_compiled, warm
 from deltasync.errors import FormatError
 from deltasync.format import TensorDelta, decode_shard, encode_shard, tensor_checksum
 from deltasync.sketch import _CHUNK, add_sketches, sketch_at, sketch_change, sketch_range, sub_sketches
+from deltasync.vllm.config import KERNELS_ENV, EngineConfig
+
+
+@pytest.fixture(autouse=True)
+def _compiled_loops():  # type: ignore[no-untyped-def]
+    """Each test starts, and leaves this process, with the compiled loops in use (the default)."""
+    use_compiled(True)
+    yield
+    use_compiled(True)
+
+
+@contextlib.contextmanager
+def _numpy_code():  # type: ignore[no-untyped-def]
+    """A block run with the numpy code, as an engine started with ``DELTASYNC_KERNELS=numpy`` runs it."""
+    use_compiled(False)
+    try:
+        yield
+    finally:
+        use_compiled(True)
+
+
+def _engine_setting(value: str) -> None:
+    """The loops an engine started with ``DELTASYNC_KERNELS=value`` uses, from now on in this process."""
+    use_compiled(EngineConfig.from_env({KERNELS_ENV: value}).kernels == "numba")
 
 
 @pytest.fixture
-def numpy_only(monkeypatch: pytest.MonkeyPatch):
+def numpy_only():  # type: ignore[no-untyped-def]
     """Run a block with the numpy code: ``with numpy_only(): ...``."""
-    import contextlib
-
-    @contextlib.contextmanager
-    def switch():
-        with monkeypatch.context() as m:
-            m.setenv(_kernels.KERNELS_ENV, "numpy")
-            yield
-
-    return switch
+    return _numpy_code
 
 
 def test_the_loops_are_compiled_here_and_off_on_request(monkeypatch: pytest.MonkeyPatch) -> None:
     """vLLM installs numba, so the loops run in every engine; ``DELTASYNC_KERNELS=numpy`` turns them off."""
-    monkeypatch.delenv(_kernels.KERNELS_ENV, raising=False)
+    use_compiled(True)
     assert _kernels.warm() and _kernels.kernels() is not None
     for name in ("undo_ordinal", "undo_planes", "change_lanes", "change_rows", "join_gaps"):
         assert callable(getattr(_kernels.kernels(), name))
-    monkeypatch.setenv(_kernels.KERNELS_ENV, " NumPy ")
+    _engine_setting(" NumPy ")
     assert _kernels.kernels() is None and not _kernels.warm()
 
 
@@ -67,7 +85,7 @@ def test_a_second_process_loads_the_loops_from_numba_s_cache(tmp_path: Path) -> 
     files: one loop called another held in a closure cell, and numba keys its cache on the pickled cell, which
     holds a new id in each process. The second and third processes must add no file to the cache."""
     env = {**os.environ, "NUMBA_CACHE_DIR": str(tmp_path)}
-    env.pop(_kernels.KERNELS_ENV, None)
+    env.pop(KERNELS_ENV, None)
     code = "from deltasync import _kernels; assert _kernels.warm()"
     counts = []
     for _ in range(3):
@@ -186,8 +204,7 @@ def test_undo_planes_equals_numpy_for_long_runs_and_a_late_overflow(narrow: type
     base[::97] = info.max  # the largest patterns: +1 in ordinal order wraps for some of them
     coded = rng.integers(0, 1 << (8 * planes), size=n).astype(wide)
     buf = _codec.split_planes(coded, planes)
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv(_kernels.KERNELS_ENV, "numpy")
+    with _numpy_code():
         want = _codec.undo_ordinal_planes(base, buf, n, planes, wide)
     got = _codec.undo_ordinal_planes(base, buf, n, planes, wide)
     assert (got is None) == (want is None)
@@ -198,8 +215,7 @@ def test_undo_planes_equals_numpy_for_long_runs_and_a_late_overflow(narrow: type
     safe = np.zeros(n, dtype=narrow)
     safe[4002] = info.max
     buf = _codec.split_planes(fine, planes)
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv(_kernels.KERNELS_ENV, "numpy")
+    with _numpy_code():
         assert _codec.undo_ordinal_planes(safe, buf, n, planes, wide) is None
     assert _codec.undo_ordinal_planes(safe, buf, n, planes, wide) is None
     safe[4002] = info.max - 1  # one below: decoded, the same by both
@@ -339,13 +355,13 @@ def _outcome(fn: Callable[[], Any]) -> tuple[str, Any]:
 
 def _both(monkeypatch: pytest.MonkeyPatch, fn: Callable[[], Any]) -> tuple[tuple[str, Any], tuple[str, Any]]:
     """``fn`` with the compiled loops, then with the numpy reference (env checked per call)."""
-    monkeypatch.delenv(KERNELS_ENV, raising=False)
+    use_compiled(True)
     assert kernels() is not None, "numba is importable here: the loops must be in use"
     got = _outcome(fn)
-    monkeypatch.setenv(KERNELS_ENV, "numpy")
+    use_compiled(False)
     assert kernels() is None
     want = _outcome(fn)
-    monkeypatch.delenv(KERNELS_ENV, raising=False)
+    use_compiled(True)
     return got, want
 
 
@@ -400,13 +416,13 @@ def _random16(rng: np.random.Generator, n: int, dtype: torch.dtype) -> torch.Ten
 # --------------------------------------------------------------------------------------------------- switches
 
 
-def test_env_switch_checked_per_call(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv(KERNELS_ENV, raising=False)
+def test_the_setting_is_checked_per_call(monkeypatch: pytest.MonkeyPatch) -> None:
+    use_compiled(True)
     assert warm() is True and kernels() is not None
     for value in ("numpy", " NumPy ", "NUMPY\n"):
-        monkeypatch.setenv(KERNELS_ENV, value)
+        _engine_setting(value)
         assert kernels() is None and warm() is False
-    monkeypatch.setenv(KERNELS_ENV, "numba")
+    _engine_setting("numba")
     assert kernels() is not None
 
 
@@ -802,7 +818,7 @@ def test_sketch_change_wrong_increasing_flag_compiled_is_exact(monkeypatch: pyte
     rng = np.random.default_rng(RNG_SEED + 11 * n)
     at = _lying_case(n, rng)
     new, old = _random16(rng, n, torch.float16), _random16(rng, n, torch.float16)
-    monkeypatch.delenv(KERNELS_ENV, raising=False)
+    use_compiled(True)
     truth = _oracle_change(_words16(new), _words16(old), at)
     assert sketch_change(new, old, torch.from_numpy(at), increasing=True) == truth
     # the chunk of at[0] above that of at[-1] (reversed order), and a single trusted chunk with others inside
@@ -937,7 +953,7 @@ def test_sketch_change_catches_what_numpy_catches(monkeypatch: pytest.MonkeyPatc
         served = sketch.sketch_range(base)
         old_vals = base[torch.from_numpy(at)]
         for mode in ("numba", "numpy"):
-            monkeypatch.setenv(KERNELS_ENV, mode)
+            use_compiled(mode == "numba")
             moved = sketch.add_sketches(
                 served, sketch_change(new_vals, old_vals, torch.from_numpy(at), increasing=True)
             )
@@ -954,7 +970,7 @@ def test_sketch_change_catches_what_numpy_catches(monkeypatch: pytest.MonkeyPatc
                 bad = sketch.add_sketches(served, sketch_change(pair.view(torch.bfloat16), old_vals,
                                                                 torch.from_numpy(at), increasing=True))  # fmt: skip
                 assert bad != published, mode
-    monkeypatch.delenv(KERNELS_ENV, raising=False)
+    use_compiled(True)
 
 
 def test_sketch_at_consistency_with_change(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -964,7 +980,7 @@ def test_sketch_at_consistency_with_change(monkeypatch: pytest.MonkeyPatch) -> N
     for n in (7, 4097, 66000):
         at = torch.from_numpy(np.sort(rng.choice(1 << 22, n, replace=False)).astype(np.int64))
         new, old = _random16(rng, n, torch.float16), _random16(rng, n, torch.float16)
-        monkeypatch.delenv(KERNELS_ENV, raising=False)
+        use_compiled(True)
         assert sketch_change(new, old, at, increasing=True) == sub_sketches(sketch_at(new, at), sketch_at(old, at))
 
 
@@ -1097,7 +1113,7 @@ def test_decode_shard_forged_values_and_wrapping_gaps(monkeypatch: pytest.Monkey
 
 
 def test_first_use_compiles_once_under_contention(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv(KERNELS_ENV, raising=False)
+    use_compiled(True)
     monkeypatch.setattr(_kernels, "_LOADED", {})
     calls: list[int] = []
     real = _kernels._compile
@@ -1133,7 +1149,7 @@ def test_loops_on_many_threads_match_serial(monkeypatch: pytest.MonkeyPatch) -> 
         at = np.sort(rng.choice((t + 1) * (1 << 24), n, replace=False)).astype(np.int64) + t * (1 << 36)
         new, old = _random16(rng, n, torch.bfloat16), _random16(rng, n, torch.bfloat16)
         jobs.append((base, raw, gaps_raw, at, new, old))
-    monkeypatch.setenv(KERNELS_ENV, "numpy")
+    use_compiled(False)
     want = [
         (
             _codec.undo_ordinal_planes(b, r, b.size, 1, np.uint32),
@@ -1142,7 +1158,7 @@ def test_loops_on_many_threads_match_serial(monkeypatch: pytest.MonkeyPatch) -> 
         )
         for b, r, g, a, nw, od in jobs
     ]
-    monkeypatch.delenv(KERNELS_ENV)
+    use_compiled(True)
     barrier = threading.Barrier(4)
 
     def work(i: int) -> list[Any]:
@@ -1195,7 +1211,7 @@ def test_no_numba_or_broken_numba_falls_back(monkeypatch: pytest.MonkeyPatch) ->
     """numba missing, or unable to compile: kernels() is None (remembered), and the codecs still decode."""
     import sys
 
-    monkeypatch.delenv(KERNELS_ENV, raising=False)
+    use_compiled(True)
     real_numba = sys.modules["numba"]
     monkeypatch.setattr(_kernels, "_LOADED", {})
     monkeypatch.setitem(sys.modules, "numba", None)  # `import numba` raises ImportError

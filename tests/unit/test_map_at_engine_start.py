@@ -4,6 +4,7 @@ starts; a map that cannot be built is recorded for the engine's status, and a bu
 
 from __future__ import annotations
 
+import types
 from typing import Any
 
 import pytest
@@ -11,22 +12,23 @@ import torch
 
 from deltasync.errors import MapCorruption
 
-proof = pytest.importorskip("deltasync.vllm.proof")
+pytest.importorskip("vllm")
 
 
-class _Engine(proof.ProvingEngine):  # type: ignore[misc, name-defined]
-    def _nothing(self, *args: Any, **kwargs: Any) -> None:
-        return None
+def _served(model: torch.nn.Module | None = None) -> Any:
+    """The engine's served model (:class:`~deltasync.vllm.model.ServedModel`: the map's lifecycle) over a toy
+    module, with just the vLLM configuration it reads (no engine is started)."""
+    from deltasync.vllm.config import EngineConfig
+    from deltasync.vllm.label import Label
+    from deltasync.vllm.model import ServedModel
 
-    finish_weight_update = receive_weights = shutdown = start_weight_update = _nothing
-
-
-def _bare_engine() -> Any:
-    eng = object.__new__(_Engine)
-    eng._map, eng._map_failed, eng.healthy, eng.version = None, None, True, None
-    eng._staged, eng._manifest, eng.detail = None, None, ""
-    eng._untrusted = lambda param: None
-    return eng
+    config = types.SimpleNamespace(
+        model_config=types.SimpleNamespace(model=None, dtype=torch.bfloat16, hf_config=None),
+        parallel_config=types.SimpleNamespace(tensor_parallel_size=1, pipeline_parallel_size=1),
+        quant_config=None,
+        lora_config=None,
+    )
+    return ServedModel(model or torch.nn.Module(), torch.device("cpu"), config, EngineConfig(), Label())
 
 
 def _unreadable_index() -> None:
@@ -34,23 +36,23 @@ def _unreadable_index() -> None:
 
 
 def test_a_map_build_that_fails_at_start_never_raises_and_is_recorded() -> None:
-    eng = _bare_engine()
-    eng.served_spec = _unreadable_index
-    eng._map_at_start()  # must not raise
-    assert eng._map_failed is not None
+    served = _served()
+    served.spec = _unreadable_index
+    served.map_at_start()  # must not raise
+    assert served.map_error is not None
 
 
 def test_map_corruption_at_start_leaves_the_engine_unhealthy(monkeypatch: pytest.MonkeyPatch) -> None:
-    from deltasync.vllm import base
+    from deltasync.vllm import model as served_model
 
-    eng = _bare_engine()
-    eng.served_spec = lambda: {"w": ("BF16", (4,))}
-    eng.model = torch.nn.Module()
-    eng.model.load_weights = lambda weights: None
+    model = torch.nn.Module()
+    model.load_weights = lambda weights: None
+    served = _served(model)
+    served.spec = lambda: {"w": ("BF16", (4,))}
 
     def corrupt(*a: Any, **k: Any) -> None:
         raise MapCorruption("changed live weights")
 
-    monkeypatch.setattr(base, "build_map", corrupt)
-    eng._map_at_start()
-    assert eng.healthy is False
+    monkeypatch.setattr(served_model, "build_map", corrupt)
+    served.map_at_start()
+    assert served.label.healthy is False

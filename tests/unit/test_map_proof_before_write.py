@@ -21,10 +21,11 @@ pytestmark = pytest.mark.usefixtures("probe_passes")  # one int32 pass, and two 
 
 
 def _engine_class() -> Any:
+    """The engine's proof before the first write (:func:`deltasync.vllm.proof.prove_update`)."""
     pytest.importorskip("vllm")
-    from deltasync.vllm.engine import DeltaSyncWeightTransferEngine
+    from deltasync.vllm.proof import prove_update
 
-    return DeltaSyncWeightTransferEngine
+    return prove_update
 
 
 def _entry(target: torch.Tensor) -> types.SimpleNamespace:
@@ -52,20 +53,8 @@ def _prove(
     pm: PatchMap, served: dict[str, torch.Tensor] | None, entries: dict[str, Any], deltas: list[TensorDelta]
 ) -> None:
     """The engine's proof of one update (``entries``: its manifest's; ``deltas``: staged) over the map."""
-    engine_class = _engine_class()
-    engine = types.SimpleNamespace(
-        patch_map=lambda: pm,
-        _manifest=_served(served),
-        _prove_change=engine_class._prove_change,
-        _changes=engine_class._changes,
-        _prove_whole=engine_class._prove_whole,
-        _served_reads={},
-    )
-    engine_class._prove(
-        engine,
-        [(types.SimpleNamespace(tensors=entries), deltas)],
-        [pm.plan(deltas)],
-    )
+    prove_update = _engine_class()
+    prove_update(pm, _served(served), [(types.SimpleNamespace(tensors=entries), deltas)], [pm.plan(deltas)])
 
 
 class Split(torch.nn.Module):

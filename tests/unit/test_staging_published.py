@@ -31,7 +31,7 @@ from deltasync import (
     write_delta,
 )
 from deltasync._sharding import TensorView, dense_entries, globalize
-from deltasync.apply import Holding, write
+from deltasync.apply import Holding, admit_all, write
 from deltasync.errors import RefusalReason, UpdateRefused
 from deltasync.format import TensorDelta
 from deltasync.manifest import DeltaManifest, TensorEntry
@@ -665,19 +665,18 @@ def test_a_shard_grown_to_gigabytes_is_refused_by_its_size_without_reading(mixed
 # ---------------------------------------------------------------------------------------------- the engine
 
 
-def _engine(root: Path, holding: Holding, live: Any) -> Any:
-    from deltasync.vllm.engine import DeltaSyncWeightTransferEngine
+def _engine_read(root: Path, holding: Holding, live: Any, objects: list[StagedObject]) -> Any:
+    """The engine's read of an update (:func:`deltasync.vllm.applier.read_update`): its manifests admitted against
+    ``holding`` before anything is decoded against what it serves (``live``)."""
+    from deltasync.vllm.applier import read_update
 
-    eng = DeltaSyncWeightTransferEngine.__new__(DeltaSyncWeightTransferEngine)
-    eng.staging_root = str(root)
-    eng._mode = "reload"
-    eng._map_failed = False
-    eng._staged = None
-    eng.allow_rollback = False
-    eng._served_reads = {}
-    eng.holding = lambda: holding
-    eng._served_values = live
-    return eng
+    update = StagedUpdate(objects=tuple(objects))
+
+    def admit(manifests: list[DeltaManifest]) -> None:
+        where = [(m, f"deltasync {o.label}") for m, o in zip(manifests, update.objects, strict=True)]
+        admit_all(where, holding, target=update.target_version)
+
+    return read_update(update, root=str(root), admit=admit, source=lambda: ServedValues(live))
 
 
 def test_engine_refuses_a_delta_on_another_base_before_reading_served_values(mixed, tmp_path: Path) -> None:
@@ -685,14 +684,14 @@ def test_engine_refuses_a_delta_on_another_base_before_reading_served_values(mix
     root = tmp_path / "stg"
     m0 = read_manifest(store, 0, "anchor")
     live = _Live(truth[1])
-    eng = _engine(root, Holding(version=1, spec=m0.spec), live)
+    holding = Holding(version=1, spec=m0.spec)
     for objects in ([_stage_in(store, root, 4)], [_stage_in(store, root, 3), _stage_in(store, root, 4)]):
         with pytest.raises(UpdateRefused) as caught:
-            eng._read(StagedUpdate(objects=tuple(objects)))
+            _engine_read(root, holding, live, objects)
         assert caught.value.reason == RefusalReason.BASE
     assert live.reads == []
     # the right base is read (only the changed elements) and decodes exactly
-    ((m, deltas),) = eng._read(StagedUpdate(objects=(_stage_in(store, root, 2),)))
+    ((m, deltas),) = _engine_read(root, holding, live, [_stage_in(store, root, 2)])
     _assert_bit_equal(dict(write({k: v.clone() for k, v in truth[1].items()}, m, deltas)), truth[2])
     assert sum(n for _, n in live.reads) == m.nnz
 
@@ -713,9 +712,9 @@ def test_engine_decodes_only_the_manifest_it_admitted(mixed, tmp_path: Path, mon
     write_delta(other, compute_delta(prev, f2, update_prev=True), state=f2, version=2, base=b)
     foreign_obj = _stage_in(other, tmp_path / "foreign", 2)
 
-    import deltasync.vllm.engine as engine_mod
+    import deltasync.vllm.applier as applier_mod
 
-    admitted = engine_mod.read_staged_manifest
+    admitted = applier_mod.read_staged_manifest
 
     def then_swap(o: StagedObject, *, root: Any) -> DeltaManifest:
         m = admitted(o, root=root)
@@ -725,7 +724,7 @@ def test_engine_decodes_only_the_manifest_it_admitted(mixed, tmp_path: Path, mon
             os.replace(shutil.copy(src, dst + ".x"), dst)
         return m
 
-    monkeypatch.setattr(engine_mod, "read_staged_manifest", then_swap)
+    monkeypatch.setattr(applier_mod, "read_staged_manifest", then_swap)
     m0 = read_manifest(store, 0, "anchor")
     reads: list[str] = []
 
@@ -735,9 +734,8 @@ def test_engine_decodes_only_the_manifest_it_admitted(mixed, tmp_path: Path, mon
             return torch.zeros(indices.numel(), dtype=dtype)
         return truth[1][name].reshape(-1).index_select(0, indices)
 
-    eng = _engine(root, Holding(version=1, spec=m0.spec), live)
     try:
-        eng._read(StagedUpdate(objects=(obj,)))
+        _engine_read(root, Holding(version=1, spec=m0.spec), live, [obj])
     except (UpdateRefused, ValueError):
         pass
     assert "z" not in reads, "a tensor of a manifest the engine never admitted was read from what it serves"

@@ -22,8 +22,9 @@ from deltasync.sketch import format_sketch, parse_sketch, sub_sketches
 from deltasync.staging import read_staged
 from deltasync.targets.base import combine_changes
 from deltasync.testing.stream import UpdateStream
+from deltasync.vllm.model import held_in_part
 from deltasync.vllm.patch_map import PatchMap, Runs
-from deltasync.vllm.proof import ProvingEngine
+from deltasync.vllm.proof import change_parts
 from deltasync.vllm.served import ServedValues
 from tests.support.staging import stage_as_published
 
@@ -91,7 +92,7 @@ class _Rank:
             if ds and any(d.held is not None for d in ds):
                 entry = last.tensors[name]
                 out[name] = {
-                    "parts": ProvingEngine._change_parts(self.pm, name, ds, torch.bfloat16),
+                    "parts": change_parts(self.pm, name, ds, torch.bfloat16),
                     "served": served.tensors[name].sketch,
                     "published": entry.sketch,
                     "numel": entry.numel,
@@ -222,13 +223,9 @@ def _param_values(runs: dict[str, list[Runs]], state: dict[str, torch.Tensor]) -
 
 
 def engine_holds(pm: PatchMap, name: str, indices: torch.Tensor) -> torch.Tensor | None:
-    """What the engine's own ``_holds`` answers for a rank with map ``pm`` (no vLLM started)."""
-    from types import SimpleNamespace
-
-    base = pytest.importorskip("deltasync.vllm.base")
+    """What the engine answers (:meth:`ServedModel.holds`) for a rank with map ``pm``."""
     spec = {n: ("BF16", SHAPES[n]) for n in pm.runs}
-    stub = SimpleNamespace(_map=pm, served_spec=lambda: spec)
-    return base.EngineBase._holds(stub, name, indices)  # type: ignore[arg-type]
+    return held_in_part(pm, spec, name, indices)
 
 
 class Rank:
@@ -301,14 +298,8 @@ def _assert_params(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) 
         assert diff.numel() == 0, f"{k}: {diff.numel()} elements differ, first at {diff[:5].tolist()}"
 
 
-def _change_parts():
-    from deltasync.vllm.proof import ProvingEngine  # imports vLLM: only where needed
-
-    return ProvingEngine._change_parts
-
-
 def _answer(rank: Rank, deltas: list, served_m, published_m) -> dict:
-    """A rank's deltasync_prepare answer for the tensors it holds in part (as ProvingEngine._prove builds it)."""
+    """A rank's deltasync_prepare answer for the tensors it holds in part (as :func:`prove_update` builds it)."""
     changes = {}
     by_name: dict[str, list] = {}
     for d in deltas:
@@ -318,10 +309,7 @@ def _answer(rank: Rank, deltas: list, served_m, published_m) -> dict:
             continue
         entry = published_m.tensors[name]
         changes[name] = {
-            "parts": rank.pm.__class__
-            and __import__("deltasync.vllm.proof", fromlist=["x"]).ProvingEngine._change_parts(
-                rank.pm, name, ds, torch.bfloat16
-            ),
+            "parts": change_parts(rank.pm, name, ds, torch.bfloat16),
             "served": served_m.tensors[name].sketch,
             "published": entry.sketch,
             "numel": entry.numel,

@@ -1,6 +1,6 @@
 """The ranks' changes to tensors held in parts are added up before the first write, through the engine's real
-proof (``ProvingEngine._prove``, built by hand, no vLLM) and ``_VllmTarget.prepare``; a drifted base at a changed
-element is the documented limit."""
+proof (:func:`deltasync.vllm.proof.prove_update`, each rank's map built by hand, no vLLM) and
+``_VllmTarget.prepare``; a drifted base at a changed element is the documented limit."""
 
 from __future__ import annotations
 
@@ -14,26 +14,9 @@ from deltasync.errors import UpdateRefused
 from deltasync.staging import read_staged
 from deltasync.targets.base import combine_changes
 from deltasync.testing.stream import UpdateStream
+from deltasync.vllm.proof import prove_update
 from tests.support.staging import stage_as_published
 from tests.unit.test_tp_decode import TP, Rank
-
-proof = pytest.importorskip("deltasync.vllm.proof")
-
-
-class _Engine(proof.ProvingEngine):  # the proofs only: no vLLM session methods
-    def _nothing(self, *args, **kwargs):
-        return None
-
-    finish_weight_update = receive_weights = shutdown = start_weight_update = _nothing
-
-
-def _engine(rank: Rank, served_manifest):
-    eng = object.__new__(_Engine)
-    eng._map = rank.pm
-    eng._manifest = served_manifest
-    eng._served_reads = {}
-    eng.change_parts = {}
-    return eng
 
 
 def _publish_first_half_change(tmp: Path):
@@ -58,9 +41,8 @@ def _answers(tmp: Path, store, s0, m0, m1, drift_rank: int | None):
         root = tmp / f"stage{r}"
         obj = stage_as_published(store, root / "v1", 1, "delta")
         _, deltas = read_staged(obj, root=root, base=rank.source())
-        eng = _engine(rank, m0)
-        eng._prove([(m1, deltas)], [rank.pm.plan(deltas)])
-        answers.append({"ok": True, "changes": eng.change_parts})
+        changes = prove_update(rank.pm, m0, [(m1, deltas)], [rank.pm.plan(deltas)])
+        answers.append({"ok": True, "changes": changes})
     return answers
 
 
