@@ -383,7 +383,16 @@ class EngineGuard:
             await send({**start, "headers": kept})
             await send({"type": "http.response.body", "body": data})
 
-        await self.app(scope, replay, sign)
+        try:
+            await self.app(scope, replay, sign)
+        except Exception as exc:
+            # an error the app did not answer itself: vLLM's own 500 would come from Starlette's outermost
+            # middleware, unsigned, and the agent would rightly not believe it; the guard answers it, signed
+            if start:
+                raise  # the answer had begun: the connection is cut, as without the guard
+            logger.warning("deltasync guard: %s %s failed in the engine: %s: %s", method, path, type(exc).__name__, exc)
+            error = {"error": f"deltasync: {method} {path} failed in the engine: {type(exc).__name__}: {exc}"[:2000]}
+            await _send_signed(send, self._token, nonce, counter, 500, error)
 
     async def _refuse(
         self, scope: dict[str, Any], send: Any, kind: str, method: str, path: str, supplied: bool

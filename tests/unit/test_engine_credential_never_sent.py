@@ -264,3 +264,17 @@ def test_a_junk_signature_costs_no_body_read_and_bodies_are_capped() -> None:
         headers = _signed_headers("/pause", big, counter=1, signed_ms=int(time.time() * 1000), nonce=_nonce(client))
         assert client.post("/pause", content=big, headers=headers).status_code == 413
     assert inner.seen == []
+
+
+async def _raises(scope: dict[str, Any], receive: Any, send: Any) -> None:
+    if scope["type"] == "http":
+        raise ValueError("update_info carries allow_rollback: the policy is the claim's")
+
+
+def test_an_error_in_the_engine_comes_back_signed() -> None:
+    """vLLM answers a route that raises with a 500 from Starlette's outermost middleware, outside the guard: the
+    guard answers it itself, signed, so the agent reads the engine's refusal instead of taking it for an
+    impostor's."""
+    with _client(EngineGuard(_raises, token=TOKEN)) as client:
+        r = client.post("/update_weights", json={"update_info": {"allow_rollback": True}})
+    assert r.status_code == 500 and "the policy is the claim's" in r.json()["error"]
