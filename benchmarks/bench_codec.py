@@ -7,7 +7,7 @@ memcpy of the whole model measured in the same run (into an existing buffer, and
 clone) and against plain torch `!=` + `nonzero`; encode and decode+apply throughput; the time to read
 the delta file from disk (cold: page cache dropped); peak RSS. Ends with one JSON line of the figures.
 
-    python benchmarks/bench_codec.py [--steps 6] [--lr 1e-6] [--out bench-out]    # `make bench` (~4 min, ~17 GB)
+    python benchmarks/bench_codec.py [--steps 6] [--lr 1e-6] [--out bench-out]    # `make bench` (~4 min, ~13 GB)
     python benchmarks/bench_codec.py --steps 2      # the smallest real run: one step measured after the warm-up
 """
 
@@ -92,9 +92,10 @@ def _alternatives(changes: dict) -> dict[str, float]:
     return out
 
 
-def _measure_step(step, curr, snapshot, host, scratch, out: Path):
-    t_copy, _ = _timed(lambda: [scratch[k].copy_(v) for k, v in curr.items()], repeat=2)
-    t_clone, _ = _timed(lambda: {k: v.clone() for k, v in curr.items()})
+def _measure_step(step, curr, snapshot, host, out: Path):
+    t_clone, scratch = _timed(lambda: {k: v.clone() for k, v in curr.items()})
+    t_copy, _ = _timed(lambda s=scratch: [s[k].copy_(v) for k, v in curr.items()], repeat=2)  # into its pages
+    del scratch
     t_plain, _ = _timed(
         lambda: {k: (snapshot[k].view(torch.int16) != v.view(torch.int16)).nonzero() for k, v in curr.items()}
     )
@@ -170,11 +171,9 @@ def main() -> None:
     shapes = qwen3_shapes(QWEN3_0_6B_CONFIG)
     t0 = time.perf_counter()
     stream = UpdateStream.from_shapes(shapes, lr=args.lr, seed=0)
-    curr = stream.bf16()
-    snapshot = {k: v.clone() for k, v in curr.items()}
-    host = {k: v.clone() for k, v in curr.items()}  # the receiver's host copy
-    scratch = {k: torch.empty_like(v) for k, v in curr.items()}
-    numel = sum(t.numel() for t in curr.values())
+    snapshot = stream.bf16()
+    host = {k: v.clone() for k, v in snapshot.items()}  # the receiver's host copy
+    numel = sum(t.numel() for t in snapshot.values())
     print(
         f"Qwen3-0.6B shapes: {len(shapes)} tensors, {numel:,} elements, {numel * 2 / 1e9:.2f} GB bf16; "
         f"lr {args.lr}; torch threads {torch.get_num_threads()}; set-up {time.perf_counter() - t0:.0f} s\n"
@@ -188,7 +187,7 @@ def main() -> None:
     rows = []
     alternatives: dict[str, float] = {}
     for step in range(1, args.steps + 1):
-        row, changes = _measure_step(step, stream.step(), snapshot, host, scratch, scratch_dir)
+        row, changes = _measure_step(step, stream.step(), snapshot, host, scratch_dir)
         rows.append(row)
         print(
             f"{step:4d} {row['changed_fraction']:8.3%} {row['raw_B_per_elem']:8.3f} {row['packed_B_per_elem']:7.3f} "

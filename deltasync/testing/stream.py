@@ -46,8 +46,11 @@ class UpdateStream:
     def from_shapes(cls, shapes: Mapping[str, tuple[int, ...]], *, seed: int = 0, **kwargs: Any) -> UpdateStream:
         """Initialise like a model: matrices ~N(0, 0.02), vectors (norms) 1.0."""
         gen = torch.Generator().manual_seed(seed + 1_000_003)
-        weights = {n: torch.randn(s, generator=gen) * 0.02 if len(s) > 1 else torch.ones(s) for n, s in shapes.items()}
-        return cls(weights, seed=seed, **kwargs)
+        stream = cls({}, seed=seed, **kwargs)
+        for n, s in shapes.items():  # made in place, one tensor at a time: no second copy of the model
+            stream.master[n] = torch.randn(s, generator=gen).mul_(0.02) if len(s) > 1 else torch.ones(s)
+            stream.exp_avg[n], stream.exp_avg_sq[n] = torch.zeros(s), torch.zeros(s)
+        return stream
 
     def bf16(self) -> dict[str, torch.Tensor]:
         """The current weights cast to bf16 (new tensors)."""
