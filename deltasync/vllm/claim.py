@@ -35,7 +35,7 @@ class Claim:
         """The operator lets the engine go below the highest version it served, or to another run."""
         self.raise_errors = True
         """Raise refusals and failures from the RPCs, or only record them (TP > 1: a raising worker desyncs vLLM's
-        executor, vLLM issue 49972)."""
+        executor, vLLM #49972)."""
         self.staging_root: str | None = None
         """The only directory staged files are read from."""
         self._seen = 0.0

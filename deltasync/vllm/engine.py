@@ -52,6 +52,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from vllm.distributed.weight_transfer.base import WeightTransferEngine
 
+from .. import apply
 from .._cpus import format_cpu_list, use_cpus, work_cpus
 from .._heap import keep_scratch
 from .._kernels import use_compiled
@@ -163,8 +164,6 @@ class DeltaSyncWeightTransferEngine(WeightTransferEngine[DeltaSyncInitInfo, Delt
         """Why the claim must be refused, for which reason: its agent or run (:meth:`Claim.refusal`), its model
         (:func:`~deltasync.apply.refuse_model`, against the model served in the claimed mode), or a mode this vLLM
         cannot serve."""
-        from .. import apply
-
         refusal = self.claim.refusal(info, self.applier.holding())
         if refusal is not None:
             return RefusalReason.RUN, refusal
