@@ -29,7 +29,7 @@ logger = logging.getLogger("vllm.deltasync.patch_map")
 _SHARED = "it shares memory with another parameter (tied, or across layers): a reload writes the last one loaded"
 
 
-class Refused(Exception):
+class _Refused(Exception):
     """Why a checkpoint tensor cannot be probed: it is left out of the map (its modules are reloaded instead)."""
 
 
@@ -162,7 +162,7 @@ class MapBuild:
             for name in names:
                 try:
                     found = self.probe_split(swap, name) if split else self.probe_whole(swap, name, itype)
-                except Refused as exc:
+                except _Refused as exc:
                     self.unmapped[name] = str(exc)
                     for q in probed:
                         swap.data(q).zero_()
@@ -210,20 +210,20 @@ class MapBuild:
         """Load one probe into the stand-ins.
 
         Raises:
-            Refused: the loader raised, or replaced a parameter object or a stand-in.
+            _Refused: the loader raised, or replaced a parameter object or a stand-in.
         """
         try:
             if swap.load([(name, probe)]):
                 raise ValueError(REPLACED)
         except Exception as exc:  # noqa: BLE001 - this tensor cannot be probed: it is reloaded instead
-            raise Refused(f"{type(exc).__name__}: {exc}"[:200]) from None
+            raise _Refused(f"{type(exc).__name__}: {exc}"[:200]) from None
 
     def probe_whole(self, swap: Swap, name: str, itype: torch.dtype) -> list[Runs]:
         """Where one checkpoint tensor lands, from one probe of its 1-based element indices (``itype``, or int64
         for a tensor of 2^31 elements or more). Leaves the stand-ins zeroed.
 
         Raises:
-            Refused: the loader refuses the probe, or transforms its values.
+            _Refused: the loader refuses the probe, or transforms its values.
         """
         shape = self.subject.spec[name][1]
         n = numel(shape)
@@ -243,7 +243,7 @@ class MapBuild:
         """The runs ``read(param, flat stand-in)`` finds in each stand-in (it zeroes what it read).
 
         Raises:
-            Refused: ``read`` found values that no probe holds, or an element written twice.
+            _Refused: ``read`` found values that no probe holds, or an element written twice.
         """
         found = []
         try:
@@ -252,7 +252,7 @@ class MapBuild:
                 if r is not None:
                     found.append(r)
         except ValueError as exc:
-            raise Refused(str(exc)) from None
+            raise _Refused(str(exc)) from None
         return found
 
     def probe_split(self, swap: Swap, name: str) -> list[Runs]:
@@ -265,7 +265,7 @@ class MapBuild:
         leaves no wrong map.
 
         Raises:
-            Refused: the loader refuses a probe, transforms its values, or writes a place in one pass only.
+            _Refused: the loader refuses a probe, transforms its values, or writes a place in one pass only.
         """
         shape = self.subject.spec[name][1]
         n = numel(shape)
