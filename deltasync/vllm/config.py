@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 from .._cpus import MAX_CPU_ID, parse_cpu_list
 from .._heap import KEEP_MIB
+from .patch_map import scan
 
 __all__ = [
     "CPUS_ENV",
@@ -36,7 +37,7 @@ KERNELS_ENV = "DELTASYNC_KERNELS"
 CPUS_ENV = "DELTASYNC_CPUS"
 PLAIN_ENV = "DELTASYNC_VLLM_PLAIN_WEIGHTS"
 
-SPLIT_AT = 1 << 25
+SPLIT_AT = scan.SPLIT_AT
 """The default of :attr:`EngineConfig.map_split_at`: the embedding of a 0.6B model and up."""
 
 _TRUE = ("1", "true", "yes", "on")

@@ -236,7 +236,7 @@ class ServedModel:
             with disable_mtp_completeness_check(), torch.no_grad():
                 load(weights)
 
-        return build_map(self.model, spec, load_probe, self.untrusted)
+        return build_map(self.model, spec, load_probe, self.untrusted, split_at=self.settings.map_split_at)
 
     def proof_map(self) -> PatchMap | None:
         """The patch map for a proof, built on first use in every mode: in ``reload`` mode too, the parameters vLLM

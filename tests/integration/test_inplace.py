@@ -29,8 +29,7 @@ from deltasync.staging import StagedUpdate, stage_object
 from deltasync.targets import OfflineLLMTarget
 from deltasync.testing.launchers import offline_llm
 from deltasync.testing.models import build_tiny_model
-from deltasync.vllm.config import PLAIN_ENV
-from deltasync.vllm.patch_map import SPLIT_AT_ENV
+from deltasync.vllm.config import PLAIN_ENV, SPLIT_AT_ENV
 from tests.conftest import PUBLISHER_TOKEN, ServerThread, agent_token, coordinator_settings
 from tests.integration.fresh_engine import fresh_run, generate
 from tests.support.world import StreamPublisher

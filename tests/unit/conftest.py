@@ -62,12 +62,12 @@ async def coord(tmp_path: Path, ledger_db: Path | str) -> AsyncIterator[Coordina
 @pytest.fixture(params=["int32", "int16-halves", "int16-halves-short"])
 def probe_passes(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
     """A patch map test three times: its groups probed in one int32 pass, and in two int16 halves (what a group
-    with a large tensor, an embedding, gets: ``deltasync.vllm.patch_map.SPLIT_AT_ENV``), with the halves' period
+    with a large tensor, an embedding, gets: ``deltasync.vllm.patch_map.SPLIT_AT``), with the halves' period
     as it is (a small tensor's high half is all ones) and cut to 61 (both halves vary; a group with a tensor of
     more than 61 * 61 elements is then probed in int32)."""
-    from deltasync.vllm.patch_map import SPLIT_AT_ENV, scan
+    from deltasync.vllm.patch_map import scan
 
-    monkeypatch.setenv(SPLIT_AT_ENV, str(1 << 62) if request.param == "int32" else "0")
+    monkeypatch.setattr(scan, "SPLIT_AT", 1 << 62 if request.param == "int32" else 0)
     if request.param == "int16-halves-short":
         monkeypatch.setattr(scan, "PERIOD", 61)
     return str(request.param)

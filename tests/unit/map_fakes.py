@@ -419,8 +419,8 @@ def llama(
 def split_mode(monkeypatch: Any, period: int = 61, chunk: int = 7) -> None:
     """Probe every group in two int16 passes, with the halves' ``period`` and the scan's ``chunk`` cut short (small
     tensors then use both halves of the index, and runs cross chunk edges)."""
-    from deltasync.vllm.patch_map import SPLIT_AT_ENV, scan, tensors
+    from deltasync.vllm.patch_map import scan, tensors
 
-    monkeypatch.setenv(SPLIT_AT_ENV, "0")
+    monkeypatch.setattr(scan, "SPLIT_AT", 0)
     monkeypatch.setattr(scan, "PERIOD", period)
     monkeypatch.setattr(tensors, "CHUNK", chunk)

@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 import torch
 
-from deltasync.vllm.patch_map import SPLIT_AT_ENV, PatchMap, build_map, scan, tensors, values
+from deltasync.vllm.patch_map import PatchMap, build_map, scan, tensors, values
 from tests.unit.map_fakes import (
     LH,
     LLAMA_PARAMS,
@@ -91,9 +91,8 @@ SPEC: Spec = {
 
 
 def _map(monkeypatch: pytest.MonkeyPatch, split: bool, model: Model | None = None) -> PatchMap:
-    monkeypatch.setenv(SPLIT_AT_ENV, "0" if split else str(1 << 40))
     model = model or Model()
-    pm = build_map(model, SPEC, model.load_weights)
+    pm = build_map(model, SPEC, model.load_weights, split_at=0 if split else 1 << 40)
     assert pm.split == ([""] if split else []), pm.split
     return pm
 
@@ -226,18 +225,10 @@ def test_a_place_written_only_by_the_high_pass_is_refused_by_the_scan(monkeypatc
 
 def test_a_tensor_the_halves_cannot_index_is_probed_in_one_int32_pass(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(scan, "PERIOD", 8)  # 64 indices: the 78 elements of "embed" need one pass of int32
-    monkeypatch.setenv(SPLIT_AT_ENV, "0")
     model = Model()
-    pm = build_map(model, SPEC, model.load_weights)
+    pm = build_map(model, SPEC, model.load_weights, split_at=0)
     assert pm.split == [] and not pm.unmapped
     assert _runs(pm) == _runs(_map(monkeypatch, split=False))
-
-
-def test_a_bad_split_threshold_is_named(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv(SPLIT_AT_ENV, "lots")
-    model = Model()
-    with pytest.raises(ValueError, match=f"{SPLIT_AT_ENV}='lots': expected a number of elements"):
-        build_map(model, SPEC, model.load_weights)
 
 
 # -- a vLLM-like Llama in split mode -----------------------------------------------------------------------------

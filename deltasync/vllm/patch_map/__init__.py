@@ -29,6 +29,6 @@ from __future__ import annotations
 from ...errors import MapCorruption
 from .build import MapBuild, build_map
 from .core import Blocks, PatchMap, Runs, Scatter
-from .scan import SPLIT_AT_ENV
+from .scan import SPLIT_AT
 
-__all__ = ["SPLIT_AT_ENV", "Blocks", "MapBuild", "MapCorruption", "PatchMap", "Runs", "Scatter", "build_map"]
+__all__ = ["SPLIT_AT", "Blocks", "MapBuild", "MapCorruption", "PatchMap", "Runs", "Scatter", "build_map"]

@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from ...vocab import DTYPES
+from . import scan
 from .as_found import Snapshot, Tree, storage_aliases
 from .checks import GroupCheck
 from .core import PatchMap, Runs
@@ -38,12 +39,14 @@ def build_map(
     spec: Spec,
     load: Load,
     untrusted: Callable[[str], str | None] = lambda param: None,
+    *,
+    split_at: int | None = None,
 ) -> PatchMap:
     """Learn the map of ``model`` for the checkpoint ``spec`` by watching ``load`` (the model's
     ``load_weights``) write probe tensors. The live parameters are swapped for zeroed integer tensors one
     layer at a time and restored afterwards, bit for bit; peak extra memory: one layer's parameters in int32
-    (int64 for tensors of 2^31 elements or more; int16 where its largest tensor has 2^25 elements or more, then
-    probed in two passes, :data:`~.scan.SPLIT_AT_ENV`) plus one probe.
+    (int64 for tensors of 2^31 elements or more; int16 where its largest tensor has ``split_at`` elements or more,
+    default :data:`~.scan.SPLIT_AT`, then probed in two passes) plus one probe.
 
     Layers repeat: only the first layer of each kind (:func:`~.derive.layer_kind`: the same checkpoint tensors
     and the same parameters, index aside) is probed tensor by tensor. Every other layer of the kind gets the
@@ -59,7 +62,7 @@ def build_map(
     Raises:
         MapCorruption: the build left the model otherwise than it found it (the engine must not serve it).
     """
-    return MapBuild(model, spec, load, untrusted).run()
+    return MapBuild(model, spec, load, untrusted, split_at=split_at).run()
 
 
 class MapBuild:
@@ -67,8 +70,18 @@ class MapBuild:
     layer, the map so far (``runs``, and ``unmapped`` with why), the kinds of layer learned, and the background the
     real-values checks fill stand-ins with. Each step is a method; :meth:`run` takes them in order."""
 
-    def __init__(self, model: torch.nn.Module, spec: Spec, load: Load, untrusted: Callable[[str], str | None]) -> None:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        spec: Spec,
+        load: Load,
+        untrusted: Callable[[str], str | None],
+        *,
+        split_at: int | None = None,
+    ) -> None:
         self.started = time.perf_counter()
+        self.split_at = scan.SPLIT_AT if split_at is None else split_at  # read at call time: tests shrink it
+        """A group whose largest tensor has this many elements or more is probed in two int16 passes."""
         self.subject = Subject(model, dict(model.named_parameters(remove_duplicate=False)), spec, load)
         self.groups: dict[str, list[str]] = {}
         """Group (``layers.N``; ``""``: outside the layers) -> its checkpoint tensors, in checkpoint order."""
@@ -156,7 +169,7 @@ class MapBuild:
         int16 passes."""
         spec, params = self.subject.spec, self.subject.params
         sizes = [numel(spec[n][1]) for n in names]
-        itype, split = probe_dtype(max([params[q].numel() for q in probed] + sizes, default=0), sizes)
+        itype, split = probe_dtype(max([params[q].numel() for q in probed] + sizes, default=0), sizes, self.split_at)
         with Swap(self.subject, probed) as swap:
             swap.hold({q: zeros(swap.originals[q].shape, itype, torch.device("cpu")) for q in probed})
             for name in names:

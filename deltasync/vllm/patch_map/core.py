@@ -105,7 +105,7 @@ class PatchMap:
         self.layers: dict[str, int] = {}
         """How many layers were probed tensor by tensor and how many derived from their kind's first layer."""
         self.split: list[str] = []
-        """The groups (layers; ``""``: outside them) probed in two int16 passes (:data:`SPLIT_AT_ENV`)."""
+        """The groups (layers; ``""``: outside them) probed in two int16 passes (the build's ``split_at``)."""
         self._params = dict(params)
         self._model = model
         self._shapes = {n: (tuple(p.shape), p.dtype) for n, p in self._params.items()}

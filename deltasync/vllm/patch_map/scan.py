@@ -4,7 +4,6 @@ probing touches."""
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterable
 
 import numpy as np
@@ -14,7 +13,7 @@ from . import tensors
 from .core import Runs
 from .tensors import same
 
-__all__ = ["PERIOD", "SPLIT_AT_ENV", "high_pass", "indices", "low_pass", "probe_dtype", "runs_of", "split_probe"]
+__all__ = ["PERIOD", "SPLIT_AT", "high_pass", "indices", "low_pass", "probe_dtype", "runs_of", "split_probe"]
 
 
 def runs_of(param: str, flat: torch.Tensor, numel: int, probe: torch.Tensor | None = None) -> Runs | None:
@@ -93,19 +92,9 @@ PERIOD = 32767
 """A split probe's period: element ``i`` is probed as ``i % PERIOD + 1``, then as ``i // PERIOD + 1`` (both
 non-zero int16 values), for tensors of up to ``PERIOD ** 2`` (1.07 billion) elements."""
 
-SPLIT_AT_ENV = "DELTASYNC_MAP_SPLIT_AT"
-"""Probe a layer (or the model outside its layers) whose largest tensor has at least this many elements in two
-int16 passes (:func:`split_probe`) instead of one int32 pass. Default 2^25."""
-
 SPLIT_AT = 1 << 25
-
-
-def split_at() -> int:
-    raw = os.environ.get(SPLIT_AT_ENV, "")
-    try:
-        return int(raw) if raw else SPLIT_AT
-    except ValueError:
-        raise ValueError(f"{SPLIT_AT_ENV}={raw!r}: expected a number of elements (default {SPLIT_AT})") from None
+"""The default size from which a group is probed in two int16 passes (:func:`split_probe`) instead of one int32
+pass: the embedding of a 0.6B model and up (the engine's ``DELTASYNC_MAP_SPLIT_AT``)."""
 
 
 def split_probe(numel: int, high: bool) -> torch.Tensor:
@@ -124,14 +113,14 @@ def split_probe(numel: int, high: bool) -> torch.Tensor:
     return torch.from_numpy(out)
 
 
-def probe_dtype(biggest: int, sizes: Iterable[int]) -> tuple[torch.dtype, bool]:
+def probe_dtype(biggest: int, sizes: Iterable[int], split_at: int = SPLIT_AT) -> tuple[torch.dtype, bool]:
     """The probes' integer type for a group whose largest tensor or parameter has ``biggest`` elements (its
     tensors: ``sizes``), and whether they go in two int16 passes: int64 at 2^31 elements or more (a probe and the
-    parameters it lands in share one type), int16 halves from :data:`SPLIT_AT_ENV` elements where the halves can
+    parameters it lands in share one type), int16 halves from ``split_at`` elements where the halves can
     index every tensor, else int32."""
     if biggest >= 2**31 - 1:
         return torch.int64, False
-    split = biggest >= split_at() and all(n <= PERIOD**2 for n in sizes)
+    split = biggest >= split_at and all(n <= PERIOD**2 for n in sizes)
     return (torch.int16 if split else torch.int32), split
 
 

@@ -8,6 +8,8 @@ from collections.abc import Iterable
 import numpy as np
 import torch
 
+__all__ = ["CHUNK", "arange", "bits", "nonzero_words", "numel", "reuse", "same", "zeros"]
+
 CHUNK = 1 << 22
 """Elements scanned at once when reading a parameter: bounds a scan's extra memory (~100 MB). Read at call time
 (``tensors.CHUNK``), so that tests can shrink it and make runs cross chunk edges."""
