@@ -18,12 +18,7 @@ __all__ = ["router"]
 router = APIRouter(prefix="/v1", tags=["agents"])
 
 
-@router.post(
-    "/agents/{agent_id}/heartbeat",
-    response_model=AgentPublic,
-    dependencies=AGENTS,
-    responses=errors(body=True),
-)
+@router.post("/agents/{agent_id}/heartbeat", dependencies=AGENTS, responses=errors(body=True))
 async def heartbeat(
     body: AgentHeartbeat, request: Request, agent_id: Annotated[str, Path(pattern=AGENT_ID_PATTERN)]
 ) -> AgentPublic:
@@ -37,7 +32,7 @@ async def heartbeat(
         raise HTTPException(422, detail) from None
 
 
-@router.get("/agents", response_model=AgentsPublic, dependencies=READERS, responses=errors())
+@router.get("/agents", dependencies=READERS, responses=errors())
 async def agents(
     fleet: FleetDep,
     settings: SettingsDep,

@@ -17,14 +17,14 @@ __all__ = ["router"]
 router = APIRouter(prefix="/v1", tags=["gc"])
 
 
-@router.get("/gc/candidates", response_model=GcPublic, dependencies=READERS, responses=errors())
+@router.get("/gc/candidates", dependencies=READERS, responses=errors())
 async def gc_candidates(retention: RetentionDep) -> GcPublic:
     """Objects no live agent and no recent plan can still need, from the ledger alone (the newest anchor is
     assumed intact; ``POST /v1/gc?dry_run=true`` proves it first)."""
     return await run_in_threadpool(retention.candidates)
 
 
-@router.post("/gc", response_model=GcPublic, dependencies=PUBLISHERS, responses=errors({409: "no store configured"}))
+@router.post("/gc", dependencies=PUBLISHERS, responses=errors({409: "no store configured"}))
 async def collect_garbage(
     request: Request,
     retention: RetentionDep,

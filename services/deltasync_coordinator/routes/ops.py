@@ -17,7 +17,7 @@ __all__ = ["router"]
 router = APIRouter(tags=["ops"])
 
 
-@router.get("/healthz", response_model=HealthPublic)
+@router.get("/healthz")
 async def healthz(request: Request) -> HealthPublic:
     """Liveness and the ledger's state, answered from memory (a background probe watches the database):
     ``degraded`` with its reasons when the database is busy or failing, or the ledger is behind its agents or

@@ -173,12 +173,7 @@ async def list_versions(
             gone.cancel()
 
 
-@router.get(
-    "/versions/latest",
-    response_model=VersionPublic,
-    dependencies=READERS,
-    responses=errors({404: "nothing registered"}),
-)
+@router.get("/versions/latest", dependencies=READERS, responses=errors({404: "nothing registered"}))
 async def latest_version(registry: RegistryDep) -> VersionPublic:
     """The newest registered object (the delta when a version has both)."""
     latest = registry.latest_version()
@@ -187,12 +182,7 @@ async def latest_version(registry: RegistryDep) -> VersionPublic:
     return await run_in_threadpool(registry.get, latest)
 
 
-@router.get(
-    "/versions/{version}",
-    response_model=VersionPublic,
-    dependencies=READERS,
-    responses=errors({404: "unknown version"}),
-)
+@router.get("/versions/{version}", dependencies=READERS, responses=errors({404: "unknown version"}))
 async def get_version(
     registry: RegistryDep,
     version: Annotated[int, Path(ge=0, le=MAX_VERSION)],
@@ -204,7 +194,6 @@ async def get_version(
 
 @router.get(
     "/plan",
-    response_model=PlanPublic,
     responses=errors({404: "no route to the target", 409: "from is above the latest version (the agent is ahead)"}),
 )
 async def plan(
