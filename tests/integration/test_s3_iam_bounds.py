@@ -21,6 +21,7 @@ import pytest
 
 from deltasync.testing.launchers import free_port, stop_process_group
 from deltasync.testing.s3_iam import read_credentials
+from tests.support.sockets import read_until_closed
 
 BUCKET = "wordle-run"
 HEAD_S = 1.0
@@ -67,17 +68,6 @@ def store(tmp_path: Path) -> Iterator[_Store]:
     stop_process_group(server.proc, 5)
 
 
-def _answer(sock: socket.socket, timeout_s: float) -> bytes:
-    sock.settimeout(timeout_s)
-    data = b""
-    try:
-        while chunk := sock.recv(65536):
-            data += chunk
-    except ConnectionResetError:
-        pass
-    return data
-
-
 def test_half_sent_heads_hold_no_thread_and_time_out(store: _Store) -> None:
     threads = store.status("Threads:")
     held = []
@@ -88,9 +78,9 @@ def test_half_sent_heads_hold_no_thread_and_time_out(store: _Store) -> None:
             sock.sendall(f"GET /{BUCKET} HTTP/1.1\r\nHost: store\r\n".encode())
         time.sleep(0.3)
         assert store.status("Threads:") <= threads + 2  # werkzeug: one more thread for each
-        refused = _answer(held[-1], 3)
+        refused = read_until_closed(held[-1], 3)
         assert refused.startswith(b"HTTP/1.1 503 ") and b"max_connections_per_peer" in refused, refused[:300]
-        answers = [_answer(sock, HEAD_S + 3) for sock in held[:PER_PEER]]
+        answers = [read_until_closed(sock, HEAD_S + 3) for sock in held[:PER_PEER]]
     finally:
         for sock in held:
             sock.close()
@@ -116,7 +106,7 @@ def test_a_refused_body_is_never_read(store: _Store, authorization: str, status:
     head += f"Authorization: {authorization}\r\n" if authorization else ""
     with socket.create_connection(("127.0.0.1", store.port)) as sock:
         sock.sendall(f"{head}\r\n".encode())
-        answer = _answer(sock, 3)
+        answer = read_until_closed(sock, 3)
         sent = 0
         try:
             while sent < 64 << 20:  # the client goes on sending; the server has closed
@@ -139,3 +129,24 @@ def test_signed_requests_still_reach_moto(store: _Store, monkeypatch: pytest.Mon
     s3 = open_store(f"s3://{BUCKET}/run")
     s3.put("published", b"the trainer's")
     assert s3.list() == ["published"] and s3.get("published") == b"the trainer's"
+
+
+def test_each_store_lists_with_the_credentials_in_force_when_it_was_made(
+    store: _Store, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two stores in one process, made under other credentials: the second lists with its own (boto3's default
+    session keeps the first credentials it resolves; a store listing as another user is a wrong answer)."""
+    from deltasync.errors import StoreError
+    from deltasync.store import open_store
+
+    monkeypatch.setenv("AWS_ENDPOINT_URL_S3", store.url)
+    monkeypatch.setenv("AWS_REGION", "us-east-1")
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "AKIANOBODY0000000000")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "not-a-key")
+    with pytest.raises(StoreError, match="InvalidAccessKeyId"):
+        open_store(f"s3://{BUCKET}/run").list()
+    for name, value in read_credentials(store.credentials / "trainer.env").items():
+        monkeypatch.setenv(name, value)
+    s3 = open_store(f"s3://{BUCKET}/run")
+    s3.put("published", b"the trainer's")
+    assert s3.list() == ["published"]

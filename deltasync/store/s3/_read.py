@@ -233,6 +233,7 @@ class S3Reader(S3Requests):
     def _list_s3(self, sub: str) -> builtins.list[str]:
         try:
             import boto3
+            import boto3.session
             from botocore.config import Config
         except ImportError as exc:
             raise ImportError("S3Store lists with boto3: pip install 'deltasync[s3]'") from exc
@@ -244,7 +245,9 @@ class S3Reader(S3Requests):
                     connect_timeout=10,
                     read_timeout=60,
                 )
-                self._boto3 = boto3.client(
+                # A session of its own: boto3.client() shares the process's default session, which keeps the
+                # first credentials it resolved, so a second store (another user's keys) would list as the first.
+                self._boto3 = boto3.session.Session().client(
                     "s3", endpoint_url=self._resolved_endpoint(), region_name=region, config=config
                 )
             client = self._boto3
