@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from deltasync.signing import VerifyKey, generate_key_files
 from deltasync.store import LocalStore
 from deltasync.testing.credentials import (  # noqa: F401 - re-exported for the tests
     AGENT_SECRET,
@@ -73,6 +74,13 @@ def update_stream() -> UpdateStream:
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A random bf16 Qwen3 with a locally trained tokenizer (built once per session)."""
     return build_tiny_model(tmp_path_factory.mktemp("models") / "tiny-qwen3", seed=0)
+
+
+@pytest.fixture
+def publisher_key(tmp_path: Path) -> tuple[Path, VerifyKey]:
+    """A publisher's signing key file (its public half beside it, ``.pub``) and the key that verifies it."""
+    path = tmp_path / "publisher.key"
+    return path, generate_key_files(path)
 
 
 @pytest.fixture

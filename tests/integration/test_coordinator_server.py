@@ -26,6 +26,7 @@ from deltasync.schemas import VersionCreate
 from deltasync.testing.launchers import CoordinatorProcess, free_port
 from deltasync.testing.tls import make_certificates
 from tests.conftest import PUBLISHER_TOKEN, TOKENS_ENV, agent_token, version_body
+from tests.support.sockets import rss_mib
 
 pytestmark = pytest.mark.slow
 PUB = {"Authorization": f"Bearer {PUBLISHER_TOKEN}"}
@@ -326,13 +327,6 @@ def test_tls_with_a_certificate_made_in_the_test(tmp_path: Path) -> None:
             httpx.get(proc.url.replace("https://", "http://") + "/healthz", timeout=5)  # no plain HTTP beside it
 
 
-def _rss_mib(pid: int) -> float:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    raise AssertionError("no VmRSS")
-
-
 def test_an_endless_request_head_is_431_before_it_costs_memory(server: CoordinatorProcess) -> None:
     """An endless request head is refused (431) before it costs memory: uvicorn's httptools buffers an
     unfinished header line without limit (``h11_max_incomplete_event_size`` applies to h11 only), so 128 MiB of
@@ -340,7 +334,7 @@ def test_an_endless_request_head_is_431_before_it_costs_memory(server: Coordinat
     import socket
 
     assert server.proc is not None
-    before = _rss_mib(server.proc.pid)
+    before = rss_mib(server.proc.pid)
     host, port = server.url.removeprefix("http://").split(":")
     with socket.create_connection((host, int(port)), timeout=10) as sock:
         sock.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\nX-Endless: ")
@@ -358,7 +352,7 @@ def test_an_endless_request_head_is_431_before_it_costs_memory(server: Coordinat
     assert sent < 4 << 20, f"the server read {sent} bytes of one head"
     assert answer.startswith(b"HTTP/1.1 431") and b"request head over 65536 bytes" in answer, answer[:200]
     assert b"deltasync-run-id: run-" in answer.lower()
-    assert _rss_mib(server.proc.pid) - before < 30
+    assert rss_mib(server.proc.pid) - before < 30
     assert httpx.get(server.url + "/healthz").status_code == 200
 
 

@@ -24,6 +24,7 @@ import pytest
 
 from deltasync.testing.launchers import free_port, stop_process_group, wait_until_serving
 from examples.wordle.env_server import env_client
+from tests.support.sockets import read_until_closed, rss_mib
 
 TOKEN = "env-token-0123456789abcdef"
 HEAD_S = 1.0
@@ -52,10 +53,7 @@ class _Env:
         return self
 
     def rss_mib(self) -> float:
-        for line in Path(f"/proc/{self.proc.pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-        raise AssertionError("no VmRSS")
+        return rss_mib(self.proc.pid)
 
 
 @pytest.fixture
@@ -64,18 +62,6 @@ def envs() -> Iterator[list[_Env]]:
     yield started
     for env in started:
         stop_process_group(env.proc, 5)
-
-
-def _answer(sock: socket.socket, timeout_s: float) -> bytes:
-    """What the server sends until it closes the connection."""
-    sock.settimeout(timeout_s)
-    data = b""
-    try:
-        while chunk := sock.recv(65536):
-            data += chunk
-    except ConnectionResetError:
-        pass
-    return data
 
 
 def test_only_the_token_holder_plays_and_its_clients_send_the_token(
@@ -104,7 +90,7 @@ def test_a_body_without_the_token_is_refused_from_its_head(tmp_path: Path, envs:
     head = f"POST /v1/sessions/{'0' * 32}/guess HTTP/1.1\r\nHost: env\r\nContent-Type: application/json\r\n"
     with socket.create_connection(("127.0.0.1", env.port)) as sock:
         sock.sendall(f"{head}Content-Length: {HUGE}\r\n\r\n".encode())  # no body byte yet: refused from the head
-        answer = _answer(sock, 3)
+        answer = read_until_closed(sock, 3)
         sent = 0
         try:
             while sent < 64 << 20:  # the attacker goes on sending; the server has closed
@@ -117,7 +103,7 @@ def test_a_body_without_the_token_is_refused_from_its_head(tmp_path: Path, envs:
     # with the token, a body over the cap is refused by its length, before it is read
     with socket.create_connection(("127.0.0.1", env.port)) as sock:
         sock.sendall(f"{head}Authorization: Bearer {TOKEN}\r\nContent-Length: {HUGE}\r\n\r\n".encode())
-        answer = _answer(sock, 3)
+        answer = read_until_closed(sock, 3)
     assert answer.startswith(b"HTTP/1.1 413 "), answer[:300]
     assert answer.endswith(b'{"detail":"request body over 16384 bytes"}')
 
@@ -133,13 +119,13 @@ def test_slow_heads_are_closed_and_one_address_is_capped(tmp_path: Path, envs: l
             slow.append(sock)
             sock.sendall(b"GET /healthz HTTP/1.1\r\nHost: env\r\n")  # a head never finished
         t0 = time.monotonic()
-        refused = _answer(slow[-1], 3)
+        refused = read_until_closed(slow[-1], 3)
         assert refused.startswith(b"HTTP/1.1 503 "), refused[:300]
         assert b"too many connections from 127.0.0.2 (3 open, max_connections_per_peer)" in refused
         assert httpx.get(env.url + "/healthz", timeout=5).status_code == 200  # another address gets in meanwhile
         for sock in slow[:-1]:
             sock.sendall(b"X-Slow: 1\r\n")
-            answer = _answer(sock, HEAD_S + 3)
+            answer = read_until_closed(sock, HEAD_S + 3)
             assert answer.startswith(b"HTTP/1.1 408 "), answer[:300]
             assert answer.endswith(b'{"detail":"request head not received within 1 s (request_head_timeout_s)"}')
         assert time.monotonic() - t0 < HEAD_S + 3

@@ -30,6 +30,7 @@ import pytest
 from deltasync.testing.launchers import free_port, stop_process_group, wait_until_serving
 from deltasync.testing.tls import make_certificates
 from examples.wordle.rollouts import RemoteRollouts
+from tests.support.sockets import read_until_closed, rss_mib
 
 TOKEN = "rollout-token-0123456789abcdef"
 HEAD_S = 1.0
@@ -68,10 +69,7 @@ class _Service:
         return self.log.read_text()
 
     def rss_mib(self) -> float:
-        for line in Path(f"/proc/{self.proc.pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-        raise AssertionError("no VmRSS")
+        return rss_mib(self.proc.pid)
 
 
 @pytest.fixture
@@ -89,22 +87,6 @@ def _start(services: list[_Service], tmp: Path, args: list[str], **kw: object) -
     return service
 
 
-def _answer(sock: socket.socket, timeout_s: float) -> bytes:
-    """What the server sends until it closes the connection; fails if it neither answers nor closes in time."""
-    sock.settimeout(timeout_s)
-    data = b""
-    try:
-        while chunk := sock.recv(65536):
-            data += chunk
-    except ConnectionResetError:
-        pass
-    except TimeoutError:
-        raise AssertionError(
-            f"the service neither answered nor closed within {timeout_s} s (got {data[:200]!r})"
-        ) from None
-    return data
-
-
 def _take_head(length: int, auth: str | None) -> bytes:
     lines = ["POST /v1/take HTTP/1.1", "Host: rollouts", "Content-Type: application/json", f"Content-Length: {length}"]
     lines += [f"Authorization: {auth}"] if auth is not None else []
@@ -119,7 +101,7 @@ def test_a_body_without_the_token_is_refused_from_its_head(
     before = service.rss_mib()
     with socket.create_connection(("127.0.0.1", service.port)) as sock:
         sock.sendall(_take_head(HUGE, auth))  # not one byte of the body yet: the answer comes from the head
-        answer = _answer(sock, 3)
+        answer = read_until_closed(sock, 3)
         sent = 0
         try:
             while sent < 64 << 20:  # the attacker goes on sending; the service has closed
@@ -137,7 +119,7 @@ def test_a_body_over_the_cap_is_refused_even_with_the_token(services: list[_Serv
     service = _start(services, tmp_path, ["--max-body-bytes", "4096"]).wait()
     with socket.create_connection(("127.0.0.1", service.port)) as sock:
         sock.sendall(_take_head(HUGE, f"Bearer {TOKEN}"))
-        answer = _answer(sock, 3)
+        answer = read_until_closed(sock, 3)
     assert answer.startswith(b"HTTP/1.1 413 ") and answer.endswith(b'{"detail":"request body over 4096 bytes"}')
     with socket.create_connection(("127.0.0.1", service.port)) as sock:  # no Content-Length: counted as read
         head = (
@@ -145,7 +127,7 @@ def test_a_body_over_the_cap_is_refused_even_with_the_token(services: list[_Serv
         )
         chunk = b"1000\r\n" + b" " * 4096 + b"\r\n"
         sock.sendall(head.encode() + chunk * 2)
-        answer = _answer(sock, 3)
+        answer = read_until_closed(sock, 3)
     assert answer.startswith(b"HTTP/1.1 413 "), answer[:200]
     trainer = RemoteRollouts(service.url, TOKEN)
     assert trainer.take(0, 1)[0]  # the trainer's take is well under the cap
@@ -171,7 +153,7 @@ def test_silent_connections_cannot_starve_the_trainer(services: list[_Service], 
         pending = list(flood)
         while pending and time.monotonic() - opened < HEAD_S + 5:
             for sock in select.select(pending, [], [], 0.05)[0]:
-                answers[sock] = (_answer(sock, 1), time.monotonic() - opened)
+                answers[sock] = (read_until_closed(sock, 1), time.monotonic() - opened)
                 pending.remove(sock)
         assert not pending, f"{len(pending)} silent connections still open after {HEAD_S + 5} s"
     finally:
@@ -199,7 +181,7 @@ def test_a_head_sent_one_header_at_a_time_is_closed(services: list[_Service], tm
         answer = b""
         while not answer and time.monotonic() - t0 < HEAD_S + 3:
             if select.select([sock], [], [], 0.25)[0]:
-                answer = _answer(sock, 1)
+                answer = read_until_closed(sock, 1)
                 break
             sock.sendall(b"X-Slow: 1\r\n")
         held_s = time.monotonic() - t0
@@ -214,7 +196,7 @@ def test_tls_handshakes_are_timed_and_the_trainer_is_served(services: list[_Serv
     service = _start(services, tmp_path, args).wait(ca)
     with socket.create_connection(("127.0.0.1", service.port)) as silent:  # never sends a ClientHello
         t0 = time.monotonic()
-        assert _answer(silent, HEAD_S + 3) == b""
+        assert read_until_closed(silent, HEAD_S + 3) == b""
         closed_s = time.monotonic() - t0
     trainer = RemoteRollouts(service.url, TOKEN, str(ca))
     assert len(trainer.take(0, 1)[0]) == 1

@@ -28,6 +28,7 @@ from deltasync_coordinator.connections import LOG_BURST
 
 from deltasync.testing.launchers import CoordinatorProcess
 from tests.conftest import PUBLISHER_TOKEN, TOKENS_ENV, agent_token
+from tests.support.sockets import connect_from
 
 pytestmark = pytest.mark.slow
 
@@ -62,15 +63,8 @@ class _Slow:
 
     def __init__(self, port: int, source: str, n: int, start: bytes, drip: bytes) -> None:
         self.source, self.drip = source, drip
-        self.socks: list[socket.socket] = []
         self.opened = time.monotonic()
-        for _ in range(n):
-            sock = socket.socket()
-            sock.bind((source, 0))
-            sock.connect(("127.0.0.1", port))  # completes in the listen backlog, accepted or not
-            sock.sendall(start)
-            sock.setblocking(False)
-            self.socks.append(sock)
+        self.socks = connect_from(source, port, n, start)
         self.answers: dict[socket.socket, bytes] = {}
         self.first_byte_s: dict[socket.socket, float] = {}
         self.closed: set[socket.socket] = set()

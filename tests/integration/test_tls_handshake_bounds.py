@@ -27,6 +27,7 @@ from deltasync.client import CoordinatorClient, RetryPolicy
 from deltasync.testing.launchers import CoordinatorProcess
 from deltasync.testing.tls import make_certificates
 from tests.conftest import PUBLISHER_TOKEN, TOKENS_ENV, agent_token
+from tests.support.sockets import connect_from
 
 NOFILE = 128  # caps in force: 64 connections overall, 32 kept from one address
 PER_PEER = 20
@@ -46,18 +47,6 @@ def _tls_args(tmp_path: Path) -> tuple[Path, list[str]]:
         *("--max-long-polls", "16"),
     ]
     return ca, args
-
-
-def _silent(port: int, source: str, n: int) -> list[socket.socket]:
-    """``n`` TCP connections from ``source`` that never send a byte (no ClientHello)."""
-    socks = []
-    for _ in range(n):
-        sock = socket.socket()
-        sock.bind((source, 0))
-        sock.connect(("127.0.0.1", port))  # completes in the listen backlog, accepted or not
-        sock.setblocking(False)
-        socks.append(sock)
-    return socks
 
 
 def _closed_after(socks: list[socket.socket], opened: float, timeout_s: float) -> list[float]:
@@ -90,7 +79,7 @@ def test_silent_tls_connections_cannot_starve_an_agent(tmp_path: Path) -> None:
     with CoordinatorProcess(tmp_path / "ledger.db", env=TOKENS_ENV, args=args, prefix=prefix, ca_bundle=ca) as proc:
         port = int(proc.url.rsplit(":", 1)[1])
         opened = time.monotonic()
-        flood = _silent(port, "127.0.0.2", FLOOD)
+        flood = connect_from("127.0.0.2", port, FLOOD)  # silent: never a ClientHello
         try:
             with CoordinatorClient(
                 proc.url, token=agent_token("edge"), ca_bundle=str(ca), retry=RetryPolicy(retries=0, timeout_s=5)

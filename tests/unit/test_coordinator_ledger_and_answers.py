@@ -135,30 +135,29 @@ def test_close_says_when_another_process_blocks_the_checkpoint(tmp_path: Path, c
 # ------------------------------------------------------------------------------------ start-up: clear refusals
 
 
+def _sql(path: Path, statement: str) -> None:
+    """``statement`` run on the file ``path`` and committed by another program (plain sqlite3)."""
+    con = sqlite3.connect(path)
+    con.execute(statement)
+    con.commit()
+    con.close()
+
+
 @pytest.mark.sqlite
 def test_files_that_are_not_this_ledger_are_refused_clearly(tmp_path: Path) -> None:
     """Each is refused with a message naming it, never a traceback, and a newer schema is never accepted."""
-    foreign = sqlite3.connect(tmp_path / "app.db")
-    foreign.execute("CREATE TABLE users (id INTEGER)")
-    foreign.commit()
-    foreign.close()
+    _sql(tmp_path / "app.db", "CREATE TABLE users (id INTEGER)")
     with pytest.raises(DamagedLedger, match=r"a SQLite database of something else \(tables \['users'\]\)"):
         _db(tmp_path / "app.db")
     (tmp_path / "dir.db").mkdir()
     with pytest.raises(DamagedLedger, match="is a directory; pass a database file path"):
         _db(tmp_path / "dir.db")
     _db(tmp_path / "new.db").close()
-    con = sqlite3.connect(tmp_path / "new.db")
-    con.execute("INSERT INTO schema_migrations VALUES (3, 0)")
-    con.commit()
-    con.close()
+    _sql(tmp_path / "new.db", "INSERT INTO schema_migrations VALUES (3, 0)")
     with pytest.raises(DamagedLedger, match="schema version 3 was written by a newer deltasync"):
         _db(tmp_path / "new.db")
     _db(tmp_path / "lost.db").close()
-    con = sqlite3.connect(tmp_path / "lost.db")
-    con.execute("DROP TABLE agents")
-    con.commit()
-    con.close()
+    _sql(tmp_path / "lost.db", "DROP TABLE agents")
     with pytest.raises(DamagedLedger, match=r"migrations are recorded but tables \['agents'\] are missing"):
         _db(tmp_path / "lost.db")
     _db(tmp_path / "ok.db").close()

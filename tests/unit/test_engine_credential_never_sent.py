@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import socket
-import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -22,6 +20,7 @@ from deltasync.errors import EngineUnproven
 from deltasync.targets import EngineAuth, HttpVllmTarget
 from deltasync.vllm.guard import EngineGuard
 from tests.conftest import ServerThread
+from tests.support.recording_server import RecordingServer
 
 TOKEN = "engine-credential-for-the-tests-0123456789"
 
@@ -109,53 +108,6 @@ def test_a_server_with_another_credential_is_never_driven() -> None:
     assert inner.seen == []
 
 
-class _Impostor:
-    """A process of another user that bound vLLM's port while vLLM is down: a real TCP server that records every
-    byte it receives and answers as it likes (``answer(request_bytes) -> response_bytes``)."""
-
-    def __init__(self, answer: Any) -> None:
-        self.answer = answer
-        self.received = bytearray()
-        self.sock = socket.create_server(("127.0.0.1", 0))
-        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
-        self._thread = threading.Thread(target=self._serve, daemon=True)
-        self._thread.start()
-
-    def _serve(self) -> None:
-        while True:
-            try:
-                conn, _ = self.sock.accept()
-            except OSError:
-                return
-            with conn:
-                conn.settimeout(5)
-                data = b""
-                try:
-                    while b"\r\n\r\n" not in data:
-                        chunk = conn.recv(65536)
-                        if not chunk:
-                            break
-                        data += chunk
-                    head, _, rest = data.partition(b"\r\n\r\n")
-                    length = next(
-                        (
-                            int(line.split(b":")[1])
-                            for line in head.split(b"\r\n")
-                            if line.lower().startswith(b"content-length:")
-                        ),
-                        0,
-                    )
-                    while len(rest) < length:
-                        rest += conn.recv(65536)
-                    self.received += data + rest[len(data) - len(head) - 4 :]
-                    conn.sendall(self.answer(head + b"\r\n\r\n" + rest))
-                except OSError:
-                    continue
-
-    def close(self) -> None:
-        self.sock.close()
-
-
 def _http(status: int, payload: dict[str, Any], headers: str = "") -> bytes:
     body = json.dumps(payload).encode()
     return (
@@ -167,7 +119,10 @@ def _http(status: int, payload: dict[str, Any], headers: str = "") -> bytes:
 @pytest.fixture(
     params=["401-to-everything", "fake-challenge-answer", "copies-the-challenge", "200-to-everything"],
 )
-def impostor(request: pytest.FixtureRequest) -> Iterator[_Impostor]:
+def impostor(request: pytest.FixtureRequest) -> Iterator[RecordingServer]:
+    """A process of another user that bound vLLM's port while vLLM is down: it records every byte it receives and
+    answers as ``request.param`` says."""
+
     def answer(raw: bytes) -> bytes:
         if request.param == "401-to-everything":
             return _http(401, {"error": "needs the engine credential (X-DeltaSync-Engine-Token)"})
@@ -178,12 +133,11 @@ def impostor(request: pytest.FixtureRequest) -> Iterator[_Impostor]:
             return _http(200, {"guard": "deltasync", "nonce": challenge, "proof": challenge})
         return _http(200, {"guard": "deltasync", "credential_configured": True, "nonce": "n", "proof": "0" * 64})
 
-    server = _Impostor(answer)
-    yield server
-    server.close()
+    with RecordingServer(answer) as server:
+        yield server
 
 
-def test_an_impostor_on_the_engines_port_never_receives_the_credential(impostor: _Impostor) -> None:
+def test_an_impostor_on_the_engines_port_never_receives_the_credential(impostor: RecordingServer) -> None:
     """The sidecar's engine (HttpVllmTarget) meets the impostor at start and at every sync: it is reported as
     EngineUnproven, never driven (no pause, no update, no 'restoring it from an anchor'), and the credential is
     in none of the bytes the impostor received."""

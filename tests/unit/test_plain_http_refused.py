@@ -11,10 +11,8 @@ from __future__ import annotations
 
 import logging
 import os
-import socket
 import subprocess
 import sys
-import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -24,48 +22,21 @@ from deltasync._client_transport import is_loopback
 from deltasync.cli import main
 from deltasync.client import CoordinatorClient
 from tests.conftest import PUBLISHER_TOKEN, agent_token
+from tests.support.recording_server import RecordingServer
 
 REFUSED = "is plain http:// on another host: the bearer token would travel in clear; use https://"
 
 
-class _Listener:
-    """A TCP server on 127.0.0.1 that records every byte it receives (what an eavesdropper on the path reads)."""
-
-    def __init__(self) -> None:
-        self.sock = socket.create_server(("127.0.0.1", 0))
-        self.port = self.sock.getsockname()[1]
-        self.received = bytearray()
-        self.thread = threading.Thread(target=self._serve, daemon=True)
-        self.thread.start()
-
-    def _serve(self) -> None:
-        while True:
-            try:
-                conn, _ = self.sock.accept()
-            except OSError:
-                return
-            with conn:
-                conn.settimeout(2)
-                try:
-                    while chunk := conn.recv(65536):
-                        self.received += chunk
-                        if b"\r\n\r\n" in self.received:
-                            break
-                    body = b'{"detail":"a listener, not a coordinator"}'
-                    head = f"HTTP/1.1 403 Forbidden\r\ncontent-length: {len(body)}\r\nconnection: close\r\n\r\n"
-                    conn.sendall(head.encode() + body)
-                except OSError:
-                    pass
-
-    def close(self) -> None:
-        self.sock.close()
+def _forbidden(request: bytes) -> bytes:
+    body = b'{"detail":"a listener, not a coordinator"}'
+    return f"HTTP/1.1 403 Forbidden\r\ncontent-length: {len(body)}\r\nconnection: close\r\n\r\n".encode() + body
 
 
 @pytest.fixture
-def listener() -> Iterator[_Listener]:
-    server = _Listener()
-    yield server
-    server.close()
+def listener() -> Iterator[RecordingServer]:
+    """What an eavesdropper on the path reads: every byte that arrives."""
+    with RecordingServer(_forbidden) as server:
+        yield server
 
 
 @pytest.mark.parametrize(
@@ -107,7 +78,7 @@ def test_insecure_http_sends_with_a_warning_and_no_token_needs_no_flag(caplog: p
 
 
 def test_the_cli_refuses_before_the_token_reaches_the_wire(
-    listener: _Listener, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+    listener: RecordingServer, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """From the network side: ``0.0.0.0`` is no loopback address, yet Linux connects it to this machine, where a
     listener records what arrives. Before, the token arrived in clear; now nothing arrives, and the CLI says

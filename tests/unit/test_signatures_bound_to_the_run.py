@@ -25,16 +25,9 @@ from deltasync import (
 )
 from deltasync.config import PublisherConfig
 from deltasync.runrecord import RUN_KEY, claim_run
-from deltasync.signing import generate_key_files
 from deltasync.testing.models import qwen3_shapes
 from deltasync.testing.stream import UpdateStream
 from tests.conftest import SMALL_QWEN3, assert_bit_equal
-
-
-@pytest.fixture
-def key(tmp_path: Path) -> tuple[Path, VerifyKey]:
-    path = tmp_path / "team.key"
-    return path, generate_key_files(path)
 
 
 def _publish(root: Path, key_path: Path, steps: int, *, seed: int, anchor_every: int | None = None) -> dict:
@@ -62,12 +55,12 @@ def _cli(*args: str) -> subprocess.CompletedProcess[str]:
 
 
 def test_another_runs_signed_objects_planted_in_this_store_are_refused(
-    tmp_path: Path, key: tuple[Path, VerifyKey]
+    tmp_path: Path, publisher_key: tuple[Path, VerifyKey]
 ) -> None:
     """Run A's objects planted in run B's store: ``read_weights(store_b, 2, trust=Trust(verify_key=K))`` must not
     return run A's v2, nor ``deltasync verify`` say ok, nor A's v6 anchor + v7 delta above B's latest read as
     B's v7."""
-    key_path, verify_key = key
+    key_path, verify_key = publisher_key
     a, b = tmp_path / "a", tmp_path / "b"
     _publish(a, key_path, 8, seed=0, anchor_every=6)
     truth_b = _publish(b, key_path, 2, seed=1)
@@ -95,10 +88,12 @@ def test_another_runs_signed_objects_planted_in_this_store_are_refused(
     assert "readers refuse them" in plain.stderr, plain
 
 
-def test_a_foreign_anchor_is_passed_over_for_the_runs_own_chain(tmp_path: Path, key: tuple[Path, VerifyKey]) -> None:
+def test_a_foreign_anchor_is_passed_over_for_the_runs_own_chain(
+    tmp_path: Path, publisher_key: tuple[Path, VerifyKey]
+) -> None:
     """One planted foreign anchor never fails the whole chain ("mixes objects of runs"): the reader rebuilds
     through the run's own deltas, bit-exact."""
-    key_path, verify_key = key
+    key_path, verify_key = publisher_key
     a, b = tmp_path / "a", tmp_path / "b"
     _publish(a, key_path, 8, seed=0, anchor_every=6)
     truth_b = _publish(b, key_path, 8, seed=1)
@@ -111,8 +106,10 @@ def test_a_foreign_anchor_is_passed_over_for_the_runs_own_chain(tmp_path: Path, 
     assert_bit_equal(read_weights(store, 7, trust=Trust(run_id=_run_id(b))), truth_b[7])
 
 
-def test_a_reader_pinned_to_another_run_refuses_the_store(tmp_path: Path, key: tuple[Path, VerifyKey]) -> None:
-    key_path, verify_key = key
+def test_a_reader_pinned_to_another_run_refuses_the_store(
+    tmp_path: Path, publisher_key: tuple[Path, VerifyKey]
+) -> None:
+    key_path, verify_key = publisher_key
     _publish(tmp_path / "b", key_path, 2, seed=1)
     store = LocalStore(tmp_path / "b")
     with pytest.raises(ForeignObject, match=r"the store belongs to run run-\w+ \(run.json\), this reader is pinned"):
@@ -122,11 +119,11 @@ def test_a_reader_pinned_to_another_run_refuses_the_store(tmp_path: Path, key: t
 
 
 def test_a_run_record_rewritten_by_someone_without_the_key_is_refused(
-    tmp_path: Path, key: tuple[Path, VerifyKey]
+    tmp_path: Path, publisher_key: tuple[Path, VerifyKey]
 ) -> None:
     """The store's record pins the run only when the key signed it: a record swapped in by whoever can write
     the bucket (to adopt planted objects) is ignored, with a warning, never believed."""
-    key_path, verify_key = key
+    key_path, verify_key = publisher_key
     a, b = tmp_path / "a", tmp_path / "b"
     _publish(a, key_path, 3, seed=0)
     _publish(b, key_path, 2, seed=1)
@@ -142,7 +139,9 @@ def test_a_run_record_rewritten_by_someone_without_the_key_is_refused(
         read_weights(LocalStore(b), 1, trust=Trust(verify_key=verify_key))
 
 
-def test_a_publisher_refuses_a_store_that_belongs_to_another_run(tmp_path: Path, key: tuple[Path, VerifyKey]) -> None:
+def test_a_publisher_refuses_a_store_that_belongs_to_another_run(
+    tmp_path: Path, publisher_key: tuple[Path, VerifyKey]
+) -> None:
     """A run's store is written by that run only: a second run pointed at it (a copy-pasted --store) is refused
     before anything is written, with what to do."""
     store = LocalStore(tmp_path / "b")
@@ -155,9 +154,9 @@ def test_a_publisher_refuses_a_store_that_belongs_to_another_run(tmp_path: Path,
 
 
 def test_without_a_coordinator_a_restarted_publisher_keeps_the_stores_run(
-    tmp_path: Path, key: tuple[Path, VerifyKey]
+    tmp_path: Path, publisher_key: tuple[Path, VerifyKey]
 ) -> None:
-    key_path, verify_key = key
+    key_path, verify_key = publisher_key
     root = tmp_path / "b"
     _publish(root, key_path, 2, seed=1)
     run = _run_id(root)
@@ -172,12 +171,12 @@ def test_without_a_coordinator_a_restarted_publisher_keeps_the_stores_run(
 
 
 def test_a_store_whose_run_record_was_deleted_is_refused_not_read_unpinned(
-    tmp_path: Path, key: tuple[Path, VerifyKey]
+    tmp_path: Path, publisher_key: tuple[Path, VerifyKey]
 ) -> None:
     """With `run.json` deleted, a key-only reader must not pin nothing and read another run's objects (a whole
     chain of run B copied into run A's store) as valid: an object that names a run, written since format 1.3
     (its publisher always records the run), is refused until the reader pins a run."""
-    key_path, verify_key = key
+    key_path, verify_key = publisher_key
     a, b = tmp_path / "a", tmp_path / "b"
     _publish(a, key_path, 3, seed=0)
     truth_b = _publish(b, key_path, 6, seed=1, anchor_every=4)
@@ -198,10 +197,10 @@ def test_a_store_whose_run_record_was_deleted_is_refused_not_read_unpinned(
     assert_bit_equal(read_weights(LocalStore(b), 5, trust=Trust(verify_key=verify_key)), truth_b[5])
 
 
-def test_planted_epoch_records_never_stop_the_reads(tmp_path: Path, key: tuple[Path, VerifyKey]) -> None:
+def test_planted_epoch_records_never_stop_the_reads(tmp_path: Path, publisher_key: tuple[Path, VerifyKey]) -> None:
     """A 50 MB planted epochs/e*.json (or a file where the directory goes) never makes a key-only read fail: a
     record that cannot fence anything is ignored, with a warning."""
-    key_path, verify_key = key
+    key_path, verify_key = publisher_key
     root = tmp_path / "b"
     truth = _publish(root, key_path, 2, seed=1)
     (root / "epochs").mkdir()

@@ -41,19 +41,13 @@ from deltasync.client import CoordinatorClient, RetryPolicy
 from deltasync.config import PublisherConfig
 from deltasync.errors import VersionTaken
 from deltasync.runrecord import RUN_KEY, claim_run
-from deltasync.signing import RUN_CONTEXT, generate_key_files
+from deltasync.signing import RUN_CONTEXT
 from deltasync.store.s3 import S3Store
 from deltasync.testing.models import qwen3_shapes
 from deltasync.testing.stream import UpdateStream
 from tests.conftest import PUBLISHER_TOKEN, SMALL_QWEN3, ServerThread, assert_bit_equal
 from tests.support.asgi import make_settings
 from tests.unit.test_publisher import _ThreadRanks
-
-
-@pytest.fixture
-def key(tmp_path: Path) -> tuple[Path, VerifyKey]:
-    path = tmp_path / "publisher.key"
-    return path, generate_key_files(path)
 
 
 @pytest.fixture
@@ -101,12 +95,12 @@ def _run_of(root: Path) -> str:
 
 @pytest.mark.parametrize("planted", ["unsigned", "signed by the planter's own key"])
 def test_a_run_record_planted_before_the_first_publish_is_refused_by_the_publisher(
-    tmp_path: Path, key: tuple[Path, VerifyKey], server: ServerThread, planted: str
+    tmp_path: Path, publisher_key: tuple[Path, VerifyKey], server: ServerThread, planted: str
 ) -> None:
     """A record planted under the publisher's run id (read from ``/healthz``) is refused, never taken as its own
     silently (every key-only reader, with or without ``--run-id``, would then refuse every version it
     published)."""
-    key_path, verify_key = key
+    key_path, verify_key = publisher_key
     root = tmp_path / "store"
     record = (json.dumps({"format_version": "1.4", "run_id": _public_run_id(server)}, sort_keys=True) + "\n").encode()
     if planted != "unsigned":
@@ -132,9 +126,11 @@ def test_a_run_record_planted_before_the_first_publish_is_refused_by_the_publish
         assert_bit_equal(read_weights(LocalStore(root), 1, trust=trust), truth[1])
 
 
-def test_without_a_coordinator_a_planted_run_record_is_refused_too(tmp_path: Path, key: tuple[Path, VerifyKey]) -> None:
+def test_without_a_coordinator_a_planted_run_record_is_refused_too(
+    tmp_path: Path, publisher_key: tuple[Path, VerifyKey]
+) -> None:
     """A publisher without a coordinator adopts the store's run: never one its key did not record."""
-    key_path, _ = key
+    key_path, _ = publisher_key
     store = LocalStore(tmp_path / "store")
     store.put(RUN_KEY, b'{"format_version": "1.4", "run_id": "run-planted"}\n')
     with pytest.raises(ForeignObject, match=r"run.json: this publisher did not write the store's run record"):
@@ -158,11 +154,11 @@ REPLACEMENTS = {
 
 @pytest.mark.parametrize("replacement", list(REPLACEMENTS))
 def test_a_reader_pinned_with_run_id_never_depends_on_run_json(
-    tmp_path: Path, key: tuple[Path, VerifyKey], caplog: pytest.LogCaptureFixture, replacement: str
+    tmp_path: Path, publisher_key: tuple[Path, VerifyKey], caplog: pytest.LogCaptureFixture, replacement: str
 ) -> None:
     """A reader pinned with ``--run-id`` knows its run: a replaced ``run.json`` never makes it refuse a version
     (``SignatureError``, ``ForeignObject``, ``ObjectTooLarge``, ``FormatError``)."""
-    key_path, verify_key = key
+    key_path, verify_key = publisher_key
     root = tmp_path / "store"
     with Publisher(LocalStore(root), None, _config(key_path)) as pub:
         truth = _publish(pub, _stream(1), 3)
@@ -187,12 +183,12 @@ def test_a_reader_pinned_with_run_id_never_depends_on_run_json(
 
 
 def test_a_key_only_reader_never_adopts_planted_objects_through_an_ignored_record(
-    tmp_path: Path, key: tuple[Path, VerifyKey]
+    tmp_path: Path, publisher_key: tuple[Path, VerifyKey]
 ) -> None:
     """With the record ignored, the run is the one that every object the key signed names: another run's
     signed objects planted beside it make the store ambiguous, and every object is refused until the reader
     pins its run."""
-    key_path, verify_key = key
+    key_path, verify_key = publisher_key
     a, b = tmp_path / "a", tmp_path / "b"
     with Publisher(LocalStore(a), None, _config(key_path)) as pub:
         _publish(pub, _stream(0), 4)
@@ -215,7 +211,7 @@ SQUATS = ["v00000003/manifest.sig", "v00000003/manifest.json", "v00000003/shard-
 @pytest.mark.parametrize("squat", SQUATS)
 def test_a_squatted_version_key_is_skipped_by_the_publisher_that_holds_the_lease(
     tmp_path: Path,
-    key: tuple[Path, VerifyKey],
+    publisher_key: tuple[Path, VerifyKey],
     server: ServerThread,
     caplog: pytest.LogCaptureFixture,
     squat: str,
@@ -223,7 +219,7 @@ def test_a_squatted_version_key_is_skipped_by_the_publisher_that_holds_the_lease
     """A key of the next version, planted before the publisher writes it, never stops the publisher
     (``ObjectExists: ... exists; objects are create-only (another writer?)``). The lease makes it the run's
     only writer and the ledger allows gaps: the version is skipped, and every version reads back exact."""
-    key_path, verify_key = key
+    key_path, verify_key = publisher_key
     root = tmp_path / "store"
     stream = _stream(2)
     with _client(server) as client, Publisher(LocalStore(root), client, _config(key_path)) as pub:
@@ -253,11 +249,11 @@ def test_a_squatted_version_key_is_skipped_by_the_publisher_that_holds_the_lease
 
 
 def test_a_key_planted_far_ahead_does_not_use_up_the_versions(
-    tmp_path: Path, key: tuple[Path, VerifyKey], server: ServerThread
+    tmp_path: Path, publisher_key: tuple[Path, VerifyKey], server: ServerThread
 ) -> None:
     """A publisher does not start above every key in the store: one planted ``v99999999/x`` would make its first
     version 100000000, and its first publish fail (``version must be an int in [0, 99999999]``)."""
-    key_path, verify_key = key
+    key_path, verify_key = publisher_key
     root = tmp_path / "store"
     LocalStore(root).put("v99999999/x", b"squat")
     with _client(server) as client, Publisher(LocalStore(root), client, _config(key_path)) as pub:
@@ -267,12 +263,12 @@ def test_a_key_planted_far_ahead_does_not_use_up_the_versions(
 
 
 def test_without_a_coordinator_a_key_planted_at_the_last_version_is_named_at_start(
-    tmp_path: Path, key: tuple[Path, VerifyKey]
+    tmp_path: Path, publisher_key: tuple[Path, VerifyKey]
 ) -> None:
     """Without a ledger the store is the run's only record of its versions, so the publisher starts above every
     key in it: one planted at the last version leaves none, and the publisher says so at start, naming the key,
     rather than failing its first publish with ``version must be an int in [0, 99999999], got 100000000``."""
-    key_path, _ = key
+    key_path, _ = publisher_key
     root = tmp_path / "store"
     LocalStore(root).put("v99999999/anchor/x", b"squat")
     with pytest.raises(VersionTaken) as stopped:
@@ -287,11 +283,11 @@ def test_without_a_coordinator_a_key_planted_at_the_last_version_is_named_at_sta
 
 
 def test_without_a_coordinator_a_squatted_version_key_stops_the_publisher_saying_what_to_do(
-    tmp_path: Path, key: tuple[Path, VerifyKey]
+    tmp_path: Path, publisher_key: tuple[Path, VerifyKey]
 ) -> None:
     """Without a lease nothing tells a planted key from a second publisher writing the store: the publisher
     stops, naming the key and the way on (a new Publisher starts above it)."""
-    key_path, verify_key = key
+    key_path, verify_key = publisher_key
     root = tmp_path / "store"
     stream = _stream(4)
     pub = Publisher(LocalStore(root), None, _config(key_path))
@@ -314,12 +310,12 @@ def test_without_a_coordinator_a_squatted_version_key_stops_the_publisher_saying
 
 
 def test_a_planted_epoch_record_does_not_stop_the_next_publisher_recording_its_own(
-    tmp_path: Path, key: tuple[Path, VerifyKey], server: ServerThread, caplog: pytest.LogCaptureFixture
+    tmp_path: Path, publisher_key: tuple[Path, VerifyKey], server: ServerThread, caplog: pytest.LogCaptureFixture
 ) -> None:
     """An epoch record planted at the next publisher's key (``epochs/e00000002.json``) never makes that publisher
     skip its own (``already recorded``): key-holding readers ignore unsigned records, so nothing would fence the
     first publisher's late write, and ``verify --public-key --run-id`` would say ok."""
-    key_path, verify_key = key
+    key_path, verify_key = publisher_key
     root = tmp_path / "store"
     stream = _stream(5)
     with _client(server) as client:
@@ -366,11 +362,11 @@ def test_a_planted_epoch_record_does_not_stop_the_next_publisher_recording_its_o
 
 
 def test_ls_lists_what_it_can_and_marks_what_it_cannot_read(
-    tmp_path: Path, key: tuple[Path, VerifyKey], capsys: pytest.CaptureFixture[str]
+    tmp_path: Path, publisher_key: tuple[Path, VerifyKey], capsys: pytest.CaptureFixture[str]
 ) -> None:
     """One planted ``manifest.json`` of ``{}`` never makes ``deltasync ls --public-key`` exit 1 with
     ``FormatError``, listing nothing: it lists what it can and marks what it cannot read."""
-    key_path, _ = key
+    key_path, _ = publisher_key
     root = tmp_path / "store"
     with Publisher(LocalStore(root), None, _config(key_path)) as pub:
         _publish(pub, _stream(6), 3)
@@ -395,11 +391,11 @@ def test_ls_lists_what_it_can_and_marks_what_it_cannot_read(
 
 
 def test_on_s3_a_planted_run_record_and_a_squatted_version_key_only_delay_the_publisher(
-    s3_store: S3Store, key: tuple[Path, VerifyKey], server: ServerThread
+    s3_store: S3Store, publisher_key: tuple[Path, VerifyKey], server: ServerThread
 ) -> None:
     """The same planter on S3 (moto), through the store API: the planted record is refused with what to do, and
     once the operator removed it a squatted version key is skipped."""
-    key_path, verify_key = key
+    key_path, verify_key = publisher_key
     s3_store.put(RUN_KEY, (json.dumps({"format_version": "1.4", "run_id": _public_run_id(server)}) + "\n").encode())
     stream = _stream(7)
     with _client(server) as client:
@@ -478,12 +474,16 @@ def test_every_rank_hears_of_a_key_squatted_on_another_rank_and_moves_on_alike(
 
 @pytest.mark.parametrize("record", [b"junk\n", b"signature-cut"], ids=["garbage", "signature line cut"])
 def test_a_run_record_replaced_after_publishing_does_not_stop_a_restarted_publisher(
-    tmp_path: Path, key: tuple[Path, VerifyKey], server: ServerThread, caplog: pytest.LogCaptureFixture, record: bytes
+    tmp_path: Path,
+    publisher_key: tuple[Path, VerifyKey],
+    server: ServerThread,
+    caplog: pytest.LogCaptureFixture,
+    record: bytes,
 ) -> None:
     """A trainer restarts (a crash, a preemption, the run's next job) after a store writer replaced run.json: the
     objects its key signed in the store name its run, so the record is ignored with a warning and publishing goes
     on; a key-only reader reads the new version."""
-    key_path, verify_key = key
+    key_path, verify_key = publisher_key
     root = tmp_path / "store"
     with _client(server) as client, Publisher(LocalStore(root), client, _config(key_path)) as pub:
         _publish(pub, _stream(0), 2)

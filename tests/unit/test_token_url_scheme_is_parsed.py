@@ -8,55 +8,28 @@ records every byte it receives (what an eavesdropper on the path would read).
 
 from __future__ import annotations
 
-import socket
-import threading
 from collections.abc import Iterator
 
 import pytest
 
 from deltasync._client_transport import refuse_token_in_clear
 from examples.wordle.rollouts import RemoteRollouts
+from tests.support.recording_server import RecordingServer
 
 TOKEN = "rollout-token-0123456789abcdef"
 
 
-class _Listener:
-    """A TCP server on 0.0.0.0 that records what it receives and closes each connection."""
-
-    def __init__(self) -> None:
-        self.sock = socket.create_server(("0.0.0.0", 0))
-        self.port = self.sock.getsockname()[1]
-        self.received = bytearray()
-        self.thread = threading.Thread(target=self._serve, daemon=True)
-        self.thread.start()
-
-    def _serve(self) -> None:
-        while True:
-            try:
-                conn, _ = self.sock.accept()
-            except OSError:
-                return
-            with conn:
-                conn.settimeout(2)
-                try:
-                    while data := conn.recv(65536):
-                        self.received += data
-                        if b"\r\n\r\n" in self.received:
-                            break
-                except OSError:
-                    pass
-
-
 @pytest.fixture
-def listener() -> Iterator[_Listener]:
-    server = _Listener()
-    yield server
-    server.sock.close()
-    server.thread.join(5)
+def listener() -> Iterator[RecordingServer]:
+    """A server on 0.0.0.0 that records what it receives and answers nothing."""
+    with RecordingServer(host="0.0.0.0") as server:
+        yield server
 
 
 @pytest.mark.parametrize("scheme", ["HTTP", "Http", "http"])
-def test_the_rollout_client_refuses_plain_http_in_any_case_of_the_scheme(listener: _Listener, scheme: str) -> None:
+def test_the_rollout_client_refuses_plain_http_in_any_case_of_the_scheme(
+    listener: RecordingServer, scheme: str
+) -> None:
     url = f"{scheme}://0.0.0.0:{listener.port}"
     with pytest.raises(ValueError) as refused:
         RemoteRollouts(url, TOKEN)
@@ -68,7 +41,7 @@ def test_the_rollout_client_refuses_plain_http_in_any_case_of_the_scheme(listene
 
 
 def test_with_insecure_http_the_token_goes_and_the_listener_reads_it(
-    listener: _Listener, caplog: pytest.LogCaptureFixture
+    listener: RecordingServer, caplog: pytest.LogCaptureFixture
 ) -> None:
     url = f"HTTP://0.0.0.0:{listener.port}"
     rollouts = RemoteRollouts(url, TOKEN, insecure_http=True)

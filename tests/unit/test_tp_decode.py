@@ -354,12 +354,9 @@ def test_placeholders_are_never_written(tmp_path: Path, layout: str) -> None:
             rank.pm.write(rank.pm.plan(deltas))
 
 
-@pytest.mark.parametrize("layout", ["rows", "cols"])
-def test_catch_up_with_dense_and_anchor_in_the_middle(tmp_path: Path, layout: str) -> None:
-    """(d) a catch-up delta v1, anchor v2, delta v3 (dense), delta v4 in one session: each later object decodes
-    against the earlier ones' results, at held elements only; all plans written in order give v4."""
-    store, states, _ = _publish(tmp_path, 4, dense_at={3}, anchor_at={2})
-    plan = [(1, "delta"), (2, "anchor"), (3, "delta"), (4, "delta")]
+def _assert_catch_up(tmp_path: Path, store, states, layout: str, plan: list[tuple[int, str]]) -> None:
+    """Every rank decodes the session's objects in order (each against the earlier ones' results) and plans each;
+    all the plans written in order into a copy of its v0 parameters give the last version's."""
     for r in range(TP):
         rank = Rank(layout, r, states[0])
         sv = rank.source()
@@ -371,7 +368,15 @@ def test_catch_up_with_dense_and_anchor_in_the_middle(tmp_path: Path, layout: st
         flat = rank.flat_copy()
         for ops in all_ops:
             rank.pm.write(ops, into=flat)
-        _assert_params(flat, rank.expected(states[4]))
+        _assert_params(flat, rank.expected(states[plan[-1][0]]))
+
+
+@pytest.mark.parametrize("layout", ["rows", "cols"])
+def test_catch_up_with_dense_and_anchor_in_the_middle(tmp_path: Path, layout: str) -> None:
+    """(d) a catch-up delta v1, anchor v2, delta v3 (dense), delta v4 in one session: each later object decodes
+    against the earlier ones' results, at held elements only; all plans written in order give v4."""
+    store, states, _ = _publish(tmp_path, 4, dense_at={3}, anchor_at={2})
+    _assert_catch_up(tmp_path, store, states, layout, [(1, "delta"), (2, "anchor"), (3, "delta"), (4, "delta")])
 
 
 @pytest.mark.parametrize("layout", ["rows", "cols"])
@@ -379,18 +384,7 @@ def test_catch_up_of_deltas_only(tmp_path: Path, layout: str) -> None:
     """(d) a catch-up of four deltas (one dense in the middle) with no anchor: every later object decodes against
     the session's overlay, never the stale live values."""
     store, states, _ = _publish(tmp_path, 4, dense_at={2})
-    for r in range(TP):
-        rank = Rank(layout, r, states[0])
-        sv = rank.source()
-        all_ops = []
-        for v in range(1, 5):
-            deltas = _decode(store, tmp_path / f"r{r}", v, "delta", sv)
-            sv.advance(deltas)
-            all_ops.append(rank.pm.plan(deltas))
-        flat = rank.flat_copy()
-        for ops in all_ops:
-            rank.pm.write(ops, into=flat)
-        _assert_params(flat, rank.expected(states[4]))
+    _assert_catch_up(tmp_path, store, states, layout, [(v, "delta") for v in range(1, 5)])
 
 
 @pytest.mark.parametrize("layout", ["rows", "cols"])
