@@ -63,7 +63,10 @@ def user_tree(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def _env() -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH" and not k.startswith("PYTEST_")}
+    # A user's shell: no PYTHONPATH, no pytest's variables, and no outer make's (`make test` runs this suite, and
+    # a make started under MAKELEVEL prints "Entering/Leaving directory" around what the user would see).
+    outer = ("PYTHONPATH", "MAKELEVEL", "MAKEFLAGS", "MFLAGS", "MAKEOVERRIDES")
+    env = {k: v for k, v in os.environ.items() if k not in outer and not k.startswith(("PYTEST_", "MAKE_TERMINAL"))}
     env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"  # make, the deltasync CLI
     env["PYTHONDONTWRITEBYTECODE"] = "1"  # so that an entry point that writes nothing leaves the tree as it was
     return env
