@@ -16,7 +16,7 @@ import json
 import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any, Literal, Protocol, runtime_checkable
+from typing import Any, Literal, Protocol, Required, TypedDict, Unpack, runtime_checkable
 
 import numpy as np
 import torch
@@ -259,24 +259,24 @@ def _encode_packed(d: TensorDelta, dtype_name: str, level: int) -> tuple[TensorI
     return info, entries
 
 
-def encode_shard(
-    deltas: Iterable[TensorDelta],
-    *,
-    kind: Kind,
-    encoding: Encoding,
-    target_version: int,
-    base_version: int | None = None,
-    zstd_level: int = DEFAULT_ZSTD_LEVEL,
-) -> bytes:
+class _ShardOptions(TypedDict, total=False):
+    """The keyword arguments of :func:`encode_shard` and :func:`encode_shard_parts`."""
+
+    kind: Required[Kind]
+    encoding: Required[Encoding]
+    target_version: Required[int]
+    base_version: int | None
+    zstd_level: int
+
+
+def encode_shard(deltas: Iterable[TensorDelta], **options: Unpack[_ShardOptions]) -> bytes:
     """Encode tensor deltas (or an anchor's dense tensors) into one shard file (:func:`encode_shard_parts`, joined).
 
     Args:
         deltas: one entry per changed tensor (or span), each with its ``checksum``.
-        kind: ``"delta"`` (needs ``base_version``) or ``"anchor"`` (dense entries only).
-        encoding: ``"raw"`` or ``"packed"``.
-        target_version: the version the shard produces.
-        base_version: the version a delta applies to.
-        zstd_level: compression level of ``packed``.
+        **options: ``kind`` (``"delta"``, which needs ``base_version``, or ``"anchor"``: dense entries only),
+            ``encoding`` (``"raw"`` or ``"packed"``), ``target_version`` (the version the shard produces),
+            ``base_version`` (the version a delta applies to) and ``zstd_level`` (compression level of ``packed``).
 
     Returns:
         The shard's bytes; identical inputs give identical bytes.
@@ -284,15 +284,7 @@ def encode_shard(
     Raises:
         ValueError: an entry is malformed or holds NaN (the message names the tensor).
     """
-    parts = encode_shard_parts(
-        deltas,
-        kind=kind,
-        encoding=encoding,
-        target_version=target_version,
-        base_version=base_version,
-        zstd_level=zstd_level,
-    )
-    return b"".join(parts)
+    return b"".join(encode_shard_parts(deltas, **options))
 
 
 def encode_shard_parts(
