@@ -32,7 +32,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, NotRequired, TypedDict, Unpack
 
 import torch
 
@@ -83,6 +83,15 @@ class SyncResult:
     """Seconds: fetch, decode (incl. checksums), stage, pause (the serving gap), apply."""
     bytes: int
     """Bytes fetched from the store."""
+
+
+class _AgentOptions(TypedDict):
+    """:class:`Agent`'s keyword arguments other than ``target`` (what :meth:`Agent.for_llm` passes on)."""
+
+    store: Store
+    coordinator: CoordinatorClient
+    config: NotRequired[AgentConfig | None]
+    verify_key: NotRequired[VerifyKey | None]
 
 
 class Agent:
@@ -149,19 +158,10 @@ class Agent:
         return self.stager.host
 
     @classmethod
-    def for_llm(
-        cls,
-        llm: Any,
-        *,
-        store: Store,
-        coordinator: CoordinatorClient,
-        config: AgentConfig | None = None,
-        verify_key: VerifyKey | None = None,
-    ) -> Agent:
-        """An agent for an offline ``vllm.LLM`` in this process (call :meth:`sync` between generations)."""
-        return cls(
-            store=store, coordinator=coordinator, target=OfflineLLMTarget(llm), config=config, verify_key=verify_key
-        )
+    def for_llm(cls, llm: Any, **options: Unpack[_AgentOptions]) -> Agent:
+        """An agent for an offline ``vllm.LLM`` in this process (call :meth:`sync` between generations); ``options``
+        are :class:`Agent`'s other keyword arguments."""
+        return cls(target=OfflineLLMTarget(llm), **options)
 
     # ------------------------------------------------------------------ the state machine
 
