@@ -24,7 +24,7 @@ import pytest
 
 from deltasync.testing.launchers import free_port, stop_process_group, wait_until_serving
 from examples.wordle.env_server import env_client
-from tests.support.sockets import read_until_closed, rss_mib
+from tests.support.sockets import read_until_closed, rss_mib, send_head_then_body
 
 TOKEN = "env-token-0123456789abcdef"
 HEAD_S = 1.0
@@ -88,16 +88,7 @@ def test_a_body_without_the_token_is_refused_from_its_head(tmp_path: Path, envs:
     envs.append(env.wait())
     before = env.rss_mib()
     head = f"POST /v1/sessions/{'0' * 32}/guess HTTP/1.1\r\nHost: env\r\nContent-Type: application/json\r\n"
-    with socket.create_connection(("127.0.0.1", env.port)) as sock:
-        sock.sendall(f"{head}Content-Length: {HUGE}\r\n\r\n".encode())  # no body byte yet: refused from the head
-        answer = read_until_closed(sock, 3)
-        sent = 0
-        try:
-            while sent < 64 << 20:  # the attacker goes on sending; the server has closed
-                sock.sendall(b"a" * (1 << 20))
-                sent += 1 << 20
-        except OSError:
-            pass
+    answer, sent = send_head_then_body(env.port, f"{head}Content-Length: {HUGE}\r\n\r\n".encode())
     assert answer.startswith(b"HTTP/1.1 401 ") and b"connection: close" in answer.lower(), answer[:300]
     assert sent < 16 << 20 and env.rss_mib() - before < 20
     # with the token, a body over the cap is refused by its length, before it is read

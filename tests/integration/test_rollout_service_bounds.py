@@ -30,7 +30,7 @@ import pytest
 from deltasync.testing.launchers import free_port, stop_process_group, wait_until_serving
 from deltasync.testing.tls import make_certificates
 from examples.wordle.rollouts import RemoteRollouts
-from tests.support.sockets import read_until_closed, rss_mib
+from tests.support.sockets import read_until_closed, rss_mib, send_head_then_body
 
 TOKEN = "rollout-token-0123456789abcdef"
 HEAD_S = 1.0
@@ -99,16 +99,7 @@ def test_a_body_without_the_token_is_refused_from_its_head(
 ) -> None:
     service = _start(services, tmp_path, []).wait()
     before = service.rss_mib()
-    with socket.create_connection(("127.0.0.1", service.port)) as sock:
-        sock.sendall(_take_head(HUGE, auth))  # not one byte of the body yet: the answer comes from the head
-        answer = read_until_closed(sock, 3)
-        sent = 0
-        try:
-            while sent < 64 << 20:  # the attacker goes on sending; the service has closed
-                sock.sendall(b" " * (1 << 20))
-                sent += 1 << 20
-        except OSError:
-            pass
+    answer, sent = send_head_then_body(service.port, _take_head(HUGE, auth), body_byte=b" ")
     assert answer.startswith(b"HTTP/1.1 401 "), answer[:200]
     assert b"connection: close" in answer.lower() and b"www-authenticate: Bearer" in answer
     assert answer.endswith(b'{"detail":"the rollout service needs its bearer token (WORDLE_ROLLOUT_TOKEN)"}')

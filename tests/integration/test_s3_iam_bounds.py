@@ -21,7 +21,7 @@ import pytest
 
 from deltasync.testing.launchers import free_port, stop_process_group
 from deltasync.testing.s3_iam import read_credentials
-from tests.support.sockets import read_until_closed
+from tests.support.sockets import read_until_closed, send_head_then_body
 
 BUCKET = "wordle-run"
 HEAD_S = 1.0
@@ -104,16 +104,7 @@ def test_a_refused_body_is_never_read(store: _Store, authorization: str, status:
     rss = store.status("VmRSS:")
     head = f"PUT /{BUCKET}/run/x HTTP/1.1\r\nHost: store\r\nX-Amz-Date: 20260101T000000Z\r\nContent-Length: {HUGE}\r\n"
     head += f"Authorization: {authorization}\r\n" if authorization else ""
-    with socket.create_connection(("127.0.0.1", store.port)) as sock:
-        sock.sendall(f"{head}\r\n".encode())
-        answer = read_until_closed(sock, 3)
-        sent = 0
-        try:
-            while sent < 64 << 20:  # the client goes on sending; the server has closed
-                sock.sendall(b"a" * (1 << 20))
-                sent += 1 << 20
-        except OSError:
-            pass
+    answer, sent = send_head_then_body(store.port, f"{head}\r\n".encode())
     assert answer.startswith(b"HTTP/1.1 " + status + b" ") and b"<Code>" + code + b"</Code>" in answer, answer[:400]
     assert b"connection: close" in answer.lower()
     assert sent < 16 << 20 and (store.status("VmRSS:") - rss) < 20 << 10  # KiB

@@ -6,7 +6,7 @@ from __future__ import annotations
 import socket
 from pathlib import Path
 
-__all__ = ["connect_from", "read_until_closed", "rss_mib"]
+__all__ = ["connect_from", "read_until_closed", "rss_mib", "send_head_then_body"]
 
 
 def read_until_closed(sock: socket.socket, timeout_s: float) -> bytes:
@@ -24,6 +24,23 @@ def read_until_closed(sock: socket.socket, timeout_s: float) -> bytes:
             f"the server neither answered nor closed within {timeout_s} s (got {data[:200]!r})"
         ) from None
     return data
+
+
+def send_head_then_body(port: int, head: bytes, body_byte: bytes = b"a") -> tuple[bytes, int]:
+    """Send a request ``head`` to ``127.0.0.1:port`` and not one byte of its body, read the answer until the server
+    closes, then go on sending the body as an attacker would (``body_byte`` repeated, 1 MiB at a time, up to
+    64 MiB) until the closed connection refuses it. Returns the answer and how many body bytes were sent."""
+    with socket.create_connection(("127.0.0.1", port)) as sock:
+        sock.sendall(head)
+        answer = read_until_closed(sock, 3)
+        sent = 0
+        try:
+            while sent < 64 << 20:
+                sock.sendall(body_byte * (1 << 20))
+                sent += 1 << 20
+        except OSError:
+            pass
+    return answer, sent
 
 
 def connect_from(source: str, port: int, n: int, first: bytes = b"") -> list[socket.socket]:
