@@ -285,19 +285,27 @@ def test_any_change_to_the_served_config_is_drift(rig: Rig, key: str, value: Any
     assert rig.status()["healthy"] and rig.llm.collective_rpc("deltasync_prove")[0]["ok"]
 
 
+def _serve_one_version(rig: Rig, seed: int, name: str, tag: str) -> tuple[LocalStore, OfflineLLMTarget, Path, Path]:
+    """A trainer's adapter (``seed``) published once to a store of its own (``NAME-store``), saved as the trainer
+    has it (``NAME-trainer``: what a fresh load reads), and its anchor (staged as ``TAG-a0``) applied on a fresh
+    engine serving ``NAME-served``: the store, the target, the served directory and the trainer's copy."""
+    model = _trainer(rig.model_dir, seed=seed)
+    store = LocalStore(rig.root / f"{name}-store")
+    _publish(store, model, 1)
+    reference = rig.root / f"{name}-trainer"
+    model.save_pretrained(reference)
+    target, served = rig.fresh(name)
+    target.apply(StagedUpdate(objects=(rig.stage(store, f"{tag}-a0", 0, "anchor"),)))
+    return store, target, served, reference
+
+
 @pytest.mark.parametrize("edit", ["alpha-times-16", "nested-json"])
 def test_an_edited_served_directory_is_never_what_vllm_computes_with(rig: Rig, edit: str) -> None:
     """Whoever can write the served directory edits it, then has vLLM load the adapter again (a request under a new
     id, as after an eviction), then puts the file back: every load of the served adapter reads the engine's own
     copy of the version, so the requests compute as the published version throughout (and leave no KV computed
     with anything else); the whole-state proof reports the edit as drift, an unparsable file included."""
-    model = _trainer(rig.model_dir, seed=15)
-    store = LocalStore(rig.root / f"edit-{edit}-store")
-    _publish(store, model, 1)
-    reference = rig.root / f"edit-{edit}-trainer"
-    model.save_pretrained(reference)
-    target, served = rig.fresh(f"edit-{edit}")
-    target.apply(StagedUpdate(objects=(rig.stage(store, f"e-{edit}-a0", 0, "anchor"),)))
+    store, target, served, reference = _serve_one_version(rig, 15, f"edit-{edit}", f"e-{edit}")
     fresh = _outputs(rig.llm, _lora(reference))
     original = (served / CONFIG_FILE).read_text()
     if edit == "alpha-times-16":
@@ -339,13 +347,7 @@ def test_a_stray_write_into_what_vllm_computes_with_is_drift(rig: Rig, where: st
     slot in a layer's LoRA buffers, or of vLLM's loaded copy (which fills the slot when the adapter comes back after
     an eviction). The whole-state proof reads both back as each layer's own set_lora would write them, and says
     drift; an anchor restores what vLLM computes with (its session end drops every loaded adapter)."""
-    model = _trainer(rig.model_dir, seed=13)
-    store = LocalStore(rig.root / f"stray-{where}-store")
-    _publish(store, model, 1)
-    reference = rig.root / f"stray-{where}-trainer"
-    model.save_pretrained(reference)
-    target, served = rig.fresh(f"stray-{where}")
-    target.apply(StagedUpdate(objects=(rig.stage(store, f"s-{where}-a0", 0, "anchor"),)))
+    store, target, served, reference = _serve_one_version(rig, 13, f"stray-{where}", f"s-{where}")
     request = _lora(served)
     fresh = _outputs(rig.llm, _lora(reference))
     assert _outputs(rig.llm, request) == fresh  # loaded into a slot from the served directory
