@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import atexit
 import os
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -41,6 +42,14 @@ def assert_bit_equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> 
         assert a[name].shape == b[name].shape, name
         assert a[name].dtype == b[name].dtype, name
         assert torch.equal(bits(a[name]), bits(b[name])), f"{name} differs"
+
+
+def assert_agents_hold(agents: Iterable[Any], version: int, weights: dict[str, torch.Tensor]) -> None:
+    """Each agent's in-memory engine is at ``version``, applied no version twice nor out of order, and holds
+    ``weights`` bit for bit."""
+    for agent in agents:
+        assert agent.target.version == version and agent.target.applied == sorted(set(agent.target.applied))
+        assert_bit_equal(agent.target.weights, weights)
 
 
 def overwrite(store: LocalStore, key: str, data: bytes) -> None:

@@ -50,6 +50,7 @@ from tests.conftest import (
     SMALL_QWEN3,
     TOKENS_ENV,
     agent_token,
+    assert_agents_hold,
     assert_bit_equal,
     overwrite,
     remove,
@@ -244,9 +245,7 @@ def test_coordinator_killed_mid_run(tmp_path: Path, coordinator: CoordinatorProc
     client.close()
     deltas = [v.version for v in ledger if v.kind == "delta"]
     assert deltas == list(range(1, 40)) and len(ledger) == len({(v.version, v.kind) for v in ledger})
-    for a in agents:
-        assert a.target.version == 39 and a.target.applied == sorted(set(a.target.applied))
-        assert_bit_equal(a.target.weights, truth[39])
+    assert_agents_hold(agents, 39, truth[39])
     print(
         f"\nRELIABILITY coordinator kill -9 for {outage_s:.0f} s: versions lost 0, duplicated 0; "
         f"3 agents at v39 bit-exact"
