@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -92,7 +93,7 @@ def test_every_manifest_carries_the_sketch_of_every_tensor(
         ("delta", 5),
     ]
     for m in published:
-        assert m.format_version == "1.4" and list(m.tensors) == sorted(truth[m.version])
+        assert m.format_version == "1.5" and list(m.tensors) == sorted(truth[m.version])
         for name, entry in m.tensors.items():
             assert entry.sketch == tensor_sketch(truth[m.version][name]), (m.kind, m.version, name)
         assert read_manifest(local_store, m.version, m.kind).tensors == m.tensors  # as committed
@@ -121,6 +122,27 @@ class _ThreadRanks:
         objs[:] = self.box[src]
         self.barrier.wait()
 
+    def run(
+        self, ranks: Iterable[int], body: Callable[[int], None], failed: Callable[[int, BaseException], None]
+    ) -> None:
+        """``body(r)`` for each rank ``r`` of ``ranks``, in a thread of its own whose rank is ``r``, waiting up to
+        20 s for each. A rank that raises is reported as ``failed(r, exc)`` and breaks the barrier, so that the other
+        ranks do not wait for it."""
+
+        def thread(r: int) -> None:
+            self.local.rank = r
+            try:
+                body(r)
+            except BaseException as exc:  # reported to failed; the other rank must not wait for this one
+                failed(r, exc)
+                self.barrier.abort()
+
+        threads = [threading.Thread(target=thread, args=(r,)) for r in ranks]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(20)
+
 
 def test_two_ranks_spans_sum_to_each_tensors_sketch(local_store: LocalStore, monkeypatch: pytest.MonkeyPatch) -> None:
     """FSDP in one process: rank 0 sums the ranks' span sketches, and a span a rank did not change keeps its
@@ -147,26 +169,15 @@ def test_two_ranks_spans_sum_to_each_tensors_sketch(local_store: LocalStore, mon
     errors: list[BaseException] = []
 
     def rank(r: int) -> None:  # what Publisher._process does on each rank
-        ranks.local.rank = r
         commit = _commit.RankCommit(ObjectWriter(store=local_store), None, None, rank=r, world=2, group="gloo")
-        try:
-            anchor = dense_entries(local(r, 0), views[r])
-            commit.publish(0, "anchor", anchor, base_version=None, views=views[r], dtype_name="BF16")
-            for v in range(1, len(truth)):
-                prev, new = local(r, v - 1), local(r, v)
-                deltas = [
-                    globalize(d, new[d.ckpt_name], views[r][d.ckpt_name]) for d in compute_delta(prev, new).values()
-                ]
-                commit.publish(v, "delta", deltas, base_version=v - 1, views=views[r], dtype_name="BF16")
-        except BaseException as exc:  # reported below; the other rank must not wait for this one
-            errors.append(exc)
-            ranks.barrier.abort()
+        anchor = dense_entries(local(r, 0), views[r])
+        commit.publish(0, "anchor", anchor, base_version=None, views=views[r], dtype_name="BF16")
+        for v in range(1, len(truth)):
+            prev, new = local(r, v - 1), local(r, v)
+            deltas = [globalize(d, new[d.ckpt_name], views[r][d.ckpt_name]) for d in compute_delta(prev, new).values()]
+            commit.publish(v, "delta", deltas, base_version=v - 1, views=views[r], dtype_name="BF16")
 
-    threads = [threading.Thread(target=rank, args=(r,)) for r in spans]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(20)
+    ranks.run(spans, rank, lambda _, exc: errors.append(exc))
     assert not errors, errors
     assert [x.version for x in list_versions(local_store)] == [0, 1, 2, 3]
     for v, expected in enumerate(truth):

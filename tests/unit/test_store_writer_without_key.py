@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import logging
 import re
-import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -430,7 +429,6 @@ def test_every_rank_hears_of_a_key_squatted_on_another_rank_and_moves_on_alike(
     outcomes: dict[int, object] = {}
 
     def rank(r: int) -> None:
-        ranks.local.rank = r
         commit = _commit.RankCommit(
             ObjectWriter(store=store),
             client if r == 0 and lease else None,
@@ -440,27 +438,19 @@ def test_every_rank_hears_of_a_key_squatted_on_another_rank_and_moves_on_alike(
             group="gloo",
         )
         local = [{"w": f.view(-1)[spans[r][0] : spans[r][1]].reshape(-1, 4).clone()} for f in full]
+        commit.publish(
+            0, "anchor", dense_entries(local[0], views[r]), base_version=None, views=views[r], dtype_name="BF16"
+        )
+        deltas = [globalize(d, local[1]["w"], views[r]["w"]) for d in compute_delta(local[0], local[1]).values()]
         try:
-            commit.publish(
-                0, "anchor", dense_entries(local[0], views[r]), base_version=None, views=views[r], dtype_name="BF16"
-            )
-            deltas = [globalize(d, local[1]["w"], views[r]["w"]) for d in compute_delta(local[0], local[1]).values()]
-            try:
-                commit.publish(1, "delta", deltas, base_version=0, views=views[r], dtype_name="BF16")
-                outcomes[r] = "committed"
-            except VersionTaken as exc:
-                outcomes[r] = (exc.key, exc.next_free, "Without a coordinator" in str(exc))
-                if exc.next_free is not None:
-                    commit.publish(exc.next_free, "delta", deltas, base_version=0, views=views[r], dtype_name="BF16")
-        except BaseException as exc:  # reported below; the other rank must not wait for this one
-            outcomes[r] = exc
-            ranks.barrier.abort()
+            commit.publish(1, "delta", deltas, base_version=0, views=views[r], dtype_name="BF16")
+            outcomes[r] = "committed"
+        except VersionTaken as exc:
+            outcomes[r] = (exc.key, exc.next_free, "Without a coordinator" in str(exc))
+            if exc.next_free is not None:
+                commit.publish(exc.next_free, "delta", deltas, base_version=0, views=views[r], dtype_name="BF16")
 
-    threads = [threading.Thread(target=rank, args=(r,)) for r in spans]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(20)
+    ranks.run(spans, rank, outcomes.__setitem__)
     if keeper is not None:
         keeper.close()
     client.close()
