@@ -347,23 +347,14 @@ async def test_gc_deletes_through_the_store(coord: Coordinator, tmp_path: Path) 
     store = LocalStore(tmp_path / "store")
     await weights_store(coord, store, 5, anchors=(5,))
     await c.post("/v1/agents/a/heartbeat", headers=auth("a"), json={"applied_version": 3, "state": "idle"})
+    collectable = [(0, "anchor"), (1, "delta"), (2, "delta"), (3, "delta")]
     dry = (await c.get("/v1/gc/candidates", headers=PUB)).json()
-    assert [(x["version"], x["kind"]) for x in dry["candidates"]] == [
-        (0, "anchor"),
-        (1, "delta"),
-        (2, "delta"),
-        (3, "delta"),
-    ]
+    assert [(x["version"], x["kind"]) for x in dry["candidates"]] == collectable
     proven = (await c.post("/v1/gc", params={"dry_run": True}, headers=PUB)).json()
     assert proven["kept_anchor"] == 5 and proven["deleted"] == [] and len(proven["candidates"]) == 4
     assert [x.version for x in list_versions(store)] == [0, 1, 2, 3, 4, 5]  # a dry run deletes nothing
     done = (await c.post("/v1/gc", headers=PUB)).json()
-    assert [(x["version"], x["kind"]) for x in done["deleted"]] == [
-        (0, "anchor"),
-        (1, "delta"),
-        (2, "delta"),
-        (3, "delta"),
-    ]
+    assert [(x["version"], x["kind"]) for x in done["deleted"]] == collectable
     listing = {x.version: x for x in list_versions(store)}
     assert sorted(listing) == [4, 5] and listing[5].anchor and listing[5].delta
     assert not any(k.startswith(("v00000001/", "v00000002/", "v00000003/")) for k in store.list())
