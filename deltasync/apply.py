@@ -81,6 +81,9 @@ class Holding:
     adapter: AdapterEntry | None = None
     """The adapter it serves (``None``: none yet, or not an adapter receiver); later objects must be versions
     of it."""
+    adapter_base_content: str | None = None
+    """An adapter receiver: the digest of its base model's weights (``None``: unknown). An adapter whose
+    ``base_content`` is known and differs is for another base of the same shapes."""
 
     def __post_init__(self) -> None:
         if self.spec is not None and self.fingerprint is None:
@@ -201,6 +204,14 @@ def _admit_adapter(manifest: DeltaManifest, holding: Holding, what: str) -> None
         raise UpdateRefused(
             f"{what} is an adapter for another base model (base fingerprint {a.base_fingerprint[:19]}..., this "
             f"engine serves {holding.adapter_base[:19]}...): train the adapter on the served model",
+            reason=RefusalReason.MODEL,
+        )
+    served = holding.adapter_base_content
+    if a.base_content is not None and served is not None and a.base_content != served:
+        raise UpdateRefused(
+            f"{what} is an adapter for another base model of the same shapes (base weights {a.base_content[:19]}..., "
+            f"this engine serves base weights {served[:19]}...): publish the adapter from a trainer whose base is the "
+            "checkpoint this engine serves, or serve the adapter's own base",
             reason=RefusalReason.MODEL,
         )
     if holding.adapter is not None and a != holding.adapter:

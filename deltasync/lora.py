@@ -8,8 +8,8 @@ from typing import Any
 
 import torch
 
-from ._sharding import local_tensors
-from .manifest import AdapterEntry, model_fingerprint
+from ._sharding import TensorView, local_tensors
+from .manifest import AdapterEntry, ModelSpec, content_fingerprint, model_fingerprint
 from .names import WRAPPER_PREFIXES, NameMap
 from .vocab import DTYPE_NAMES
 
@@ -154,8 +154,10 @@ def adapter_entry(
     module: torch.nn.Module, dtype: torch.dtype = torch.bfloat16, adapter: str | None = None
 ) -> AdapterEntry:
     """The :class:`~deltasync.manifest.AdapterEntry` of a PEFT LoRA model's active adapter: its rank, alpha,
-    target modules and rsLoRA flag, and the fingerprint of its base model's checkpoint (names, shapes, ``dtype``)
-    as an engine serving that base sees it.
+    target modules and rsLoRA flag, the fingerprint of its base model's checkpoint (names, shapes, ``dtype``) as an
+    engine serving that base sees it, and the digest of the base's weights in ``dtype`` (``base_content``: every
+    base weight is read once, about a second per GB; ``None`` where this process holds only FSDP shards of them).
+    Call it once per run: the base is frozen under LoRA, and the publisher keeps the entry.
 
     Raises:
         ValueError: not a PEFT LoRA model, or an adapter deltasync cannot publish: any ``LoraConfig`` field that
@@ -180,7 +182,7 @@ def adapter_entry(
             why.append(f"embedding targets {embeddings} (lora_embedding tensors)")
     if why:
         raise ValueError(f"adapter {name!r}: deltasync publishes plain LoRA adapters only, not {'; '.join(why)}")
-    _, views = local_tensors(module, name_map=NameMap(), rank=0)
+    local, views = local_tensors(module, name_map=NameMap(), rank=0)
     base = {n: (DTYPE_NAMES[dtype], tuple(v.shape)) for n, v in views.items()}
     return AdapterEntry(
         r=int(config.r),
@@ -189,7 +191,24 @@ def adapter_entry(
         use_rslora=bool(getattr(config, "use_rslora", False)),
         base_fingerprint=model_fingerprint(base),
         adapter_name=name,
+        base_content=_base_content(base, local, views, dtype),
     )
+
+
+def _base_content(
+    spec: ModelSpec, local: dict[str, torch.Tensor], views: dict[str, TensorView], dtype: torch.dtype
+) -> str | None:
+    """:func:`~deltasync.manifest.content_fingerprint` of the base weights as ``dtype`` (the bytes an engine reads
+    from the base's checkpoint); ``None`` when this process does not hold each of them whole (FSDP2 shards, the
+    meta device)."""
+    if any(v.span is not None or n not in local or local[n].device.type == "meta" for n, v in views.items()):
+        return None
+
+    def read(name: str) -> memoryview:
+        t = local[name].detach().to("cpu", dtype).contiguous().reshape(-1)
+        return t.view(torch.uint8).numpy().data
+
+    return content_fingerprint(spec, read)
 
 
 def adapter_config_json(entry: AdapterEntry, base_model: str | None = None) -> dict[str, Any]:

@@ -13,7 +13,7 @@ import hashlib
 import json
 import math
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -39,6 +39,7 @@ __all__ = [
     "ModelSpec",
     "ShardEntry",
     "TensorEntry",
+    "content_fingerprint",
     "describe_spec_difference",
     "model_fingerprint",
 ]
@@ -59,7 +60,8 @@ _KEYS_1_0 = {"format_version", "kind", "version", "base_version", "encoding", "s
 _KEYS_1_1 = _KEYS_1_0 | {"model_fingerprint", "model_id", "run_id"}
 _KEYS_1_3 = _KEYS_1_1 | {"lease_epoch"}
 _KEYS_1_4 = _KEYS_1_3 | {"adapter"}
-_ADAPTER_KEYS = {"peft_type", "r", "lora_alpha", "target_modules", "use_rslora", "base_fingerprint"}
+_ADAPTER_KEYS_1_4 = {"peft_type", "r", "lora_alpha", "target_modules", "use_rslora", "base_fingerprint"}
+_ADAPTER_KEYS_1_5 = _ADAPTER_KEYS_1_4 | {"base_content"}
 _TARGET_MODULE = re.compile(r"[A-Za-z0-9_.]{1,128}")
 _MAX_ADAPTER_RANK = 65536
 _TENSOR_KEYS_1_0 = {"shape", "dtype", "nnz", "shards", "checksums"}
@@ -73,6 +75,20 @@ def model_fingerprint(spec: ModelSpec) -> str:
     for name in sorted(spec):
         dtype, shape = spec[name]
         h.update(json.dumps([name, dtype, list(shape)], separators=(",", ":")).encode() + b"\n")
+    return "sha256:" + h.hexdigest()
+
+
+def content_fingerprint(spec: ModelSpec, read: Callable[[str], memoryview]) -> str:
+    """``sha256:`` over a model's weights: for each tensor of ``spec`` in name order, one JSON line ``[name, dtype,
+    shape, nbytes]`` (as :func:`model_fingerprint` writes it, with the byte count) and then its ``nbytes`` raw bytes
+    (``read(name)``: little-endian, C order, as safetensors stores them). Each tensor's bytes are framed by their
+    count, so two models' digests are equal only when they hold the same tensors bit for bit."""
+    h = hashlib.sha256()
+    for name in sorted(spec):
+        dtype, shape = spec[name]
+        data = read(name).cast("B")
+        h.update(json.dumps([name, dtype, list(shape), data.nbytes], separators=(",", ":")).encode() + b"\n")
+        h.update(data)
     return "sha256:" + h.hexdigest()
 
 
@@ -163,6 +179,11 @@ class AdapterEntry:
     adapter_name: str | None = field(default=None, compare=False)
     """The adapter's name in the trainer's PEFT model (which of its adapters is published; ``None``: the active
     one). The publisher's own knowledge: never published, and no part of the adapter's identity."""
+    base_content: str | None = field(default=None, compare=False)
+    """:func:`content_fingerprint` of the base model's weights the adapter was trained on (since 1.5; ``None``:
+    the publisher could not read them whole, e.g. an FSDP-sharded base, or an object written before 1.5). An engine
+    that knows its own base's digest refuses an adapter whose digest differs: another base of the same shapes. No
+    part of the adapter's identity (equality), which the engine's served directory cannot say."""
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -176,7 +197,7 @@ class AdapterEntry:
 
     def describe_difference(self, other: AdapterEntry) -> str:
         """How two adapters differ, field by field (for refusal messages); ``""`` when they are one adapter."""
-        mine, theirs = self.to_dict(), other.to_dict()
+        mine, theirs = self.to_dict(), other.to_dict()  # base_content is compared on its own, against the engine's
         return "; ".join(f"{k} {theirs[k]!r} here, {mine[k]!r} in the object" for k in mine if mine[k] != theirs[k])
 
 
@@ -268,7 +289,7 @@ class DeltaManifest:
         if self.format_version not in ("1.0", "1.1", "1.2"):
             head.update(lease_epoch=self.lease_epoch)
         if self.format_version not in ("1.0", "1.1", "1.2", "1.3"):
-            head.update(adapter=None if self.adapter is None else self.adapter.to_dict())
+            head.update(adapter=None if self.adapter is None else self._adapter_dict())
         elif self.adapter is not None:
             raise ValueError(f"an adapter's manifest needs format 1.4 or later, not {self.format_version}")
         lines = [f" {dump(k)}: {dump(v)}," for k, v in sorted(head.items())]
@@ -282,6 +303,15 @@ class DeltaManifest:
             ]
         )
         return (body + "\n").encode()
+
+    def _adapter_dict(self) -> dict[str, Any]:
+        assert self.adapter is not None
+        out = self.adapter.to_dict()
+        if self.format_version != "1.4":
+            out["base_content"] = self.adapter.base_content
+        elif self.adapter.base_content is not None:
+            raise ValueError(f"an adapter's base_content needs format 1.5 or later, not {self.format_version}")
+        return out
 
     @classmethod
     def from_json(cls, data: bytes | str, *, name: str) -> DeltaManifest:
@@ -388,7 +418,9 @@ def _parse_manifest(obj: object, name: str) -> DeltaManifest:
     lease_epoch = None
     if minor >= 3 and top["lease_epoch"] is not None:
         lease_epoch = c.int_in("lease_epoch", top["lease_epoch"], 1, MAX_INT)
-    adapter = _parse_adapter(c, top["adapter"], newer) if minor >= 4 and top["adapter"] is not None else None
+    adapter = None
+    if minor >= 4 and top["adapter"] is not None:
+        adapter = _parse_adapter(c, top["adapter"], _ADAPTER_KEYS_1_4 if minor == 4 else _ADAPTER_KEYS_1_5, newer)
     manifest = DeltaManifest(
         kind=kind,
         version=version,
@@ -414,8 +446,8 @@ def _parse_manifest(obj: object, name: str) -> DeltaManifest:
     return manifest
 
 
-def _parse_adapter(c: _Check, raw: object, newer: bool) -> AdapterEntry:
-    a = c.keys("adapter", raw, _ADAPTER_KEYS, extra_ok=newer)
+def _parse_adapter(c: _Check, raw: object, keys: set[str], newer: bool) -> AdapterEntry:
+    a = c.keys("adapter", raw, keys, extra_ok=newer)
     if a["peft_type"] != "LORA":
         raise c.fail("adapter.peft_type", f"must be 'LORA', found {a['peft_type']!r}")
     r = c.int_in("adapter.r", a["r"], 1, _MAX_ADAPTER_RANK)
@@ -439,12 +471,16 @@ def _parse_adapter(c: _Check, raw: object, newer: bool) -> AdapterEntry:
     base = a["base_fingerprint"]
     if not isinstance(base, str) or not _FINGERPRINT.fullmatch(base):
         raise c.fail("adapter.base_fingerprint", f"must be 'sha256:' and 64 hex digits, found {base!r}")
+    content = a.get("base_content")  # since 1.5
+    if content is not None and (not isinstance(content, str) or not _FINGERPRINT.fullmatch(content)):
+        raise c.fail("adapter.base_content", f"must be null or 'sha256:' and 64 hex digits, found {content!r}")
     return AdapterEntry(
         r=r,
         lora_alpha=alpha,
         target_modules=tuple(targets),
         use_rslora=a["use_rslora"],
         base_fingerprint=base,
+        base_content=content,
     )
 
 

@@ -33,10 +33,11 @@ __all__ = [
     "wide_dtypes",
 ]
 
-FORMAT_VERSION = "1.4"
+FORMAT_VERSION = "1.5"
 """``major.minor`` of shards and manifests: readers reject another major version and accept any minor
 version of theirs (1.1 added the model fingerprint and run identity, 1.2 the sketch of every tensor, 1.3 the
-lease epoch and run records, 1.4 the LoRA adapter a manifest's tensors are; docs/FORMAT.md)."""
+lease epoch and run records, 1.4 the LoRA adapter a manifest's tensors are, 1.5 the digest of the adapter's base
+weights; docs/FORMAT.md)."""
 
 MAX_VERSION = 99_999_999
 """The largest version: keys are ``v{version:08d}``."""

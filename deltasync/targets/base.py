@@ -97,7 +97,16 @@ class EngineClaim:
         return {k: v for k, v in fields.items() if v is not None}
 
 
-_HELD = ("healthy", "run_id", "high_water", "fingerprint", "model_id", "adapter_base", "adapter")
+_HELD = (
+    "healthy",
+    "run_id",
+    "high_water",
+    "fingerprint",
+    "model_id",
+    "adapter_base",
+    "adapter",
+    "adapter_base_content",
+)
 """What an engine's state says of what it holds (:class:`~deltasync.apply.Holding`'s fields of the same names)."""
 
 
@@ -135,6 +144,8 @@ class EngineState:
     it cannot tell, and refuses every adapter); ``None``: it takes a model's own weights."""
     adapter: AdapterEntry | None = None
     """The adapter it serves (mode ``lora``; ``None``: none yet)."""
+    adapter_base_content: str | None = None
+    """Mode ``lora``: the digest of its base's weights, once it read them (``None``: not known)."""
     ranks: tuple[Mapping[str, Any], ...] = field(default=(), repr=False)
     """Each rank's raw status."""
 
@@ -225,6 +236,7 @@ def combine_ranks(ranks: Sequence[Mapping[str, Any]], label: str | None) -> Engi
         decodes=all(r.get("decodes") is True for r in ranks),
         adapter_base=_adapter_base(first),
         adapter=_served_adapter(first),
+        adapter_base_content=_adapter_base_content(first),
         ranks=tuple(ranks),
     )
 
@@ -234,6 +246,12 @@ def _adapter_base(status: Mapping[str, Any]) -> str | None:
     if not isinstance(adapter, Mapping):
         return None
     return str(adapter.get("base_fingerprint") or "unknown")
+
+
+def _adapter_base_content(status: Mapping[str, Any]) -> str | None:
+    adapter = status.get("adapter")
+    content = adapter.get("base_content") if isinstance(adapter, Mapping) else None
+    return content if isinstance(content, str) else None
 
 
 def _served_adapter(status: Mapping[str, Any]) -> AdapterEntry | None:

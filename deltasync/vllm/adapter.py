@@ -67,13 +67,15 @@ class ServedAdapter:
         return read_adapter_config(self.directory, base)
 
     def status(self) -> dict[str, Any] | None:
-        """``status()["adapter"]``: the directory, the base and the adapter served (``None`` outside ``lora`` mode)."""
+        """``status()["adapter"]``: the directory, the base (its weights' digest once the first admission read it)
+        and the adapter served (``None`` outside ``lora`` mode)."""
         if self.served.mode != "lora":
             return None
         entry = self.served_entry()
         return {
             "dir": self.directory,
             "base_fingerprint": self.served.base_fingerprint(),
+            "base_content": self.served.base_content(read=False),
             "served": None if entry is None else entry.to_dict(),
         }
 

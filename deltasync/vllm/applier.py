@@ -235,12 +235,14 @@ class Applier:
     # ------------------------------------------------------------------ reading and admitting
 
     def holding(self) -> apply.Holding:
-        """What this engine holds, for admission."""
+        """What this engine holds, for admission (its base's weights' digest as far as it was read: the first
+        admission reads it, a claim never waits on it)."""
         lora = self.served.mode == "lora"
         label = self.label
         return apply.Holding(
             adapter_base=(self.served.base_fingerprint() or "unknown") if lora else None,
             adapter=self.adapter.served_entry() if lora else None,
+            adapter_base_content=self.served.base_content(read=False) if lora else None,
             version=label.version,
             healthy=label.healthy,
             spec=self.served.spec(),
@@ -276,6 +278,7 @@ class Applier:
     def _admit_manifests(self, manifests: list[DeltaManifest], update: StagedUpdate) -> None:
         if self.served.mode == "lora":
             self.adapter.refuse_unloadable(manifests)
+            self.served.base_content()  # read once, before the first adapter is admitted
         apply.admit_all(
             ((m, f"deltasync {obj.label}") for m, obj in zip(manifests, update.objects, strict=True)),
             self.label.staged or self.holding(),

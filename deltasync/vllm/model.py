@@ -69,6 +69,7 @@ class ServedModel:
         self._spec: Spec | None = None
         self._fingerprint: tuple[object, str] = (None, "")
         self._base_fingerprint: str | None = None
+        self._base_content: tuple[str | None] | None = None
         self._map: PatchMap | None = None
         self._map_error: str | None = None
         self._decodes: tuple[int | None, bool] = (None, False)
@@ -150,6 +151,24 @@ class ServedModel:
             spec = shadow.spec() if not shadow.empty else self._architecture_spec()
             self._base_fingerprint = None if spec is None else model_fingerprint(spec)
         return self._base_fingerprint
+
+    def base_content(self, *, read: bool = True) -> str | None:
+        """The digest of the base model's weights this engine serves (``lora`` mode: an adapter whose manifest
+        names another was trained on another base of the same shapes), read from the checkpoint's safetensors
+        files the first time it is asked for with ``read`` (every weight once, about a second per GB); ``None``
+        without a checkpoint (a dummy load) or one it cannot read (unknown: logged), or, ``read=False``, before it
+        was read."""
+        if self._base_content is None and read:
+            t0 = time.perf_counter()
+            try:
+                self._base_content = (Shadow(self.model_config.model).content(),)
+            except Exception as exc:  # noqa: BLE001 - unreadable: unknown, adapters are admitted on names and shapes
+                logger.warning("deltasync: cannot read the base's weights for the adapter check (%s)", exc)
+                self._base_content = (None,)
+            logger.info(
+                "deltasync: the base's weights are %s (read in %.1f s)", self._base_content[0], time.perf_counter() - t0
+            )
+        return None if self._base_content is None else self._base_content[0]
 
     def _architecture_spec(self) -> Spec | None:
         dtype = self.model_config.dtype

@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from ..manifest import content_fingerprint
 from ..vocab import DTYPE_NAMES
 
 __all__ = ["Shadow", "spec_from_config"]
@@ -59,6 +60,17 @@ class Shadow:
         out = {n: s for n, s in self._file_spec.items() if n not in self.tensors}
         out.update({n: (DTYPE_NAMES.get(t.dtype, str(t.dtype)), tuple(t.shape)) for n, t in self.tensors.items()})
         return out
+
+    def content(self) -> str | None:
+        """:func:`~deltasync.manifest.content_fingerprint` of what the shadow holds, over the names, dtypes and
+        shapes of :meth:`spec` (each tensor read once, one at a time); ``None`` when it holds nothing."""
+        if self.empty:
+            return None
+
+        def read(name: str) -> memoryview:
+            return self.get(name).contiguous().reshape(-1).view(torch.uint8).numpy().data
+
+        return content_fingerprint(self.spec(), read)
 
     def names(self) -> list[str]:
         return sorted(set(self._where) | set(self.tensors))

@@ -133,6 +133,7 @@ def _cases() -> dict[str, bytes]:
         lora_alpha=16,
         target_modules=("q_proj", "v_proj"),
         base_fingerprint="sha256:" + "ab" * 32,
+        base_content="sha256:" + "cd" * 32,
     )
     lora = {"base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight": new["model.embed_tokens.weight"]}
     out["manifest-adapter.json"] = dataclasses.replace(
@@ -174,17 +175,18 @@ def test_golden(name: str) -> None:
 
 @pytest.mark.parametrize(
     "directory",
-    [GOLDEN, GOLDEN / "1.3", GOLDEN / "1.2", GOLDEN / "1.1", GOLDEN / "1.0"],
-    ids=["1.4", "1.3", "1.2", "1.1", "1.0"],
+    [GOLDEN, GOLDEN / "1.4", GOLDEN / "1.3", GOLDEN / "1.2", GOLDEN / "1.1", GOLDEN / "1.0"],
+    ids=["1.5", "1.4", "1.3", "1.2", "1.1", "1.0"],
 )
 def test_golden_files_decode_to_the_documented_values(directory: Path) -> None:
     """Files of format 1.0 (before the model fingerprint and run identity), 1.1 (before the sketch), 1.2
-    (before the lease epoch) and 1.3 (before adapters) stay readable."""
+    (before the lease epoch), 1.3 (before adapters) and 1.4 (before the adapter's base weights digest) stay
+    readable."""
     base, new = _inputs()
     for name in ("delta-raw", "delta-packed", "anchor-raw", "anchor-packed"):
         header, out = decode_shard((directory / f"{name}.safetensors").read_bytes(), name=name, base=base)
         assert header.target_version == 7
-        assert header.format_version == (directory.name if directory != GOLDEN else "1.4")
+        assert header.format_version == (directory.name if directory != GOLDEN else "1.5")
         for t, d in out.items():
             full = base[t].clone().reshape(-1)
             if d.indices is None:
@@ -199,17 +201,20 @@ def test_golden_files_decode_to_the_documented_values(directory: Path) -> None:
     sketches = {t: e.sketch for t, e in m.tensors.items()}
     with_sketch = directory.name not in ("1.0", "1.1")
     assert sketches == {t: tensor_sketch(v) if with_sketch else None for t, v in new.items()}
-    newest = directory in (GOLDEN, GOLDEN / "1.3")
+    newest = directory in (GOLDEN, GOLDEN / "1.4", GOLDEN / "1.3")
     assert (m.run_id, m.lease_epoch) == (("run-golden", 3) if newest else (m.run_id, None))
     assert m.adapter is None
 
 
-def test_an_adapter_manifest_reads_back_as_written() -> None:
-    m = DeltaManifest.from_json((GOLDEN / "manifest-adapter.json").read_bytes(), name="golden adapter")
+@pytest.mark.parametrize(("directory", "content"), [(GOLDEN, "sha256:" + "cd" * 32), (GOLDEN / "1.4", None)])
+def test_an_adapter_manifest_reads_back_as_written(directory: Path, content: str | None) -> None:
+    """1.5 names the digest of the adapter's base weights; a 1.4 adapter manifest reads back without one."""
+    m = DeltaManifest.from_json((directory / "manifest-adapter.json").read_bytes(), name="golden adapter")
     assert m.adapter == AdapterEntry(
         r=2, lora_alpha=16, target_modules=("q_proj", "v_proj"), base_fingerprint="sha256:" + "ab" * 32
     )
-    assert m.to_json() == (GOLDEN / "manifest-adapter.json").read_bytes()
+    assert m.adapter is not None and m.adapter.base_content == content
+    assert m.to_json() == (directory / "manifest-adapter.json").read_bytes()
 
 
 def test_documented_example_header() -> None:

@@ -1,6 +1,6 @@
 """LoRA mode without vLLM: the adapter served is the adapter published.
 
-A hostile format 1.4 adapter manifest is a FormatError naming the field (an integer alpha beyond any float
+A hostile format 1.4 or 1.5 adapter manifest is a FormatError naming the field (an integer alpha beyond any float
 included); an adapter object whose tensors are not the adapter its manifest names is refused; an adapter PEFT
 can publish but vLLM cannot load (``lora_bias``, ``trainable_token_indices``, embedding targets, DoRA) never
 reaches a LoRA receiver; the served directory holds the published version as PEFT loads it, its files replaced
@@ -34,14 +34,14 @@ BASE = "sha256:" + "1" * 64
 TARGETS = ["q_proj", "v_proj"]
 
 
-# ------------------------------------------------------------------------------------ promise 4: format 1.4 fields
+# --------------------------------------------------------------------------------- promise 4: format 1.4 and 1.5 fields
 
 
 def _golden_adapter_doc() -> dict[str, Any]:
     return json.loads((GOLDEN / "manifest-adapter.json").read_bytes())
 
 
-def _with_adapter(adapter: Any, fmt: str = "1.4") -> bytes:
+def _with_adapter(adapter: Any, fmt: str = "1.5") -> bytes:
     doc = _golden_adapter_doc()
     doc["adapter"] = adapter
     doc["format_version"] = fmt
@@ -111,11 +111,11 @@ def test_a_hostile_adapter_field_is_refused_by_a_format_error_naming_it(adapter:
 
 
 def test_a_newer_minor_still_refuses_a_hostile_known_adapter_field() -> None:
-    """1.5 may add keys (ignored), never relax the known ones."""
-    ok = DeltaManifest.from_json(_with_adapter(_field(lora_dropout=0.0), fmt="1.5"), name="newer")
+    """1.6 may add keys (ignored), never relax the known ones."""
+    ok = DeltaManifest.from_json(_with_adapter(_field(lora_dropout=0.0), fmt="1.6"), name="newer")
     assert ok.adapter is not None and ok.adapter.r == 2
     with pytest.raises(FormatError, match=r"adapter\.r"):
-        DeltaManifest.from_json(_with_adapter(_field(r=True), fmt="1.5"), name="newer")
+        DeltaManifest.from_json(_with_adapter(_field(r=True), fmt="1.6"), name="newer")
 
 
 def test_a_huge_integer_alpha_is_a_format_error_not_an_overflow() -> None:

@@ -52,7 +52,7 @@ def test_an_adapter_publishes_as_itself_and_reads_back_bit_exact(tiny_model_dir:
             truth[pub.publish(model, step)] = {k: v.to(torch.bfloat16) for k, v in adapter_state(model).items()}
     published = pub.published
     assert {m.adapter for m in published} == {entry}
-    assert {m.format_version for m in published} == {"1.4"}
+    assert {m.format_version for m in published} == {"1.5"}
     names = set(published[0].tensors)
     assert names and all(n.startswith("base_model.model.") and ".lora_" in n for n in names)
     assert len(names) == 2 * len(TARGETS) * 2  # A and B of each target, in each of the tiny model's 2 layers

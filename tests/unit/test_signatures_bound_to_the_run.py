@@ -211,4 +211,4 @@ def test_planted_epoch_records_never_stop_the_reads(tmp_path: Path, publisher_ke
     (root / "epochs").write_bytes(b"not a directory")
     assert_bit_equal(read_weights(LocalStore(root), 1, trust=Trust(verify_key=verify_key)), truth[1])
     record = (root / RUN_KEY).read_text().split("\n")[0]
-    assert '"format_version": "1.4"' in record
+    assert '"format_version": "1.5"' in record
