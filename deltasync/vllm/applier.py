@@ -177,7 +177,7 @@ class Applier:
         holding = apply.apply_update(
             steps,
             session,
-            self.label.staged or self.holding(),  # again: the engine may have moved since it was prepared
+            self._admitting(),  # again: the engine may have moved since it was prepared
             target=update.target_version,
             allow_rollback=self.claim.allow_rollback,
             read_ahead=True,
@@ -252,6 +252,13 @@ class Applier:
             high_water=label.high_water,
         )
 
+    def _admitting(self) -> apply.Holding:
+        """What an update is admitted against: the open session's staged holding, else :meth:`holding`, with (``lora``
+        mode) the base's weights' digest read first, once per engine."""
+        if self.label.staged is None and self.served.mode == "lora":
+            self.served.base_content()
+        return self.label.staged or self.holding()
+
     def _read(self, update: StagedUpdate) -> tuple[Checked, dict[str, Any]]:
         """:func:`read_update` with this engine's admission and what it serves; also returns what decoding the
         session's published objects read of the served values (the proof before the first write reuses them)."""
@@ -278,10 +285,9 @@ class Applier:
     def _admit_manifests(self, manifests: list[DeltaManifest], update: StagedUpdate) -> None:
         if self.served.mode == "lora":
             self.adapter.refuse_unloadable(manifests)
-            self.served.base_content()  # read once, before the first adapter is admitted
         apply.admit_all(
             ((m, f"deltasync {obj.label}") for m, obj in zip(manifests, update.objects, strict=True)),
-            self.label.staged or self.holding(),
+            self._admitting(),
             target=update.target_version,
             allow_rollback=self.claim.allow_rollback,
         )

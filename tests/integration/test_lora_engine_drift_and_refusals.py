@@ -522,3 +522,39 @@ def test_a_first_anchor_whose_tensors_are_not_its_adapter_is_refused_before_any_
         f"served as v{rig.status()['version']} (label {rig.llm.get_weight_version()}); vLLM's loader on adapter_dir: "
         f"{verdict}"
     )
+
+
+def test_an_adapter_trained_on_another_base_of_the_same_shapes_is_refused_and_the_version_kept(rig: Rig) -> None:
+    """The run's trainer restarts on another base of the same names and shapes (other random weights) and publishes
+    on: its anchor's adapter entry equals the served one but for the digest of its base's weights. The engine, which
+    reads its own checkpoint's, refuses it before any write, naming both digests, and keeps serving v0 exactly (names
+    and shapes alone would have admitted it)."""
+    from deltasync.testing.models import build_tiny_model
+
+    model = _trainer(rig.model_dir, seed=16)
+    store = LocalStore(rig.root / "other-base-store")
+    run = _publish(store, model, 1).published[0].run_id
+    target, served = rig.fresh("other-base")
+    target.apply(StagedUpdate(objects=(rig.stage(store, "ob-a0", 0, "anchor"),)))
+    files = {f: (served / f).read_bytes() for f in (ADAPTER_FILE, CONFIG_FILE)}
+    outputs = _outputs(rig.llm, _lora(served))
+    wrong = _trainer(build_tiny_model(rig.root / "other-base", seed=1), seed=16)
+    assert adapter_entry(wrong) == adapter_entry(model)  # one manifest entry, but for the base's weights
+    pub = _publish(store, wrong, 1)  # the same run, on from v1 (a new publisher starts with an anchor)
+    assert [(m.kind, m.version, m.run_id) for m in pub.published] == [("anchor", 1, run)]
+    with pytest.raises(UpdateRefused) as exc:
+        target.apply(StagedUpdate(objects=(rig.stage(store, "ob-a1", 1, "anchor"),)))
+    assert exc.value.reason is RefusalReason.MODEL
+    theirs, ours = adapter_entry(wrong).base_content, adapter_entry(model).base_content
+    assert theirs is not None and ours is not None and theirs != ours
+    assert (
+        f"anchor v1 is an adapter for another base model of the same shapes (base weights {theirs[:19]}..., this "
+        f"engine serves base weights {ours[:19]}...): publish the adapter from a trainer whose base is the checkpoint "
+        "this engine serves, or serve the adapter's own base"
+    ) in str(exc.value), exc.value
+    status = rig.status()
+    assert status["version"] == 0 and status["healthy"] and rig.llm.get_weight_version() == "0", status
+    assert status["adapter"]["base_content"] == ours
+    assert {f: (served / f).read_bytes() for f in files} == files
+    assert _outputs(rig.llm, _lora(served)) == outputs
+    assert rig.llm.collective_rpc("deltasync_prove")[0]["ok"]
