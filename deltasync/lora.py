@@ -163,7 +163,8 @@ def adapter_entry(
         ValueError: not a PEFT LoRA model, or an adapter deltasync cannot publish: any ``LoraConfig`` field that
             changes what the adapter computes beyond rank, alpha, target modules and rsLoRA (per-module ranks or
             alphas, DoRA, extra trained modules, biases, layer selection, an initialization that rewrites the
-            base, ...; each named with its value): an engine could not serve it as that one plain adapter.
+            base, ...; each named with its value): an engine could not serve it as that one plain adapter. Or a
+            model with an adapter merged into its base weights: its base is not the checkpoint's.
     """
     name = _adapter_name(module, adapter)
     config: Any = getattr(module, "peft_config")[name]  # noqa: B009 - a PEFT attribute torch does not type
@@ -182,6 +183,7 @@ def adapter_entry(
             why.append(f"embedding targets {embeddings} (lora_embedding tensors)")
     if why:
         raise ValueError(f"adapter {name!r}: deltasync publishes plain LoRA adapters only, not {'; '.join(why)}")
+    _refuse_merged(module, name)
     local, views = local_tensors(module, name_map=NameMap(), rank=0)
     base = {n: (DTYPE_NAMES[dtype], tuple(v.shape)) for n, v in views.items()}
     return AdapterEntry(
@@ -193,6 +195,25 @@ def adapter_entry(
         adapter_name=name,
         base_content=_base_content(base, local, views, dtype),
     )
+
+
+def _refuse_merged(module: torch.nn.Module, name: str) -> None:
+    """Refuse a model whose base weights hold a merged adapter (PEFT's ``merge_adapter()``): their digest would be
+    of the merged weights, not the checkpoint's, and every engine serving the right base would refuse each version
+    as "another base model"; unmerging in bf16 does not give the checkpoint's bits back either."""
+    from peft.tuners.lora import LoraLayer
+
+    merged = [
+        (NameMap()(f"{qualname}.weight") or qualname).removesuffix(".weight")
+        for qualname, m in module.named_modules()
+        if isinstance(m, LoraLayer) and getattr(m, "merged", False)
+    ]
+    if merged:
+        raise ValueError(
+            f"adapter {name!r}: the model has an adapter merged into its base weights (merge_adapter()) in "
+            f"{len(merged)} modules, e.g. {merged[0]!r}, so its base is not the checkpoint an engine serves: call "
+            "adapter_entry before merging (once, at the start of the run, on the base as loaded)"
+        )
 
 
 def _base_content(
