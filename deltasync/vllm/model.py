@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import time
 from typing import Any
 
@@ -43,6 +44,13 @@ def held_in_part(pm: PatchMap | None, spec: Spec | None, name: str, indices: tor
     return mask
 
 
+def _pinned(model: Any) -> str | None:
+    """A local checkpoint directory's real path (links resolved); anything else as it is."""
+    if not isinstance(model, str):
+        return None
+    return os.path.realpath(model) if os.path.isdir(model) else model
+
+
 class ServedModel:
     """One worker's model, and how deltasync reads and writes it.
 
@@ -62,6 +70,10 @@ class ServedModel:
         self.model_config = vllm_config.model_config
         self.requested = "auto"
         """The apply mode the claim asked for (:attr:`mode` resolves ``auto``)."""
+        self.checkpoint: str | None = _pinned(self.model_config.model)
+        """The served checkpoint as vLLM loaded it: a local directory's real path, resolved when vLLM's worker
+        builds this (after its load), so a link moved to another base later does not change what the base's
+        weights are taken to be; else (a Hub id) the model as vLLM was given it."""
         self.base_path: str | None = None
         """The checkpoint the shadow reads (default: the served model's path; ``lora`` mode: the adapter's)."""
         self.reloader = LayerwiseReloader(model, self.model_config, self.shadow)
@@ -147,7 +159,7 @@ class ServedModel:
         """The fingerprint of the base model this engine serves (``lora`` mode serves adapters on it): from its
         checkpoint's headers or, without one, its architecture; ``None`` if unknown."""
         if self._base_fingerprint is None:
-            shadow = Shadow(self.model_config.model)
+            shadow = Shadow(self.checkpoint)
             spec = shadow.spec() if not shadow.empty else self._architecture_spec()
             self._base_fingerprint = None if spec is None else model_fingerprint(spec)
         return self._base_fingerprint
@@ -161,7 +173,7 @@ class ServedModel:
         if self._base_content is None and read:
             t0 = time.perf_counter()
             try:
-                self._base_content = (Shadow(self.model_config.model).content(),)
+                self._base_content = (Shadow(self.checkpoint).content(),)
             except Exception as exc:  # noqa: BLE001 - unreadable: unknown, adapters are admitted on names and shapes
                 logger.warning("deltasync: cannot read the base's weights for the adapter check (%s)", exc)
                 self._base_content = (None,)
