@@ -7,7 +7,8 @@ memcpy of the whole model measured in the same run (into an existing buffer, and
 clone) and against plain torch `!=` + `nonzero`; encode and decode+apply throughput; the time to read
 the delta file from disk (cold: page cache dropped); peak RSS. Ends with one JSON line of the figures.
 
-    python benchmarks/bench_codec.py [--steps 6] [--lr 1e-6] [--out bench-out]    # `make bench` (~4 min, ~13 GB)
+    python benchmarks/bench_codec.py [--steps 6] [--lr 1e-6] [--out bench-out]    # `make bench` (~1 min, ~14 GB)
+        [--slow-alternatives]    (zstd 19 and lzma 6 beside zstd 1, 3 and 9: about a minute more)
     python benchmarks/bench_codec.py --steps 2      # the smallest real run: one step measured after the warm-up
 """
 
@@ -61,8 +62,9 @@ def _cold_read_s(path: Path) -> float:
     return time.perf_counter() - t0
 
 
-def _alternatives(changes: dict) -> dict[str, float]:
-    """Bytes per changed element of other codings of the same delta, to justify packed's choices."""
+def _alternatives(changes: dict, slow: bool) -> dict[str, float]:
+    """Bytes per changed element of other codings of the same delta, to justify packed's choices (zstd 1, 3 and 9;
+    with ``slow``, zstd 19 and lzma 6 too: about 3 MB/s each, half of a default run's time)."""
     pos, ordv, xorv = [], [], []
     for d in changes.values():
         if d.indices is None:
@@ -78,17 +80,18 @@ def _alternatives(changes: dict) -> dict[str, float]:
     nnz = sum(d.nnz for d in changes.values() if d.indices is not None)
     streams = {"positions": b"".join(pos), "ordinal-delta": b"".join(ordv), "xor": b"".join(xorv)}
     out = {}
-    for level in (1, 3, 9, 19):
+    for level in (1, 3, 9, 19) if slow else (1, 3, 9):
         c = zstandard.ZstdCompressor(level=level)
         t, sizes = _timed(lambda c=c: {k: len(c.compress(v)) for k, v in streams.items()})
         out[f"zstd{level}_positions"] = sizes["positions"] / nnz
         out[f"zstd{level}_ordinal"] = sizes["ordinal-delta"] / nnz
         out[f"zstd{level}_xor"] = sizes["xor"] / nnz
         out[f"zstd{level}_encode_MBps"] = sum(map(len, streams.values())) / t / 1e6
-    t, sizes = _timed(lambda: {k: len(lzma.compress(v, preset=6)) for k, v in streams.items()})
-    out["lzma6_positions"] = sizes["positions"] / nnz
-    out["lzma6_ordinal"] = sizes["ordinal-delta"] / nnz
-    out["lzma6_encode_MBps"] = sum(map(len, streams.values())) / t / 1e6
+    if slow:
+        t, sizes = _timed(lambda: {k: len(lzma.compress(v, preset=6)) for k, v in streams.items()})
+        out["lzma6_positions"] = sizes["positions"] / nnz
+        out["lzma6_ordinal"] = sizes["ordinal-delta"] / nnz
+        out["lzma6_encode_MBps"] = sum(map(len, streams.values())) / t / 1e6
     return out
 
 
@@ -164,6 +167,11 @@ def main() -> None:
     parser.add_argument(
         "--out", type=Path, default=Path("bench-out"), help="scratch for the delta files (a subdirectory, removed)"
     )
+    parser.add_argument(
+        "--slow-alternatives",
+        action="store_true",
+        help="also compress step 2's streams with zstd 19 and lzma 6 (about a minute more here)",
+    )
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     scratch_dir = Path(tempfile.mkdtemp(prefix="bench-codec-", dir=args.out))
@@ -198,7 +206,7 @@ def main() -> None:
             flush=True,
         )
         if step == 2:
-            alternatives = _alternatives(changes)
+            alternatives = _alternatives(changes, args.slow_alternatives)
     report = [r for r in rows if r["step"] >= 2] or rows
 
     def med(key: str) -> float:

@@ -2,6 +2,8 @@
 as separate processes on 127.0.0.1 (free ports), live progress, a report and a plot. What `make demo` runs.
 
     python -m examples.wordle.run_demo [--out demo-out] [--steps 200] [--lora-rank 8]
+    python -m examples.wordle.run_demo --steps 4 --warmup-steps 20 --out demo-out/short
+                         # the smallest real run (about a minute here)
 
 With ``--lora-rank R`` the trainer trains a LoRA adapter of rank R on the frozen base and publishes the adapter
 itself; vLLM serves it as ``policy`` (``--enable-lora --lora-modules policy=DIR``) and the agent keeps DIR at the

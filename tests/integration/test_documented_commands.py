@@ -7,16 +7,15 @@ that reaches for the test suite fails here as it fails for a user who has only t
 no work: it returns at once and writes nothing.
 
 The entry points that start vLLM run their smallest real invocation too where it takes about a minute here
-(bench_apply, bench_map, bench_lora, bench_lora_sync: 30-65 s each; the Wordle demo with 2 steps and no warm-up:
-about 60 s). The rest run ``--help`` only: bench_wordle_learning is several such demos, run_hosts needs root and
-takes minutes (tests/integration/test_wordle_hosts.py runs it), and train, check_served and rollout_server are the
-demo's own processes (run_demo starts them), train_async_trl needs CUDA.
+(bench_apply, bench_map, bench_lora, bench_lora_sync: 30-65 s each). The Wordle demo's smallest run is
+tests/integration/test_wordle_demo.py's (from a user's tree too, with every check of the demo's report). The rest
+run ``--help`` only: bench_wordle_learning is several such demos, run_hosts needs root and takes minutes
+(tests/integration/test_wordle_hosts.py runs it), and train, check_served and rollout_server are the demo's own
+processes (run_demo starts them), train_async_trl needs CUDA.
 """
 
 from __future__ import annotations
 
-import os
-import shutil
 import subprocess
 import sys
 import time
@@ -28,9 +27,8 @@ import pytest
 
 from deltasync.testing.launchers import free_port, stop_process_group, wait_until_serving
 from deltasync.testing.postgres import find_binaries
+from tests.support.user_tree import POISON, ROOT, make_user_tree, user_env
 
-ROOT = Path(__file__).resolve().parents[2]
-POISON = "the test suite is not part of what a user runs: import deltasync.testing instead"
 ENV_TOKEN = "env-token-0123456789abcdef"
 
 SCRIPTS = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "benchmarks").rglob("*.py") if "__pycache__" not in p.parts)
@@ -51,29 +49,11 @@ ENTRY_POINTS = [[s] for s in [*SCRIPTS, "examples/local_stream.py"]] + [["-m", m
 @pytest.fixture(scope="module")
 def user_tree(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """What a user has: examples/, benchmarks/ and the Makefile; ``tests`` is a package that refuses import."""
-    tree = tmp_path_factory.mktemp("user")
-    ignore = shutil.ignore_patterns("__pycache__", "demo-out", "bench-out")
-    for name in ("examples", "benchmarks"):
-        shutil.copytree(ROOT / name, tree / name, ignore=ignore)
-    for name in ("Makefile", "pyproject.toml"):
-        shutil.copy(ROOT / name, tree / name)
-    (tree / "tests").mkdir()
-    (tree / "tests" / "__init__.py").write_text(f"raise ImportError({POISON!r})\n")
-    return tree
-
-
-def _env() -> dict[str, str]:
-    # A user's shell: no PYTHONPATH, no pytest's variables, and no outer make's (`make test` runs this suite, and
-    # a make started under MAKELEVEL prints "Entering/Leaving directory" around what the user would see).
-    outer = ("PYTHONPATH", "MAKELEVEL", "MAKEFLAGS", "MFLAGS", "MAKEOVERRIDES")
-    env = {k: v for k, v in os.environ.items() if k not in outer and not k.startswith(("PYTEST_", "MAKE_TERMINAL"))}
-    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"  # make, the deltasync CLI
-    env["PYTHONDONTWRITEBYTECODE"] = "1"  # so that an entry point that writes nothing leaves the tree as it was
-    return env
+    return make_user_tree(tmp_path_factory.mktemp("user") / "tree")
 
 
 def _run(args: list[str], cwd: Path, timeout_s: float) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(args, cwd=cwd, env=_env(), capture_output=True, text=True, timeout=timeout_s)
+    return subprocess.run(args, cwd=cwd, env=user_env(), capture_output=True, text=True, timeout=timeout_s)
 
 
 def _files(tree: Path) -> dict[str, int]:
@@ -141,7 +121,6 @@ VLLM_RUNS = [
      '{"model_elements"'),
     (["benchmarks/bench_lora.py", "--rank", "8", "--versions", "1"], "median: replace"),
     (["benchmarks/bench_lora_sync.py", "--rank", "8", "--steps", "1", "--paths", "adapter"], '{"rank": 8'),
-    (["-m", "examples.wordle.run_demo", "--steps", "2", "--warmup-steps", "0", "--out", "{tmp}"], "BIT-EXACT"),
 ]  # fmt: skip
 """The smallest real invocation of each entry point that starts vLLM and takes about a minute here, and what its
 output must hold (its figures, or the demo's final check)."""
@@ -178,7 +157,7 @@ def env_server(user_tree: Path, tmp_path: Path) -> Iterator[str]:
         proc = subprocess.Popen(
             [sys.executable, "-m", "examples.wordle.env_server", "--port", str(port)],
             cwd=user_tree,
-            env={**_env(), "WORDLE_ENV_TOKEN": ENV_TOKEN},
+            env={**user_env(), "WORDLE_ENV_TOKEN": ENV_TOKEN},
             stdout=f,
             stderr=subprocess.STDOUT,
             start_new_session=True,

@@ -1,5 +1,6 @@
-"""The Wordle demo, shortened (4 asynchronous steps): real processes, the staleness bound held, every rollout tagged
-with a version vLLM served, versions applied in order, bit-exact at the end, and no process left behind."""
+"""The Wordle demo, shortened (4 asynchronous steps, its docstring's smallest run): real processes, the staleness
+bound held, every rollout tagged with a version vLLM served, versions applied in order, bit-exact at the end, and no
+process left behind."""
 
 from __future__ import annotations
 
@@ -11,6 +12,8 @@ import sys
 from pathlib import Path
 
 import pytest
+
+from tests.support.user_tree import make_user_tree, user_env
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -25,10 +28,23 @@ def _alive(pid: int) -> bool:
     return state != "Z"
 
 
+SMALLEST_RUN = ["-m", "examples.wordle.run_demo", "--steps", "4", "--warmup-steps", "20", "--out"]
+"""The demo's smallest real run, as its docstring gives it (the output directory last)."""
+
+
+def test_the_docstring_gives_the_smallest_run() -> None:
+    import examples.wordle.run_demo as demo
+
+    assert "python " + " ".join(SMALLEST_RUN) in " ".join((demo.__doc__ or "").split()), demo.__doc__
+
+
 def test_shortened_async_demo(tmp_path: Path) -> None:
+    """The smallest run as a user runs it: from a copy of what a user has (the ``tests`` package refuses import)
+    against the installed package."""
     out = tmp_path / "demo"
-    cmd = [sys.executable, "-m", "examples.wordle.run_demo", "--out", str(out), "--steps", "4", "--warmup-steps", "20"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+    tree = make_user_tree(tmp_path / "user")
+    cmd = [sys.executable, *SMALLEST_RUN, str(out)]
+    proc = subprocess.run(cmd, cwd=tree, env=user_env(), capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "BIT-EXACT" in proc.stdout and (out / "demo.png").stat().st_size > 10_000
     report = json.loads((out / "report.json").read_text())
