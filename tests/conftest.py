@@ -31,6 +31,14 @@ SMALL_QWEN3 = {**TINY_QWEN3_CONFIG, "vocab_size": 300, "hidden_size": 64, "inter
 """Even smaller shapes for unit tests of the update stream (12 layers' worth of names in 2)."""
 
 
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The files that start vLLM engines first, each file's tests in their order: scripts/test's two workers
+    (``--dist loadfile``) take files in this order, so the long files start at once and the many short ones fill in
+    at the end, instead of one demo running alone while the other worker idles."""
+    engine_files = {item.path for item in items if item.get_closest_marker("vllm")}
+    items.sort(key=lambda item: item.path not in engine_files)  # stable: the order within each group is kept
+
+
 def bits(t: torch.Tensor) -> torch.Tensor:
     """Integer view of a tensor's bit patterns, for bit-exact comparisons."""
     return t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
