@@ -10,7 +10,7 @@ from collections.abc import Mapping
 import torch
 
 from .format import TensorDelta, tensor_checksum
-from .names import NameMap, checkpoint_state
+from .names import ExpertSlice, NameMap, checkpoint_state, experts_of, is_fused_experts
 from .sketch import format_sketch, sketch_range
 
 __all__ = ["TensorView", "dense_entries", "globalize", "local_tensors"]
@@ -28,28 +28,56 @@ class TensorView:
     """This rank publishes it (its rows, or rank 0 for replicated tensors)."""
 
 
-def _view(name: str, tensor: torch.Tensor, rank: int) -> tuple[TensorView, torch.Tensor | None]:
+def _rows(name: str, tensor: torch.Tensor, rank: int) -> tuple[torch.Tensor | None, int | None, int, bool]:
+    """This rank's rows of ``tensor`` along dim 0: (local tensor, first global row or ``None`` for a tensor held
+    whole, rows held, whether this rank publishes them). A plain or replicated tensor is held whole and published
+    by rank 0; a ``Shard(0)`` rank publishes its rows."""
     from torch.distributed.tensor import DTensor, Replicate, Shard
 
+    rows = tensor.shape[0] if tensor.dim() else 1
     if not isinstance(tensor, DTensor):
-        return TensorView(tuple(tensor.shape), None, rank == 0), tensor.detach()
+        return tensor.detach(), None, rows, rank == 0
     placements = tensor.placements
     if all(isinstance(p, Replicate) for p in placements):
-        return TensorView(tuple(tensor.shape), None, rank == 0), tensor.to_local().detach()
+        return tensor.to_local().detach(), None, rows, rank == 0
     if len(placements) == 1 and isinstance(placements[0], Shard) and placements[0].dim == 0:
         from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
         local_shape, offset = compute_local_shape_and_global_offset(tensor.shape, tensor.device_mesh, tensor.placements)
-        row = math.prod(tensor.shape[1:])
-        rows = local_shape[0] if local_shape else 0
-        if rows == 0:  # uneven sharding: this rank holds no rows of this tensor
-            return TensorView(tuple(tensor.shape), None, False), None
-        span = (offset[0] * row, (offset[0] + rows) * row)
-        return TensorView(tuple(tensor.shape), span, True), tensor.to_local().detach()
+        held = local_shape[0] if local_shape else 0
+        if held == 0:  # uneven sharding: this rank holds no rows of this tensor
+            return None, 0, 0, False
+        return tensor.to_local().detach(), offset[0], held, True
     raise ValueError(
         f"tensor {name!r}: placement {placements} is not supported; deltasync publishes Shard(0) "
         "on a 1-D mesh (FSDP2) or replicated tensors without gathering"
     )
+
+
+def _view(name: str, tensor: torch.Tensor, rank: int) -> tuple[TensorView, torch.Tensor | None]:
+    local, first, held, owned = _rows(name, tensor, rank)
+    if local is None or not owned:
+        return TensorView(tuple(tensor.shape), None, False), None
+    if first is None:
+        return TensorView(tuple(tensor.shape), None, True), local
+    row = math.prod(tensor.shape[1:])
+    return TensorView(tuple(tensor.shape), (first * row, (first + held) * row), True), local
+
+
+def _expert_views(
+    name: str, tensor: torch.Tensor, slices: list[ExpertSlice], rank: int
+) -> list[tuple[str, TensorView, torch.Tensor | None]]:
+    """Each per-expert tensor of a fused expert parameter: a 2-D view of this rank's local experts (FSDP2's
+    ``Shard(0)`` splits the experts, so an expert is held whole by the one rank that publishes it)."""
+    local, first, held, owned = _rows(name, tensor, rank)
+    out: list[tuple[str, TensorView, torch.Tensor | None]] = []
+    for s in slices:
+        shape = (s.rows[1] - s.rows[0], *tensor.shape[2:])
+        start = first or 0
+        mine = local is not None and owned and start <= s.expert < start + held
+        part = local[s.expert - start, s.rows[0] : s.rows[1]] if mine and local is not None else None
+        out.append((s.name, TensorView(shape, None, mine), part))
+    return out
 
 
 def local_tensors(
@@ -58,17 +86,36 @@ def local_tensors(
     name_map: NameMap,
     rank: int,
 ) -> tuple[dict[str, torch.Tensor], dict[str, TensorView]]:
-    """This rank's local tensors by checkpoint name, and every tensor's view (owned or not)."""
+    """This rank's local tensors by checkpoint name, and every tensor's view (owned or not).
+
+    Fused expert parameters are published as the checkpoint's per-expert tensors (:meth:`NameMap.expert_slices`),
+    each a view of this rank's rows: nothing is copied or gathered.
+
+    Raises:
+        ValueError: a placement other than ``Shard(0)`` or replicated, fused experts that cannot be split, or two
+            tensors under one checkpoint name.
+    """
     raw = state.state_dict() if isinstance(state, torch.nn.Module) else dict(state)
+    if isinstance(state, torch.nn.Module) and name_map.experts is None and any(map(is_fused_experts, raw)):
+        name_map = name_map.with_experts(experts_of(state))
+    named = checkpoint_state(raw, name_map)
+    shapes = {name: tuple(t.shape) for name, t in named.items()}
     local: dict[str, torch.Tensor] = {}
     views: dict[str, TensorView] = {}
-    for name, tensor in checkpoint_state(raw, name_map).items():
+    for name, tensor in named.items():
         if not tensor.is_floating_point():
             continue  # integer buffers are not weights vLLM loads
-        view, part = _view(name, tensor, rank)
-        views[name] = view
-        if view.owned and part is not None:
-            local[name] = part
+        slices = name_map.expert_slices(name, shapes)
+        parts = [(name, *_view(name, tensor, rank))] if slices is None else _expert_views(name, tensor, slices, rank)
+        for part_name, view, part in parts:
+            if part_name in views:
+                raise ValueError(
+                    f"tensor {name!r} gives checkpoint name {part_name!r}, which another tensor has; "
+                    "pass NameMap(rename=...) to tell them apart"
+                )
+            views[part_name] = view
+            if view.owned and part is not None:
+                local[part_name] = part
     return local, views
 
 

@@ -21,7 +21,9 @@ __all__ = [
     "LORA_TARGETS",
     "QWEN3_0_6B_CONFIG",
     "TINY_LLAMA_CONFIG",
+    "TINY_MIXTRAL_CONFIG",
     "TINY_QWEN2_CONFIG",
+    "TINY_QWEN2_MOE_CONFIG",
     "TINY_QWEN3_CONFIG",
     "TINY_QWEN3_MOE_CONFIG",
     "build_tiny_model",
@@ -92,13 +94,50 @@ TINY_QWEN3_MOE_CONFIG: dict[str, Any] = {
     "max_position_embeddings": 512,
     "tie_word_embeddings": True,
 }
-"""A random Qwen3-MoE: 4 experts per layer (fused 3-D expert parameters in vLLM)."""
+"""A random Qwen3-MoE: 4 experts per layer (fused 3-D expert parameters in transformers 5 and in vLLM; the
+checkpoint names each expert: ``mlp.experts.<e>.{gate_proj,up_proj,down_proj}.weight``)."""
+
+TINY_QWEN2_MOE_CONFIG: dict[str, Any] = {
+    "vocab_size": 512,
+    "hidden_size": 128,
+    "intermediate_size": 256,
+    "moe_intermediate_size": 64,
+    "shared_expert_intermediate_size": 96,
+    "num_experts": 6,
+    "num_experts_per_tok": 2,
+    "decoder_sparse_step": 1,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 1,
+    "max_position_embeddings": 512,
+    "tie_word_embeddings": False,
+}
+"""A random Qwen2-MoE: 6 routed experts per layer beside a shared expert (``mlp.shared_expert.*``, gated by
+``mlp.shared_expert_gate``), q/k/v biases, head_dim 64 (from the hidden size and heads), its own ``lm_head``."""
+
+TINY_MIXTRAL_CONFIG: dict[str, Any] = {
+    "vocab_size": 512,
+    "hidden_size": 128,
+    "intermediate_size": 64,
+    "num_local_experts": 4,
+    "num_experts_per_tok": 2,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 1,
+    "head_dim": 64,
+    "max_position_embeddings": 512,
+    "tie_word_embeddings": False,
+}
+"""A random Mixtral: 4 experts per layer, named ``block_sparse_moe.experts.<e>.{w1,w3,w2}.weight`` in the
+checkpoint (gate, up, down) and its router ``block_sparse_moe.gate.weight``."""
 
 ARCHITECTURES: dict[str, tuple[str, str, dict[str, Any]]] = {
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", TINY_QWEN3_CONFIG),
     "llama": ("LlamaConfig", "LlamaForCausalLM", TINY_LLAMA_CONFIG),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", TINY_QWEN2_CONFIG),
     "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", TINY_QWEN3_MOE_CONFIG),
+    "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM", TINY_QWEN2_MOE_CONFIG),
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM", TINY_MIXTRAL_CONFIG),
 }
 """Tiny architectures the tests serve: transformers config class, model class, default config values."""
 
