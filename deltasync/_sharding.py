@@ -70,13 +70,21 @@ def _expert_views(
     """Each per-expert tensor of a fused expert parameter: a 2-D view of this rank's local experts (FSDP2's
     ``Shard(0)`` splits the experts, so an expert is held whole by the one rank that publishes it)."""
     local, first, held, owned = _rows(name, tensor, rank)
+    start, rows = first or 0, slices[0].rows[1] - slices[0].rows[0]
+    pieces: tuple[torch.Tensor, ...] = ()
+    if local is not None and owned and local.is_contiguous():
+        # one unbind gives every piece as a view, about 4x cheaper than indexing each: a model with 128 experts
+        # in 48 layers has 18k pieces, named again at every publish
+        pieces = local.view(-1, rows, *local.shape[2:]).unbind(0)
     out: list[tuple[str, TensorView, torch.Tensor | None]] = []
     for s in slices:
-        shape = (s.rows[1] - s.rows[0], *tensor.shape[2:])
-        start = first or 0
         mine = local is not None and owned and start <= s.expert < start + held
-        part = local[s.expert - start, s.rows[0] : s.rows[1]] if mine and local is not None else None
-        out.append((s.name, TensorView(shape, None, mine), part))
+        part: torch.Tensor | None = None
+        if mine and pieces:
+            part = pieces[(s.expert - start) * (tensor.shape[1] // rows) + s.rows[0] // rows]
+        elif mine and local is not None:
+            part = local[s.expert - start, s.rows[0] : s.rows[1]]
+        out.append((s.name, TensorView((s.rows[1] - s.rows[0], *tensor.shape[2:]), None, mine), part))
     return out
 
 

@@ -35,7 +35,7 @@ WRAPPER_PREFIXES = (
 """Prefixes (anywhere in a dotted name) added by torch.compile, DDP, FSDP1, activation checkpointing and PEFT."""
 
 _LORA_PART = re.compile(r"\.lora_(A|B|embedding_A|embedding_B|magnitude_vector)\.")
-_FUSED = re.compile(r"^(?P<experts>.*\.experts)\.(?P<kind>gate_up_proj|down_proj)$")
+_FUSED = re.compile(r"^(?P<experts>(?:.*\.)?experts)\.(?P<kind>gate_up_proj|down_proj)$")
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -149,9 +149,8 @@ class NameMap:
         if self.experts is None:
             raise ValueError(
                 f"tensor {name!r} of shape {shape} holds a layer's experts fused (transformers' layout) and this "
-                f"model's checkpoint names for them are unknown (known model types: {sorted(EXPERT_NAMES)}): "
-                "publish the model itself (its config names its type) or pass "
-                "NameMap(experts=ExpertNames(gate=..., up=..., down=...))"
+                f"model's checkpoint names for them are unknown (a published model's config.model_type picks them "
+                f"for {sorted(EXPERT_NAMES)}): pass NameMap(experts=ExpertNames(gate=..., up=..., down=...))"
             )
         sibling = shapes.get(f"{prefix}.{'down_proj' if kind == 'gate_up_proj' else 'gate_up_proj'}")
         expected = _fused_expected(kind, shape, None if sibling is None else tuple(sibling))

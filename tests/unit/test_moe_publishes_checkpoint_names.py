@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -108,14 +109,13 @@ def test_a_fused_layout_that_cannot_be_split_is_refused(moe_dir: tuple[str, Path
 
 
 def test_a_state_dict_with_fused_experts_needs_their_names() -> None:
-    state = {
-        "model.layers.0.mlp.experts.gate_up_proj": torch.zeros(2, 8, 4, dtype=torch.bfloat16),
-        "model.layers.0.mlp.experts.down_proj": torch.zeros(2, 4, 4, dtype=torch.bfloat16),
-    }
+    gate_up = torch.randn(2, 4, 8).to(torch.bfloat16).transpose(1, 2)  # strided: split by indexing, not unbind
+    down = torch.randn(2, 4, 4).to(torch.bfloat16)
+    state = {"model.layers.0.mlp.experts.gate_up_proj": gate_up, "model.layers.0.mlp.experts.down_proj": down}
     message = (
         "tensor 'model.layers.0.mlp.experts.gate_up_proj' of shape (2, 8, 4) holds a layer's experts fused "
-        "(transformers' layout) and this model's checkpoint names for them are unknown (known model types: "
-        "['mixtral', 'qwen2_moe', 'qwen3_moe']): publish the model itself (its config names its type) or pass "
+        "(transformers' layout) and this model's checkpoint names for them are unknown (a published model's "
+        "config.model_type picks them for ['mixtral', 'qwen2_moe', 'qwen3_moe']): pass "
         "NameMap(experts=ExpertNames(gate=..., up=..., down=...))"
     )
     with pytest.raises(ValueError, match=re.escape(message)):
@@ -126,3 +126,37 @@ def test_a_state_dict_with_fused_experts_needs_their_names() -> None:
     ]
     assert views["model.layers.0.mlp.experts.1.gate_proj.weight"].shape == (4, 4)
     assert views["model.layers.0.mlp.experts.1.down_proj.weight"].shape == (4, 4)
+    p = "model.layers.0.mlp.experts.1."
+    assert_bit_equal(
+        {n: local[p + n] for n in ("gate_proj.weight", "up_proj.weight", "down_proj.weight")},
+        {"gate_proj.weight": gate_up[1, :4], "up_proj.weight": gate_up[1, 4:], "down_proj.weight": down[1]},
+    )
+
+
+def test_a_model_of_a_family_whose_expert_names_are_unknown_is_refused(tmp_path: Path) -> None:
+    class Experts(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.gate_up_proj = torch.nn.Parameter(torch.zeros(2, 8, 4, dtype=torch.bfloat16))
+            self.down_proj = torch.nn.Parameter(torch.zeros(2, 4, 4, dtype=torch.bfloat16))
+
+    class Model(torch.nn.Module):
+        config = SimpleNamespace(model_type="deepseek_v3")
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.experts = Experts()
+
+    store = LocalStore(tmp_path / "store")
+    with (
+        Publisher(store) as pub,
+        pytest.raises(ValueError, match=r"^tensor 'experts.gate_up_proj' of shape \(2, 8, 4\)"),
+    ):
+        pub.publish(Model(), 0)
+    with Publisher(store, name_map=NameMap(experts=QWEN_MOE_EXPERTS)) as pub:
+        pub.publish(Model(), 0)
+    assert sorted(read_weights(store, 0))[:3] == [
+        "experts.0.down_proj.weight",
+        "experts.0.gate_proj.weight",
+        "experts.0.up_proj.weight",
+    ]
