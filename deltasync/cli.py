@@ -291,7 +291,13 @@ def _cmd_gc(args: argparse.Namespace) -> int:
 
 
 def _cmd_keygen(args: argparse.Namespace) -> int:
-    key = generate_key_files(args.path)
+    try:
+        key = generate_key_files(args.path)
+    except FileExistsError as exc:
+        raise FileExistsError(
+            f"{exc.filename} exists: keygen never replaces a key (a published run's readers trust it); remove it "
+            "first if it is really unused, or give another path"
+        ) from exc
     print(f"wrote {args.path} (private, mode 0600) and {args.path}.pub (public); key id {key.key_id}")
     return 0
 
@@ -389,6 +395,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError as exc:  # bad arguments the parser cannot see (store URI, version range)
         print(f"deltasync: error: {exc}", file=sys.stderr)
         return 2
+    except OSError as exc:  # a file the command writes or reads outside a store (keygen's key, a backup's target)
+        if args.debug:
+            traceback.print_exc()
+        print(f"{type(exc).__name__}: {exc}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

@@ -223,3 +223,21 @@ def test_version_is_the_installed_distributions_and_help_is_plain_text(capsys: p
         main(["--help"])
     out = capsys.readouterr().out
     assert "Bit-exact sparse weight sync" in out and ":mod:" not in out and "``" not in out
+
+
+def test_keygen_onto_an_existing_key_or_into_a_missing_directory_says_so_without_a_traceback(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The README's promise for every command: an error is one line ``ErrorClass: message`` (exit 1), the traceback
+    only with ``--debug``; and an existing key is never replaced."""
+    key = tmp_path / "publisher.key"
+    assert main(["keygen", str(key)]) == 0
+    before = key.read_bytes()
+    capsys.readouterr()
+    assert main(["keygen", str(key)]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith(f"FileExistsError: {key} exists: keygen never replaces a key") and "Traceback" not in err
+    assert key.read_bytes() == before
+    assert main(["keygen", str(tmp_path / "missing" / "k.key")]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("FileNotFoundError: ") and "Traceback" not in err, err
