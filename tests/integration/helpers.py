@@ -100,6 +100,20 @@ class ServerStack:
         self.sidecar = self.spawn(*cmd[1:], *extra)
         return self.sidecar
 
+    @contextmanager
+    def sidecar_frozen(self) -> Iterator[None]:
+        """The sidecar stopped (SIGSTOP) for the block, then continued: a test that drives the engine itself is not
+        raced by the agent's own recovery of a session it did not start (which re-claims the engine and clears the
+        outcome the test reads). Nothing to do without a running sidecar."""
+        sidecar = self.sidecar if self.sidecar is not None and self.sidecar.poll() is None else None
+        if sidecar is not None:
+            sidecar.send_signal(signal.SIGSTOP)
+        try:
+            yield
+        finally:
+            if sidecar is not None:
+                sidecar.send_signal(signal.SIGCONT)
+
     def kill_sidecar(self) -> None:
         """``kill -9`` the last sidecar started."""
         assert self.sidecar is not None

@@ -166,17 +166,15 @@ def test_a_second_agent_is_refused_before_it_changes_anything(stack: ServerStack
 def test_an_update_message_carries_no_policy(stack: ServerStack) -> None:
     """Even with the credential, ``allow_rollback`` in an update message is refused: the policy is the claim's."""
     before = _served(stack)
-    with stack.server.admin() as admin:  # a 500 drops vLLM's keep-alive connection: one client per call
-        assert admin.post("/start_weight_update", json={}).status_code == 200
-    with stack.server.admin() as admin:
-        r = admin.post("/update_weights", json={"update_info": {"objects": [], "allow_rollback": True}})
-    if any(
-        st["session_active"]
-        for st in stack.server.admin_json("POST", "/collective_rpc", {"method": "deltasync_status"})["results"]
-    ):
+    with stack.sidecar_frozen():  # its recovery of a session it did not start would re-claim and clear the outcome
+        with stack.server.admin() as admin:  # a 500 drops vLLM's keep-alive connection: one client per call
+            assert admin.post("/start_weight_update", json={}).status_code == 200
         with stack.server.admin() as admin:
-            admin.post("/finish_weight_update", json={})
-    [rank] = stack.server.admin_json("POST", "/collective_rpc", {"method": "deltasync_status"})["results"]
+            r = admin.post("/update_weights", json={"update_info": {"objects": [], "allow_rollback": True}})
+        [rank] = stack.server.admin_json("POST", "/collective_rpc", {"method": "deltasync_status"})["results"]
+        if rank["session_active"]:
+            with stack.server.admin() as admin:
+                admin.post("/finish_weight_update", json={})
     assert r.status_code >= 400 and rank["outcome"]["refused"] == "malformed"
     assert "update_info has unknown fields ['allow_rollback']: an update carries only its objects" in str(
         rank["outcome"]["message"]
