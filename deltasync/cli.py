@@ -387,7 +387,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     setup_logging(logging.DEBUG if args.debug else logging.WARNING if quiet else logging.INFO)
     try:
         return int(args.func(args))
-    except DeltaSyncError as exc:
+    except (DeltaSyncError, OSError) as exc:  # OSError: a file outside a store (keygen's key, a backup's target)
         if args.debug:
             traceback.print_exc()
         print(f"{type(exc).__name__}: {exc}", file=sys.stderr)
@@ -395,11 +395,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError as exc:  # bad arguments the parser cannot see (store URI, version range)
         print(f"deltasync: error: {exc}", file=sys.stderr)
         return 2
-    except OSError as exc:  # a file the command writes or reads outside a store (keygen's key, a backup's target)
-        if args.debug:
-            traceback.print_exc()
-        print(f"{type(exc).__name__}: {exc}", file=sys.stderr)
-        return 1
 
 
 if __name__ == "__main__":
