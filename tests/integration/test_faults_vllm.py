@@ -60,14 +60,18 @@ def test_sidecar_killed_mid_fetch_or_mid_apply_converges(world: ServerStack, poi
         pub.step()
     t0 = time.monotonic()
     world.start_sidecar()
-    world.wait_served(pub.version)
-    recovery_s = time.monotonic() - t0
-    world.assert_served(pub.version)
-    assert world.server.admin_json("GET", "/is_paused")["is_paused"] is False
-    # recover() asks the workers before it calls /finish_weight_update: with no session open, finish raises in
-    # every worker (and with TP > 1 desyncs vLLM's executor, vLLM #49972)
-    assert "without a matching start_weight_update" not in (world.tmp / "vllm.log").read_text()
-    world.stop_agents()
+    try:  # the sidecar stops whatever happens: left running it holds the engine's claim against the next test
+        # applied, not only labelled: the label is set inside the pause and the engine resumes just after, so the
+        # agent's report of the version (sent after the resume) is what says the engine serves it again
+        world.wait_applied(pub.version, timeout_s=180)
+        recovery_s = time.monotonic() - t0
+        world.assert_served(pub.version)
+        assert world.server.admin_json("GET", "/is_paused")["is_paused"] is False
+        # recover() asks the workers before it calls /finish_weight_update: with no session open, finish raises
+        # in every worker (and with TP > 1 desyncs vLLM's executor, vLLM #49972)
+        assert "without a matching start_weight_update" not in (world.tmp / "vllm.log").read_text()
+    finally:
+        world.stop_agents()
     print(
         f"\nRELIABILITY sidecar kill -9 mid-{point}: restarted sidecar served v{pub.version} bit-exact after "
         f"{recovery_s:.1f} s (incl. interpreter start)"
