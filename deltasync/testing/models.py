@@ -83,7 +83,7 @@ TINY_QWEN3_MOE_CONFIG: dict[str, Any] = {
     "vocab_size": 512,
     "hidden_size": 128,
     "intermediate_size": 256,
-    "moe_intermediate_size": 64,
+    "moe_intermediate_size": 80,  # vLLM's CPU kernel pads it to 96 (a multiple of 32) before repacking
     "num_experts": 4,
     "num_experts_per_tok": 2,
     "decoder_sparse_step": 1,
@@ -268,19 +268,20 @@ def build_tiny_model(
     return path
 
 
-def write_config_only_model(path: str | Path, config: Mapping[str, Any] | None = None) -> Path:
+def write_config_only_model(path: str | Path, config: Mapping[str, Any] | None = None, *, arch: str = "qwen3") -> Path:
     """Write ``config.json`` and a tokenizer only, for vLLM's ``load_format="dummy"``.
 
     Args:
         path: output directory (created).
-        config: Qwen3 config values; default :data:`QWEN3_0_6B_CONFIG`.
+        config: config values of ``arch``; default :data:`QWEN3_0_6B_CONFIG`.
+        arch: a key of :data:`ARCHITECTURES` (``qwen3_moe``: Qwen3-30B-A3B's shapes with ``config``).
     """
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     values = dict(QWEN3_0_6B_CONFIG if config is None else config)
     tok = _build_tokenizer(path, 512)
-    cfg = _config(values, tok.convert_tokens_to_ids("<|im_end|>"))
-    cfg.architectures = ["Qwen3ForCausalLM"]
+    cfg = _config(values, tok.convert_tokens_to_ids("<|im_end|>"), arch)
+    cfg.architectures = [ARCHITECTURES[arch][1]]
     (path / "config.json").write_text(json.dumps(cfg.to_dict(), indent=1, sort_keys=True) + "\n")
     return path
 

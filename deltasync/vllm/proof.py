@@ -311,6 +311,9 @@ class Prover:
                 kernel_bad, kernel_unproven = self._prove_kernels()
                 bad += kernel_bad
                 unproven += kernel_unproven
+                pm = self.served.proof_map()
+                if pm is not None:  # and the padding a MoE kernel computes with beside the experts' elements
+                    bad += pm.padding_drift()
         except Exception as exc:  # noqa: BLE001 - a proof that cannot run proves nothing: said, never raised
             return {"ok": False, "version": version, "reason": f"{type(exc).__name__}: {exc}", "parts": {}}
         elapsed = time.perf_counter() - t0

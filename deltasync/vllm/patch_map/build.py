@@ -18,6 +18,7 @@ from .as_found import Snapshot, Tree, storage_aliases
 from .checks import GroupCheck
 from .core import PatchMap, Runs
 from .derive import DerivedLayer, LayerKind, group_of, layer_kind
+from .experts import ExpertsBuild, FusedExperts
 from .scan import high_pass, low_pass, probe_dtype, runs_of, split_probe
 from .swap import REPLACED, Load, Spec, Subject, Swap
 from .tensors import arange, numel, reuse, zeros
@@ -41,6 +42,7 @@ def build_map(
     untrusted: Callable[[str], str | None] = lambda param: None,
     *,
     split_at: int | None = None,
+    experts: list[FusedExperts] | None = None,
 ) -> PatchMap:
     """Learn the map of ``model`` for the checkpoint ``spec`` by watching ``load`` (the model's
     ``load_weights``) write probe tensors. The live parameters are swapped for zeroed integer tensors one
@@ -59,10 +61,14 @@ def build_map(
     written. ``untrusted(param)`` names why a parameter cannot be patched (``None``: it can); tensors landing
     in one are left out of the map.
 
+    Fused MoE experts (``experts``: the layers the engine found, and how their kernel lays them out) are placed by
+    :class:`~.experts.ExpertsBuild` (one expert learned per kind, the others derived), never probed tensor by
+    tensor: their checkpoint tensors and parameters are left out of the dense build.
+
     Raises:
         MapCorruption: the build left the model otherwise than it found it (the engine must not serve it).
     """
-    return MapBuild(model, spec, load, untrusted, split_at=split_at).run()
+    return MapBuild(model, spec, load, untrusted, split_at=split_at, experts=experts).run()
 
 
 class MapBuild:
@@ -78,15 +84,21 @@ class MapBuild:
         untrusted: Callable[[str], str | None],
         *,
         split_at: int | None = None,
+        experts: list[FusedExperts] | None = None,
     ) -> None:
         self.started = time.perf_counter()
         self.split_at = scan.SPLIT_AT if split_at is None else split_at  # read at call time: tests shrink it
         """A group whose largest tensor has this many elements or more is probed in two int16 passes."""
         self.subject = Subject(model, dict(model.named_parameters(remove_duplicate=False)), spec, load)
+        self.experts = ExpertsBuild(lambda names: Swap(self.subject, names), spec, self.subject.params, experts or [])
+        """The fused experts layers: placed by their own build, left out of the dense one."""
+        expert_names = self.experts.names()
         self.groups: dict[str, list[str]] = {}
         """Group (``layers.N``; ``""``: outside the layers) -> its checkpoint tensors, in checkpoint order."""
         for name in spec:
-            self.groups.setdefault(group_of(name), []).append(name)
+            if name not in expert_names:
+                self.groups.setdefault(group_of(name), []).append(name)
+        self._expert_params = {q for fe in experts or [] for q in fe.params}
         self.param_groups, self.shared = self._param_groups()
         self._untrusted = untrusted
         self.runs: dict[str, list[Runs]] = {}
@@ -105,7 +117,7 @@ class MapBuild:
         seen: dict[int, set[str]] = {}  # parameter -> the groups that name it
         shared: set[str] = set()
         for qn, p in params.items():
-            if not p.is_floating_point() or p.numel() == 0:
+            if not p.is_floating_point() or p.numel() == 0 or qn in self._expert_params:
                 continue
             named_in = seen.setdefault(id(p), set())
             if named_in and group_of(qn) in named_in:
@@ -126,6 +138,9 @@ class MapBuild:
         snapshot = Snapshot(model, self.subject.params)
         try:
             try:
+                t0 = time.perf_counter()
+                self.experts.run()
+                experts_s = time.perf_counter() - t0
                 self.each_group()
             except Exception as exc:
                 snapshot.check(exc)
@@ -133,8 +148,13 @@ class MapBuild:
             snapshot.check()
         finally:
             Tree.forget(model)  # it holds the model's modules: also when the check raises
-        pm = PatchMap(self.runs, self.unmapped, self.subject.params, time.perf_counter() - self.started, model=model)
+        runs: dict[str, list[Any]] = {**self.runs, **self.experts.runs}
+        unmapped = {**self.unmapped, **self.experts.unmapped}
+        pm = PatchMap(runs, unmapped, self.subject.params, time.perf_counter() - self.started, model=model)
         pm.layers, pm.split = dict(self.counts), self.split
+        if self.experts.experts:
+            pm.layers.update({f"experts_{k}": v for k, v in self.experts.counts.items()})
+            pm.timings["experts_s"] = experts_s
         logger.info("deltasync: patch map built: %s", pm.summary())
         return pm
 

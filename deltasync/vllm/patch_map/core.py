@@ -17,7 +17,7 @@ from ...format import TensorDelta
 from ...sketch import ZERO, Sketch, add_sketches, sketch_at, sketch_range
 from .tensors import bits, same
 
-__all__ = ["Blocks", "PatchMap", "Runs", "Scatter", "check_disjoint", "segments"]
+__all__ = ["Blocks", "PatchMap", "Placed", "Runs", "Scatter", "check_disjoint", "segments"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,6 +64,56 @@ class Runs:
         return held, self.param_start[safe[held]] + offset[held]
 
 
+@dataclasses.dataclass(frozen=True)
+class Placed:
+    """Where one checkpoint tensor's elements sit in one live parameter that keeps them in another order (fused MoE
+    experts repacked for a CPU kernel's tiles): element ``i`` at flat index ``base + place[i]``, or nowhere on this
+    rank where ``place[i] < 0`` (a TP slice). ``place`` is learned once per layer kind and expert kind and shared
+    by every expert and layer of the kind (each expert has its own ``base``): the map grows with the experts' bytes
+    once, not per expert."""
+
+    param: str
+    """The live parameter's qualified name in the vLLM model."""
+    place: torch.Tensor
+    """int64, one per checkpoint element: its flat index in the parameter, less :attr:`base`; -1: not held here."""
+    base: int
+    """Where this expert's elements start in the parameter (its slot times a slot's elements)."""
+    held: int
+    """How many elements of the tensor this rank holds (``place >= 0``)."""
+    pad: torch.Tensor | None = None
+    """Places in this expert's slot (less :attr:`base`) that hold no checkpoint element but padding the kernel
+    computes with (zeros), on one run per slot and parameter: an anchor of the tensor writes them to zero, and the
+    whole-state proof checks them (:meth:`PatchMap.padding_drift`)."""
+
+    @property
+    def numel(self) -> int:
+        return self.held
+
+    def offset_of(self, indices: torch.Tensor) -> int | None:
+        """Never one offset: :meth:`locate` them."""
+        return None
+
+    def locate(self, indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """For checkpoint flat ``indices``: which of them this parameter holds (a bool mask) and where (flat
+        parameter indices of the held ones). One gather from :attr:`place`."""
+        at = self.place.index_select(0, indices)
+        if self.held == self.place.numel():  # every element held (no TP slice): no mask
+            return torch.ones(indices.numel(), dtype=torch.bool), at + self.base
+        held = at >= 0
+        return held, at[held] + self.base
+
+    def everything(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The checkpoint flat indices this rank holds (increasing) and their flat parameter indices."""
+        if self.held == self.place.numel():
+            return torch.arange(self.place.numel()), self.place + self.base
+        idx = torch.nonzero(self.place >= 0).view(-1)
+        return idx, self.place[idx] + self.base
+
+
+Run = Runs | Placed
+"""Either kind of run: consecutive elements (:class:`Runs`) or placed one by one (:class:`Placed`)."""
+
+
 @dataclasses.dataclass
 class Scatter:
     """One parameter's share of a sparse update: flat indices and the values that go there (on its device)."""
@@ -94,7 +144,7 @@ class PatchMap:
 
     def __init__(
         self,
-        runs: dict[str, list[Runs]],
+        runs: dict[str, list[Run]],
         unmapped: dict[str, str],
         params: Mapping[str, torch.nn.Parameter],
         build_s: float,
@@ -106,6 +156,8 @@ class PatchMap:
         """How many layers were probed tensor by tensor and how many derived from their kind's first layer."""
         self.split: list[str] = []
         """The groups (layers; ``""``: outside them) probed in two int16 passes (the build's ``split_at``)."""
+        self.timings: dict[str, float] = {}
+        """Seconds of the build's parts (``experts_s``: placing fused MoE experts)."""
         self._params = dict(params)
         self._model = model
         self._shapes = {n: (tuple(p.shape), p.dtype) for n, p in self._params.items()}
@@ -164,7 +216,7 @@ class PatchMap:
                 )
         return out
 
-    def _scatters(self, d: TensorDelta, runs: list[Runs]) -> list[Scatter | Blocks]:
+    def _scatters(self, d: TensorDelta, runs: list[Run]) -> list[Scatter | Blocks]:
         """A sparse entry's (or a dense one decoded in part: :attr:`TensorDelta.held`) scatter per parameter."""
         out: list[Scatter | Blocks] = []
         indices = d.indices if d.indices is not None else torch.arange(*d.bounds, dtype=torch.int64)
@@ -185,14 +237,24 @@ class PatchMap:
                 out.append(Scatter(r.param, where.to(p.device), values.to(device=p.device, dtype=p.dtype)))
         return out
 
-    def _blocks(self, d: TensorDelta, runs: list[Runs]) -> list[Scatter | Blocks]:
-        """A dense entry's contiguous block copies per parameter (its values moved once per device and dtype)."""
+    def _blocks(self, d: TensorDelta, runs: list[Run]) -> list[Scatter | Blocks]:
+        """A dense entry's contiguous block copies per parameter (its values moved once per device and dtype); a
+        placed run (:class:`Placed`) gets a scatter of the whole span."""
         out: list[Scatter | Blocks] = []
         start, stop = d.span if d.span is not None else (0, d.values.numel())
         flat = d.values.reshape(-1)
         moved: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
         for r in runs:
             p = self.param(r.param)
+            if isinstance(r, Placed):
+                held, where = r.locate(torch.arange(start, stop, dtype=torch.int64))
+                if where.numel():
+                    values = flat if where.numel() == flat.numel() else flat[held]
+                    out.append(Scatter(r.param, where.to(p.device), values.to(device=p.device, dtype=p.dtype)))
+                if r.pad is not None and start == 0:  # an anchor restores the slot's padding too
+                    zeros = torch.zeros(r.pad.numel(), dtype=p.dtype, device=p.device)
+                    out.append(Scatter(r.param, (r.pad + r.base).to(p.device), zeros))
+                continue
             lo = torch.clamp(r.ckpt_start, min=start)
             hi = torch.clamp(r.ckpt_start + r.length, max=stop)
             keep = hi > lo
@@ -260,8 +322,15 @@ class PatchMap:
     def read_whole(self, name: str, source: Mapping[str, torch.Tensor] | None = None) -> torch.Tensor | None:
         """Checkpoint tensor ``name`` read back from the live parameters (or from ``source``, flat stand-ins of
         them), flat and in checkpoint order, if this rank holds all of it (``None`` if it holds part: TP
-        shards). One slice per run, no index arrays."""
-        pieces = segments(self.runs[name])
+        shards). One slice per run, no index arrays (one gather for a placed run)."""
+        runs = self.runs[name]
+        if len(runs) == 1 and isinstance(runs[0], Placed):
+            r = runs[0]
+            if r.held != r.place.numel():
+                return None
+            flat_p = source[r.param] if source is not None else self.param(r.param).data.view(-1)
+            return flat_p.index_select(0, (r.place + r.base).to(flat_p.device)).cpu()
+        pieces = segments(runs)
         covered = 0
         for _, c, _, length in pieces:
             if c != covered:
@@ -285,6 +354,11 @@ class PatchMap:
         with torch.no_grad():
             for r in self.runs[name]:
                 flat = source[r.param] if source is not None else self.param(r.param).data.view(-1)
+                if isinstance(r, Placed):  # elements placed one by one: one gather
+                    idx, where = r.everything()
+                    values = flat.index_select(0, where.to(flat.device)).cpu().to(dtype)
+                    out.append((r.param, sketch_at(values, idx), r.held))
+                    continue
                 n = r.ckpt_start.numel()
                 if n <= 4096:  # runs (whole tensors, rows, a row-parallel slice's rows): sliced, no index arrays
                     s = ZERO
@@ -303,6 +377,9 @@ class PatchMap:
 
     def holds_whole(self, name: str, numel: int) -> bool:
         """Whether this rank's parameters hold every element of checkpoint tensor ``name`` (once)."""
+        runs = self.runs[name]
+        if any(isinstance(r, Placed) for r in runs):  # a placed tensor is in one parameter
+            return len(runs) == 1 and runs[0].numel == numel
         covered = 0
         for _, c, _, length in segments(self.runs[name]):
             if c != covered:
@@ -316,7 +393,9 @@ class PatchMap:
         runs = self.runs[name]
         if len(runs) == 1:
             r = runs[0]
-            if r.ckpt_start.numel() == 1:  # one run (a whole tensor): bounds checked at its ends, no mask
+            if (
+                isinstance(r, Runs) and r.ckpt_start.numel() == 1
+            ):  # one run (a whole tensor): bounds checked at its ends, no mask
                 shift = r.offset_of(indices)
                 if shift is None:
                     raise KeyError(f"{name}: this rank does not hold every element asked for")
@@ -343,6 +422,19 @@ class PatchMap:
             raise KeyError(f"{name}: this rank does not hold every element asked for")
         return out
 
+    def padding_drift(self) -> list[str]:
+        """The tensors whose expert slot's padding (:attr:`Placed.pad`: zeros the kernel computes with beside the
+        checkpoint's elements) holds anything but +0.0 bits: drift no checksum of a tensor covers."""
+        bad = []
+        with torch.no_grad():
+            for name, runs in self.runs.items():
+                for r in runs:
+                    if isinstance(r, Placed) and r.pad is not None and r.pad.numel():
+                        flat = self.param(r.param).data.view(-1)
+                        if int(torch.count_nonzero(bits(flat.index_select(0, (r.pad + r.base).to(flat.device))))):
+                            bad.append(f"{name} (the kernel's padding in its expert's slot)")
+        return bad
+
     def params_of(self, name: str) -> set[str]:
         """The live parameters holding checkpoint tensor ``name`` on this rank."""
         return {r.param for r in self.runs[name]}
@@ -356,19 +448,29 @@ class PatchMap:
             "build_s": round(self.build_s, 3),
             "layers": self.layers,
             "split": self.split,
+            **({"timings": {k: round(v, 3) for k, v in self.timings.items()}} if self.timings else {}),
         }
 
 
-def check_disjoint(runs: Mapping[str, list[Runs]]) -> None:
+def check_disjoint(runs: Mapping[str, list[Run]]) -> None:
     """Each live parameter element is at most one checkpoint element's: the plan's writes never overlap, and may
-    run on threads (the map's build refuses aliasing loaders; a map built another way is checked here).
+    run on threads (the map's build refuses aliasing loaders; a map built another way is checked here). Placed
+    runs (:class:`Placed`) are checked where they are made (:mod:`.experts`): their parameters hold nothing else.
 
     Raises:
         ValueError: naming the parameter and the two checkpoint tensors.
     """
     by_param: dict[str, list[tuple[torch.Tensor, torch.Tensor, str]]] = {}
+    placed = {r.param for rs in runs.values() for r in rs if isinstance(r, Placed)}
     for name, rs in runs.items():
         for r in rs:
+            if isinstance(r, Placed):
+                continue
+            if r.param in placed:
+                raise ValueError(
+                    f"patch map: {name!r} lands in {r.param!r} in runs, where other tensors are placed one by one; a "
+                    "parameter is mapped one way"
+                )
             by_param.setdefault(r.param, []).append((r.param_start, r.length, name))
     for param, parts in by_param.items():
         start = torch.cat([p for p, _, _ in parts])
@@ -388,10 +490,13 @@ def check_disjoint(runs: Mapping[str, list[Runs]]) -> None:
                 )
 
 
-def segments(runs: Iterable[Runs]) -> list[tuple[str, int, int, int]]:
-    """Every run of ``runs`` as ``(param, checkpoint start, parameter start, length)``, in checkpoint order."""
+def segments(runs: Iterable[Run]) -> list[tuple[str, int, int, int]]:
+    """Every run of ``runs`` as ``(param, checkpoint start, parameter start, length)``, in checkpoint order (placed
+    runs have none: they are read by a gather)."""
     out = []
     for r in runs:
+        if isinstance(r, Placed):
+            raise TypeError(f"patch map: {r.param} holds a tensor placed element by element, not in runs")
         starts = zip(r.ckpt_start.tolist(), r.param_start.tolist(), r.length.tolist(), strict=True)
         out += [(r.param, c, p, n) for c, p, n in starts]
     out.sort(key=lambda seg: seg[1])
