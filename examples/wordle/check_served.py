@@ -22,9 +22,10 @@ from deltasync.targets import EngineAuth
 from deltasync.vllm.guard import load_engine_token
 
 
-def served(vllm_url: str) -> dict[str, object]:
-    """vLLM's weight label and the checksum of every tensor as it computes with it."""
-    token = load_engine_token()
+def served(vllm_url: str, token: str | None = None) -> dict[str, object]:
+    """vLLM's weight label and the checksum of every tensor as it computes with it (``token``: the engine
+    credential; default: ``DELTASYNC_ENGINE_TOKEN`` or ``_FILE``)."""
+    token = token if token is not None else load_engine_token()
     if token is None:
         raise SystemExit("the check needs the engine credential (DELTASYNC_ENGINE_TOKEN or _FILE)")
     with httpx.Client(base_url=vllm_url, timeout=120, auth=EngineAuth(token)) as admin:

@@ -1,13 +1,18 @@
 """The Wordle demo, on one machine: coordinator, vLLM server + deltasync sidecar, environment server and trainer
 as separate processes on 127.0.0.1 (free ports), live progress, a report and a plot. What `make demo` runs.
 
-    python -m examples.wordle.run_demo [--out demo-out] [--steps 200] [--lora-rank 8]
+    python -m examples.wordle.run_demo [--out demo-out] [--steps 200] [--lora-rank 8 | --moe]
     python -m examples.wordle.run_demo --steps 4 --warmup-steps 20 --out demo-out/short
                          # the smallest real run (about a minute here)
 
 With ``--lora-rank R`` the trainer trains a LoRA adapter of rank R on the frozen base and publishes the adapter
 itself; vLLM serves it as ``policy`` (``--enable-lora --lora-modules policy=DIR``) and the agent keeps DIR at the
 latest version (``--apply-mode lora --adapter-dir DIR``).
+
+With ``--moe`` the policy is a tiny Qwen3-MoE (4 experts of 96, 2 routed per token): vLLM keeps plain weights
+(``DELTASYNC_VLLM_PLAIN_WEIGHTS=1``) and the agent writes every expert in place where its kernel reads it. vLLM
+repacks experts in a layout only it knows, so the final check compares the served engine with a fresh one loaded
+from the final version (``examples.wordle.fresh_check``).
 
 Every process it starts is stopped at the end, on Ctrl-C and on failure.
 """
@@ -32,6 +37,8 @@ from deltasync.testing.models import build_tiny_model
 from deltasync.testing.output_dir import fresh_output_dir
 from deltasync.tokens import make_agent_token
 
+from .check_served import served
+from .fresh_check import compare, fresh_checksums
 from .game import SYSTEM, allowed_words
 
 MODEL_CONFIG = {
@@ -47,11 +54,25 @@ MODEL_CONFIG = {
 }
 
 
-def build_model(path: Path) -> Path:
-    """The tiny Qwen3 of the demo, with a tokenizer trained on Wordle text (short prompts, whole words)."""
+MOE_CONFIG = {
+    **MODEL_CONFIG,
+    "moe_intermediate_size": 96,
+    "num_experts": 4,
+    "num_experts_per_tok": 2,
+    "decoder_sparse_step": 1,
+}
+"""``--moe``: the demo's Qwen3 with each MLP replaced by 4 routed experts of 96 (vLLM's CPU kernel pads them to 96,
+a multiple of 32 already)."""
+
+
+def build_model(path: Path, *, moe: bool = False) -> Path:
+    """The tiny Qwen3 (or Qwen3-MoE) of the demo, with a tokenizer trained on Wordle text (short prompts, whole
+    words)."""
     words = sorted(allowed_words())
     corpus = [SYSTEM, "Previous guesses:\n(no guesses yet)\nGuesses left: 6", "GGGGG XXXXX YYYYY GYXXG XYGYY"]
     corpus += [" ".join(f"<guess>{w}</guess>" for w in words[i : i + 50]) for i in range(0, len(words), 50)]
+    if moe:
+        return build_tiny_model(path, seed=0, config=MOE_CONFIG, corpus=corpus, arch="qwen3_moe")
     return build_tiny_model(path, seed=0, config=MODEL_CONFIG, corpus=corpus)
 
 
@@ -340,6 +361,10 @@ def run_once(out: Path, model: Path, args: argparse.Namespace, *, sync: bool) ->
         )
         # --enable-scale-out: the token-in/token-out route, whose answers carry each token's weight version
         vllm_args, vllm_env, lora_agent, lora_trainer = ["--enable-scale-out"], {}, [], []
+        moe = getattr(args, "moe", False)
+        if moe:  # experts are written in place where the kernel reads them: linear weights plain as well
+            vllm_env["DELTASYNC_VLLM_PLAIN_WEIGHTS"] = "1"
+            lora_trainer = ["--skip-final-check"]  # the fresh engine below checks what vLLM computes with
         if args.lora_rank:
             adapter = initial_adapter(model, args.lora_rank, out / "adapter")
             vllm_args += ["--enable-lora", "--max-loras", "2", "--max-lora-rank", str(max_lora_rank(args.lora_rank))]
@@ -372,10 +397,16 @@ def run_once(out: Path, model: Path, args: argparse.Namespace, *, sync: bool) ->
         if trainer.returncode != 0:
             print((out / "logs" / "trainer.log").read_text()[-3000:], file=sys.stderr)
             raise RuntimeError(f"the trainer exited with {trainer.returncode}; logs in {out / 'logs'}")
+        if moe:  # what vLLM computes with now, read with the engine credential on its host
+            served_now = served(vllm.url, vllm.engine_token_file.read_text().strip())
     finally:
         procs.stop_all()
         print(f"[demo] all processes stopped; logs in {out / 'logs'}", flush=True)
     final = json.loads((out / "run" / "final.json").read_text())
+    if moe:
+        print("[demo] final check: a fresh vLLM engine loaded from the final version (about 20 s)", flush=True)
+        fresh = fresh_checksums(model, store, int(final["version"]), out / "fresh")
+        final.update(compare(served_now, fresh, int(final["version"])))
     final["applied_versions_in_order"] = seen
     summary = summarize(rows, pauses, final, cpu)
     result = {"summary": summary, "steps": rows, "pauses": pauses, "final": final}
@@ -398,6 +429,11 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-staleness", type=int, default=2)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
+        "--moe",
+        action="store_true",
+        help="a tiny Qwen3-MoE policy (4 experts, 2 routed per token): experts synced in place, bit-exact",
+    )
+    parser.add_argument(
         "--lora-rank",
         type=int,
         default=0,
@@ -413,14 +449,19 @@ def main() -> int:
     modes.add_argument("--sync", action="store_true", help="lock-step: vLLM serves each version before rollouts")
     modes.add_argument("--compare", action="store_true", help="sync, then async, same seed and steps; side by side")
     args = parser.parse_args()
+    if args.moe and args.lora_rank:
+        parser.error(
+            "--moe and --lora-rank: a LoRA adapter on a MoE base is not synced (PEFT's adapters of fused experts)"
+        )
     try:
         out = fresh_output_dir(args.out)
     except ValueError as exc:
         parser.error(str(exc))
     signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
     try:
-        print(f"[demo] building the tiny Qwen3 and its Wordle tokenizer in {out / 'model'}", flush=True)
-        model = build_model(out / "model")
+        name = "Qwen3-MoE" if args.moe else "Qwen3"
+        print(f"[demo] building the tiny {name} and its Wordle tokenizer in {out / 'model'}", flush=True)
+        model = build_model(out / "model", moe=args.moe)
         if args.warmup_steps > 0:
             warm_start(model, args.warmup_steps, args.seed)
         if not args.compare:

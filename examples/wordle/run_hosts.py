@@ -571,6 +571,8 @@ def main() -> int:
     args = parser.parse_args()
     if args.lora_rank:  # its rollout workers run on the environment host, which names no adapter yet
         parser.error("--lora-rank runs on one machine for now: python -m examples.wordle.run_demo --lora-rank R")
+    if args.moe:  # its final check starts a fresh engine on the inference host
+        parser.error("--moe runs on one machine for now: python -m examples.wordle.run_demo --moe")
     try:
         args.out = fresh_output_dir(args.out)
     except ValueError as exc:
