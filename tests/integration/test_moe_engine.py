@@ -168,6 +168,11 @@ def test_experts_in_place_are_bit_exact_against_a_fresh_engine(
             result = agent.sync()
             assert result.route == "anchor" and result.to_version == at + 1
             assert agent.sync().route == "none" and agent.drift is None  # re-proven whole
+            # the agent's own audit (every sync here) finds it too, and restores the engine in the same sync
+            assert any(llm.collective_rpc(_flip_an_expert_element))
+            result = agent.sync()
+            assert result.route == "anchor" and agent.drift is not None and ".experts.2." in agent.drift
+            assert agent.sync().route == "none" and agent.drift is None
             # the padding the kernel computes with (an intermediate size padded to a multiple of 32) is state too:
             # drift there is caught, and the anchor writes it back to zeros
             padded = [n for n in llm.collective_rpc(_drift_the_padding) if n]
