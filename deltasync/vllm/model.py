@@ -404,12 +404,7 @@ class ServedModel:
         experts = sorted({d.ckpt_name for _, deltas in checked for d in deltas if ".experts." in d.ckpt_name})
         if not experts:
             return
-        placed = self._map if self.mode == "inplace" else None
-        if placed is None and self.mode == "inplace" and self._map_error is None:
-            try:
-                placed = self.patch_map()
-            except ApplyError:
-                placed = None
+        placed = self.proof_map() if self.mode == "inplace" else None  # built once; None where it cannot be
         missing = [n for n in experts if placed is None or n not in placed]
         if missing:
             why = (

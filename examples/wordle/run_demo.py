@@ -360,18 +360,18 @@ def run_once(out: Path, model: Path, args: argparse.Namespace, *, sync: bool) ->
             f"[demo] coordinator {coord_url}, environment {env_url}; starting vLLM (about 30 s on 2 cores)", flush=True
         )
         # --enable-scale-out: the token-in/token-out route, whose answers carry each token's weight version
-        vllm_args, vllm_env, lora_agent, lora_trainer = ["--enable-scale-out"], {}, [], []
+        vllm_args, vllm_env, agent_extra, trainer_extra = ["--enable-scale-out"], {}, [], []
         moe = getattr(args, "moe", False)
         if moe:  # experts are written in place where the kernel reads them: linear weights plain as well
             vllm_env["DELTASYNC_VLLM_PLAIN_WEIGHTS"] = "1"
-            lora_trainer = ["--skip-final-check"]  # the fresh engine below checks what vLLM computes with
+            trainer_extra = ["--skip-final-check"]  # the fresh engine below checks what vLLM computes with
         if args.lora_rank:
             adapter = initial_adapter(model, args.lora_rank, out / "adapter")
             vllm_args += ["--enable-lora", "--max-loras", "2", "--max-lora-rank", str(max_lora_rank(args.lora_rank))]
             vllm_args += ["--lora-modules", f"policy={adapter}"]
             vllm_env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"  # the final check loads the trainer's adapter
-            lora_agent = ["--apply-mode", "lora", "--adapter-dir", str(adapter)]
-            lora_trainer = ["--lora-rank", str(args.lora_rank), "--adapter-name", "policy"]
+            agent_extra = ["--apply-mode", "lora", "--adapter-dir", str(adapter)]
+            trainer_extra = ["--lora-rank", str(args.lora_rank), "--adapter-name", "policy"]
         vllm = VllmServerProcess(model, log=out / "logs" / "vllm.log", args=vllm_args, env=vllm_env)
         vllm.start_async()
         procs.adopt("vllm", vllm.proc)  # type: ignore[arg-type]
@@ -379,7 +379,7 @@ def run_once(out: Path, model: Path, args: argparse.Namespace, *, sync: bool) ->
         mode = "lock-step (--sync)" if sync else f"asynchronous, max staleness {args.max_staleness}"
         print(f"[demo] vLLM {vllm.url} up; starting the sidecar agent and the trainer, {mode}", flush=True)
         agent_args = ["--vllm-url", vllm.url, "--coordinator", coord_url, "--store", str(store), "--agent-id", "vllm-0"]
-        agent_args += ["--poll-wait-s", "5", "--staging-dir", str(out / "staging"), "--backoff-s", "0.2", *lora_agent]
+        agent_args += ["--poll-wait-s", "5", "--staging-dir", str(out / "staging"), "--backoff-s", "0.2", *agent_extra]
         # the engine credential: the agent changes the engine with it, the trainer's final check reads with it;
         # the rollout workers and the environment never get it and reach only inference routes
         engine = {"DELTASYNC_ENGINE_TOKEN_FILE": str(vllm.engine_token_file)}
@@ -387,7 +387,7 @@ def run_once(out: Path, model: Path, args: argparse.Namespace, *, sync: bool) ->
         train_args = ["--model", str(model), "--vllm-url", vllm.url, "--env-url", env_url, "--coordinator", coord_url]
         train_args += ["--store", str(store), "--out", str(out / "run"), "--steps", str(args.steps)]
         train_args += ["--warmup-steps", "0", "--learning-rate", str(args.learning_rate)]  # warm-started already
-        train_args += ["--max-staleness", str(args.max_staleness), "--seed", str(args.seed), *lora_trainer] + (
+        train_args += ["--max-staleness", str(args.max_staleness), "--seed", str(args.seed), *trainer_extra] + (
             ["--sync"] if sync else []
         )
         trainer = procs.start(

@@ -48,6 +48,19 @@ def fresh_run(model_dir: Path, weights: dict, ckpt: Path, prompts: list[str], tp
     return json.loads(lines[-1][len("RESULT ") :])
 
 
+def assert_as_fresh(
+    model_dir: Path, weights: dict, ckpt: Path, prompts: list[str], tp: int, ranks: list, outputs: list, why: str = ""
+) -> None:
+    """What an engine served (``ranks``: each rank's ``deltasync_effective``; ``outputs``: :func:`generate` of
+    ``prompts``) equals a fresh engine loaded from ``weights`` (:func:`fresh_run`): every live parameter, the token
+    ids and the logprobs. ``why`` is added to a parameter mismatch's message."""
+    fresh = fresh_run(model_dir, weights, ckpt, prompts, tp)
+    differ = sorted({k for a, b in zip(fresh["effective"], ranks, strict=True) for k in a if a[k] != b.get(k)})
+    assert not differ, f"the live parameters differ from a fresh load: {differ[:8]}{why}"
+    assert [o["ids"] for o in outputs] == [o["ids"] for o in fresh["outputs"]]
+    assert [o["logprobs"] for o in outputs] == [o["logprobs"] for o in fresh["outputs"]]
+
+
 if __name__ == "__main__":
     from deltasync.testing.launchers import offline_llm
 

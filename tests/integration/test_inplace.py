@@ -31,7 +31,7 @@ from deltasync.testing.launchers import offline_llm
 from deltasync.testing.models import build_tiny_model
 from deltasync.vllm.config import PLAIN_ENV, SPLIT_AT_ENV
 from tests.conftest import PUBLISHER_TOKEN, ServerThread, agent_token, coordinator_settings
-from tests.integration.fresh_engine import fresh_run, generate
+from tests.integration.fresh_engine import assert_as_fresh, generate
 from tests.support.world import StreamPublisher
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
@@ -227,11 +227,7 @@ def test_inplace_through_the_map_is_bit_exact_against_a_fresh_engine(
             final = publisher.truth[at + 1]
     finally:
         llm.llm_engine.engine_core.shutdown()
-    fresh = fresh_run(model_dir, final, tmp_path / "final", PROMPTS, tp)
-    differ = sorted({k for a, b in zip(fresh["effective"], ranks, strict=True) for k in a if a[k] != b.get(k)})
-    assert not differ, f"the live parameters differ from a fresh load: {differ[:8]} (map: {map_status})"
-    assert [o["ids"] for o in ours] == [o["ids"] for o in fresh["outputs"]]
-    assert [o["logprobs"] for o in ours] == [o["logprobs"] for o in fresh["outputs"]]
+    assert_as_fresh(model_dir, final, tmp_path / "final", PROMPTS, tp, ranks, ours, f" (map: {map_status})")
 
 
 def test_moe_experts_in_reload_mode_are_refused_never_served_wrong(

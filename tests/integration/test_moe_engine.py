@@ -31,7 +31,7 @@ from deltasync.testing.launchers import offline_llm
 from deltasync.testing.models import build_tiny_model
 from deltasync.vllm.config import PLAIN_ENV
 from tests.conftest import PUBLISHER_TOKEN, ServerThread, agent_token, coordinator_settings
-from tests.integration.fresh_engine import fresh_run, generate
+from tests.integration.fresh_engine import assert_as_fresh, generate
 from tests.support.world import StreamPublisher
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
@@ -189,8 +189,4 @@ def test_experts_in_place_are_bit_exact_against_a_fresh_engine(
             final = publisher.truth[at + 1]
     finally:
         llm.llm_engine.engine_core.shutdown()
-    fresh = fresh_run(model_dir, final, tmp_path / "final", PROMPTS, tp)
-    differ = sorted({k for a, b in zip(fresh["effective"], ranks, strict=True) for k in a if a[k] != b.get(k)})
-    assert not differ, f"the live parameters differ from a fresh load: {differ[:8]}"
-    assert [o["ids"] for o in ours] == [o["ids"] for o in fresh["outputs"]]
-    assert [o["logprobs"] for o in ours] == [o["logprobs"] for o in fresh["outputs"]]
+    assert_as_fresh(model_dir, final, tmp_path / "final", PROMPTS, tp, ranks, ours)
