@@ -11,7 +11,7 @@ import torch
 
 from .format import TensorDelta, tensor_checksum
 from .names import ExpertSlice, NameMap, checkpoint_state, experts_of, is_fused_experts
-from .sketch import format_sketch, sketch_range
+from .sketch import Sketch, add_sketches, format_sketch, sketch_change, sketch_range
 
 __all__ = ["TensorView", "dense_entries", "globalize", "local_tensors"]
 
@@ -152,11 +152,26 @@ def dense_entries(buffers: Mapping[str, torch.Tensor], views: Mapping[str, Tenso
     return out
 
 
-def globalize(d: TensorDelta, new: torch.Tensor, view: TensorView) -> TensorDelta:
-    """A local delta (this rank's rows) in global flat coordinates, with the checksum and sketch of its new span."""
-    checksum, sketch = tensor_checksum(new), _span_sketch(new, view)
+def globalize(
+    d: TensorDelta, new: torch.Tensor, view: TensorView, *, served: Sketch | None = None
+) -> tuple[TensorDelta, Sketch]:
+    """A local delta (this rank's rows) in global flat coordinates, with the checksum and sketch of its new span,
+    and that sketch's lanes.
+
+    The checksum is ``d.checksum`` where the diff took it (:func:`~deltasync.diff.compute_delta`'s
+    ``checksums``), else read from ``new``. The sketch is ``served`` (the span's sketch before the change) moved
+    by the change, read from the changed elements only (the sketch is linear), where ``d`` is sparse and
+    ``served`` is given; else read from ``new``."""
+    checksum = d.checksum if d.checksum is not None else tensor_checksum(new)
+    start = 0 if view.span is None else view.span[0]
+    indices = None if d.indices is None else d.indices + start if start else d.indices
+    if indices is not None and served is not None and d.base_values is not None:
+        lanes = add_sketches(served, sketch_change(d.values, d.base_values, indices, increasing=True))
+    else:
+        lanes = sketch_range(new, start)
+    sketch = format_sketch(lanes)
     if view.span is None:
-        return dataclasses.replace(d, checksum=checksum, sketch=sketch)
+        return dataclasses.replace(d, checksum=checksum, sketch=sketch), lanes
     if d.indices is None:
         base = d.base_values.reshape(-1) if d.base_values is not None else None
         return dataclasses.replace(
@@ -167,6 +182,7 @@ def globalize(d: TensorDelta, new: torch.Tensor, view: TensorView) -> TensorDelt
             span=view.span,
             checksum=checksum,
             sketch=sketch,
-        )
-    indices = d.indices + view.span[0]
-    return dataclasses.replace(d, shape=view.shape, indices=indices, span=view.span, checksum=checksum, sketch=sketch)
+        ), lanes
+    return dataclasses.replace(
+        d, shape=view.shape, indices=indices, span=view.span, checksum=checksum, sketch=sketch
+    ), lanes

@@ -6,16 +6,26 @@ import math
 import os
 from collections.abc import Mapping, MutableMapping
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
+import xxhash
 
-from .format import TensorDelta
+from ._kernels import kernels
+from .format import TensorDelta, tensor_checksum
 
 __all__ = ["compute_delta"]
 
 DEFAULT_CHUNK_ELEMS = 1 << 20
 """Elements compared per task: large enough to amortize dispatch, small enough to stay in cache."""
+
+_SCAN_ELEMS = 1 << 18
+"""Elements per step of the compiled scan: a step of both tensors (1 MiB in bf16) stays in a core's L2 while the
+new one is hashed."""
+
+_RANGE_ELEMS = 1 << 23
+"""Elements per task of the compiled scan where no digest is taken (a digest reads its tensor in one task)."""
 
 DEFAULT_DENSE_FRACTION = 0.5
 """A tensor whose changed fraction reaches this is returned dense (see ``compute_delta``)."""
@@ -57,14 +67,16 @@ def compute_delta(
     dense_fraction: float = DEFAULT_DENSE_FRACTION,
     chunk_elems: int = DEFAULT_CHUNK_ELEMS,
     max_workers: int | None = None,
+    checksums: bool = False,
 ) -> dict[str, TensorDelta]:
     """Compare two state dicts bit for bit and return what changed, tensor by tensor.
 
     Elements are compared as integers of the same width (bf16 and fp16 as int16, fp32 as
     int32), so ``-0.0`` vs ``0.0`` and different NaN payloads count as changes, and a NaN that
-    did not change does not. The work runs in chunks of ``chunk_elems`` on ``max_workers``
-    threads (default: all cores); beyond the result, the extra memory is one boolean mask per
-    thread and chunk.
+    did not change does not. Where numba is installed (:mod:`deltasync._kernels`), 16 and 32-bit
+    tensors are compared by a compiled scan, 8 bytes at a time, in steps that stay in cache, on
+    ``max_workers`` threads (default: all cores), with no temporary beyond the result; otherwise
+    numpy compares chunks of ``chunk_elems`` (one boolean mask per thread and chunk).
 
     Args:
         prev: the previous version's tensors (CPU).
@@ -75,12 +87,16 @@ def compute_delta(
             error part of ``prev`` may already be updated.
         dense_fraction: a tensor whose changed fraction is at least this comes back dense
             (``indices=None``, whole tensors in ``values`` and ``base_values``).
-        chunk_elems: elements per task.
+        chunk_elems: elements per task of the numpy code (the compiled scan's tasks are at least
+            ``2**23`` elements, or whole tensors with ``checksums``).
         max_workers: threads; default ``os.cpu_count()``.
+        checksums: also set each changed tensor's ``checksum`` (:func:`tensor_checksum` of the new
+            tensor), fed by the scan from what it just read: a publisher's delta needs it, and a
+            second pass over the model would cost about one more memcpy of it.
 
     Returns:
         Changed tensors only, in ``curr``'s order, each with int64 ``indices``, new ``values`` and
-        the ``base_values`` that ``prev`` held there. ``checksum`` is left ``None``.
+        the ``base_values`` that ``prev`` held there. ``checksum`` is ``None`` unless ``checksums``.
 
     Raises:
         ValueError: the names, shapes, dtypes or devices differ (the message names the tensor).
@@ -95,54 +111,161 @@ def compute_delta(
             f"state dicts differ in names: missing from the new one {missing[:5]}, new names "
             f"{extra[:5]} ({len(missing)} and {len(extra)} in all); publish an anchor instead"
         )
-    tasks: list[tuple[str, np.ndarray, np.ndarray, int, int]] = []
+    compiled = kernels()
+    tasks: list[_Task] = []
     currs: dict[str, torch.Tensor] = {}
     for name, c in curr.items():
         p = prev[name]
         _check_pair(name, p, c, update_prev)
         c = currs[name] = c.detach().contiguous()
         pb, cb = _bits(p.detach() if update_prev else p.detach().contiguous()), _bits(c)
-        tasks.extend((name, pb, cb, s, min(s + chunk_elems, pb.size)) for s in range(0, pb.size, chunk_elems))
+        if compiled is not None and _scannable(pb, cb):
+            step = max(pb.size, 1) if checksums else max(chunk_elems, _RANGE_ELEMS)  # a digest reads in order
+            tasks.extend(_Task(name, pb, cb, s, min(s + step, pb.size), True) for s in range(0, pb.size, step))
+        else:
+            tasks.extend(
+                _Task(name, pb, cb, s, min(s + chunk_elems, pb.size), False) for s in range(0, pb.size, chunk_elems)
+            )
 
-    def run(task: tuple[str, np.ndarray, np.ndarray, int, int]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        _, pb, cb, s, e = task
-        a, b = pb[s:e], cb[s:e]
+    def run(task: _Task) -> _Found:
+        if task.compiled:
+            return _scan(compiled, task, update_prev, checksums)
+        a, b = task.prev[task.start : task.stop], task.curr[task.start : task.stop]
         idx = np.flatnonzero(a != b)
         new, old = b[idx], a[idx]
         if update_prev and idx.size:
             a[idx] = new
-        idx += s
-        return idx, new, old
+        idx += task.start
+        return _Found(idx, new, old, None)
 
     workers = max_workers or os.cpu_count() or 1
+    order = sorted(range(len(tasks)), key=lambda k: tasks[k].start - tasks[k].stop)  # the longest first
     if workers > 1 and len(tasks) > 1:
         with ThreadPoolExecutor(max_workers=workers) as pool:
-            results = list(pool.map(run, tasks))
+            done = dict(zip(order, pool.map(run, [tasks[k] for k in order]), strict=True))
     else:
-        results = [run(t) for t in tasks]
-
-    parts: dict[str, list[tuple[np.ndarray, np.ndarray, np.ndarray]]] = {}
-    for task, res in zip(tasks, results, strict=True):
-        if res[0].size:
-            parts.setdefault(task[0], []).append(res)
+        done = {k: run(tasks[k]) for k in order}
+    parts: dict[str, list[_Found]] = {}
+    for k, task in enumerate(tasks):
+        if done[k].idx.size:
+            parts.setdefault(task.name, []).append(done[k])
     out: dict[str, TensorDelta] = {}
     for name, c in currs.items():
         if name not in parts:
             continue
-        idx, new, old = (np.concatenate(cols) for cols in zip(*parts[name], strict=True))
-        out[name] = _tensor_delta(name, c, idx, new, old, dense_fraction)
+        found = parts[name]
+        idx, new, old = (np.concatenate(cols) for cols in zip(*((f.idx, f.new, f.old) for f in found), strict=True))
+        digest = found[0].digest if len(found) == 1 and found[0].digest is not None else None
+        if checksums and digest is None:
+            digest = tensor_checksum(c)
+        out[name] = _tensor_delta(name, c, idx, new, old, dense_fraction, digest)
     return out
 
 
+class _Task(NamedTuple):
+    """Flat elements ``[start, stop)`` of one tensor, compared by the compiled scan or by numpy."""
+
+    name: str
+    prev: np.ndarray
+    curr: np.ndarray
+    start: int
+    stop: int
+    compiled: bool
+
+
+class _Found(NamedTuple):
+    """The changes of one task: flat indices, new and old bits, and the new tensor's digest where the task read
+    all of it in order."""
+
+    idx: np.ndarray
+    new: np.ndarray
+    old: np.ndarray
+    digest: str | None
+
+
+def _scannable(pb: np.ndarray, cb: np.ndarray) -> bool:
+    """Whether the compiled scan takes a tensor pair: 16 or 32-bit elements whose 8-byte words line up."""
+    return pb.itemsize in (2, 4) and (pb.ctypes.data - cb.ctypes.data) % 8 == 0
+
+
+def _scan(compiled: Any, task: _Task, update_prev: bool, checksums: bool) -> _Found:
+    """The changes of ``task`` by the compiled scan (:func:`deltasync._kernels` ``diff_words``): elements compared
+    8 bytes at a time, the tensor read in steps that stay in cache, and, with ``checksums``, the new tensor's
+    xxh3-128 fed from each step while it is still there (a whole tensor's task only). A digest starts at the first
+    step with a change (the steps before it are read again then): an unchanged tensor is never hashed."""
+    a, b, isz = task.prev, task.curr, task.prev.itemsize
+    per = 8 // isz
+    head = min(((-a.ctypes.data) % 8) // isz, a.size)  # elements before the first 8-byte boundary
+    words = (a.size - head) // per
+    a64 = a[head : head + words * per].view(np.uint64)
+    b64 = b[head : head + words * per].view(np.uint64)
+    cap = (task.stop - task.start) // 16 + _SCAN_ELEMS  # room for 6% changed before the first doubling
+    idx, new, old, n = np.empty(cap, np.int64), np.empty(cap, a.dtype), np.empty(cap, a.dtype), 0
+    hasher = None
+    body_end = head + words * per
+    pos = task.start
+    while pos < task.stop:
+        if pos < head or pos >= body_end:  # an element outside the 8-byte words (at most 3 at each end)
+            stop = min(task.stop, head if pos < head else a.size)
+            idx, new, old, n = _append_plain(a, b, pos, stop, (idx, new, old, n), update_prev)
+        else:
+            w0 = (pos - head) // per
+            w1 = min(w0 + _SCAN_ELEMS // per, (min(task.stop, body_end) - head) // per)
+            stop = head + w1 * per
+            idx, new, old, n = compiled.diff_words(a, b, (a64, b64), (w0, w1, head), (idx, new, old, n), update_prev)
+        if checksums and (hasher is not None or n):
+            if hasher is None:
+                hasher = xxhash.xxh3_128()
+                hasher.update(b[:pos].data)  # the steps before the first change
+            hasher.update(b[pos:stop].data)
+        pos = stop
+    digest = None if hasher is None or task.start or task.stop != a.size else "xxh3_128:" + hasher.hexdigest()
+    return _Found(idx[:n].copy(), new[:n].copy(), old[:n].copy(), digest)
+
+
+def _append_plain(
+    a: np.ndarray,
+    b: np.ndarray,
+    start: int,
+    stop: int,
+    buf: tuple[np.ndarray, np.ndarray, np.ndarray, int],
+    update_prev: bool,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
+    """The changes among a few elements ``[start, stop)``, appended to ``buf`` (grown if needed)."""
+    idx, new, old, n = buf
+    at = np.flatnonzero(a[start:stop] != b[start:stop]) + start
+    if n + at.size > idx.size:
+        grow = max(2 * idx.size, n + at.size)
+        idx, new, old = (np.concatenate([x[:n], np.empty(grow - n, x.dtype)]) for x in (idx, new, old))
+    idx[n : n + at.size], new[n : n + at.size], old[n : n + at.size] = at, b[at], a[at]
+    if update_prev:
+        a[at] = b[at]
+    return idx, new, old, n + at.size
+
+
 def _tensor_delta(
-    name: str, curr: torch.Tensor, idx: np.ndarray, new: np.ndarray, old: np.ndarray, dense_fraction: float
+    name: str,
+    curr: torch.Tensor,
+    idx: np.ndarray,
+    new: np.ndarray,
+    old: np.ndarray,
+    dense_fraction: float,
+    checksum: str | None,
 ) -> TensorDelta:
     shape = tuple(curr.shape)
     if idx.size >= dense_fraction * math.prod(shape):
         values = curr.clone()
         base = values.clone()
         _bits(base)[idx] = old
-        return TensorDelta(ckpt_name=name, shape=shape, dtype=curr.dtype, indices=None, values=values, base_values=base)
+        return TensorDelta(
+            ckpt_name=name,
+            shape=shape,
+            dtype=curr.dtype,
+            indices=None,
+            values=values,
+            base_values=base,
+            checksum=checksum,
+        )
     return TensorDelta(
         ckpt_name=name,
         shape=shape,
@@ -150,4 +273,5 @@ def _tensor_delta(
         indices=torch.from_numpy(idx),
         values=torch.from_numpy(new).view(curr.dtype),
         base_values=torch.from_numpy(old).view(curr.dtype),
+        checksum=checksum,
     )

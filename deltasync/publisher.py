@@ -37,6 +37,7 @@ from .manifest import AdapterEntry, DeltaManifest
 from .names import NameMap
 from .runrecord import adopt_run, claim_run, record_epoch
 from .signing import SigningKey
+from .sketch import Sketch, parse_sketch
 from .store import Store, open_store
 from .vocab import DTYPE_NAMES, MAX_VERSION, Kind
 from .writer import ObjectWriter
@@ -158,6 +159,8 @@ class Publisher:
         """Seconds the last ``publish`` held the caller (resolve + copy + any back-pressure wait)."""
         # worker-only state
         self._snapshot: dict[str, torch.Tensor] | None = None
+        self._sketches: dict[str, Sketch] = {}
+        """The sketch of each tensor (this rank's span) in ``_snapshot``, moved by each delta's changes."""
         self._last_version: int | None = None
         self._last_anchor: tuple[int, int] = (0, 0)  # (version, bytes)
         self._bytes_since_anchor = 0
@@ -433,11 +436,19 @@ class Publisher:
         new = item.buffers
         assert self._views is not None
         if self._snapshot is None:
-            self._publish_object(item, "anchor", dense_entries(new, self._views), base_version=None)
+            entries = dense_entries(new, self._views)
+            self._sketches = {d.ckpt_name: parse_sketch(str(d.sketch)) for d in entries}
+            self._publish_object(item, "anchor", entries, base_version=None)
             self._snapshot, spare = new, None
         else:
-            changes = compute_delta(self._snapshot, new)
-            deltas = [globalize(d, new[d.ckpt_name], self._views[d.ckpt_name]) for d in changes.values()]
+            # one pass over both versions: the changes and each changed tensor's digest; its sketch is the served
+            # one moved by the changes (linear), so the background work is that pass plus O(changed)
+            changes = compute_delta(self._snapshot, new, checksums=True)
+            deltas = []
+            for d in changes.values():
+                name = d.ckpt_name
+                entry, self._sketches[name] = globalize(d, new[name], self._views[name], served=self._sketches[name])
+                deltas.append(entry)
             self._bytes_since_anchor += self._publish_object(item, "delta", deltas, base_version=self._last_version)
             self._snapshot, spare = new, self._snapshot  # double buffering: no copy, no scatter
             if self._anchor_due(item.version):

@@ -5,7 +5,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from deltasync import compute_delta
+from deltasync import compute_delta, tensor_checksum
 from tests.conftest import assert_bit_equal, bits
 
 
@@ -92,3 +92,90 @@ def test_property_round_trip(n: int, changes: list[int], chunk: int) -> None:
             curr["t"][i] = curr["t"][i] + 1000
     d = compute_delta(prev, curr, chunk_elems=chunk)
     assert_bit_equal(_apply(prev, d), curr)
+
+
+def _both_ways(prev: dict[str, torch.Tensor], curr: dict[str, torch.Tensor], **kw: object) -> tuple[dict, dict]:
+    """compute_delta by the compiled scan and by the numpy code (``use_compiled(False)``), on copies of ``prev``
+    (``update_prev`` writes it)."""
+    from deltasync._kernels import use_compiled
+
+    fast_prev, slow_prev = ({k: v.clone() for k, v in prev.items()} for _ in range(2))
+    fast = compute_delta(fast_prev, curr, **kw)  # type: ignore[arg-type]
+    use_compiled(False)
+    try:
+        slow = compute_delta(slow_prev, curr, **kw)  # type: ignore[arg-type]
+    finally:
+        use_compiled(True)
+    if kw.get("update_prev"):
+        assert_bit_equal(fast_prev, curr)
+        assert_bit_equal(slow_prev, curr)
+    return fast, slow
+
+
+def _same(fast: dict, slow: dict) -> None:
+    assert list(fast) == list(slow)
+    for name, d in slow.items():
+        f = fast[name]
+        assert (f.indices is None) == (d.indices is None), name
+        if d.indices is not None:
+            assert torch.equal(f.indices, d.indices), name
+        assert torch.equal(bits(f.values), bits(d.values)), name
+        assert torch.equal(bits(f.base_values), bits(d.base_values)), name
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    n=st.integers(0, 2000),
+    density=st.sampled_from([0.0, 0.001, 0.02, 0.3, 0.9, 1.0]),
+    offsets=st.tuples(st.integers(0, 3), st.integers(0, 3)),
+    dtype=st.sampled_from([torch.bfloat16, torch.float16, torch.float32]),
+    update=st.booleans(),
+    seed=st.integers(0, 2**31),
+)
+def test_compiled_scan_is_the_numpy_diff_bit_for_bit(
+    n: int, density: float, offsets: tuple[int, int], dtype: torch.dtype, update: bool, seed: int
+) -> None:
+    """Any length (the 8-byte words' head and tail), any alignment of either tensor (offsets that do not line up
+    fall back to numpy), every density (dense entries too), signed zeros and NaN payloads, with and without
+    ``update_prev``: the compiled scan gives the numpy code's delta, and a digest of exactly the changed tensors."""
+    g = torch.Generator().manual_seed(seed)
+    width = torch.int16 if dtype != torch.float32 else torch.int32
+    raw = torch.randint(-(2**15), 2**15, (n + 8,), generator=g, dtype=torch.int32).to(width)
+    base = raw.clone()
+    changed = torch.rand(n + 8, generator=g) < density
+    raw[changed] ^= torch.randint(1, 2**15, (int(changed.sum()),), generator=g, dtype=torch.int32).to(width)
+    prev_store, curr_store = torch.empty(n + 8, dtype=width), torch.empty(n + 8, dtype=width)
+    prev_store.copy_(base)
+    curr_store.copy_(raw)
+    p0, c0 = offsets
+    prev = {"t": prev_store[p0 : p0 + n].view(dtype), "same": torch.zeros(3, dtype=dtype)}
+    curr = {"t": curr_store[c0 : c0 + n].view(dtype), "same": torch.zeros(3, dtype=dtype)}
+    prev["t"].view(width).copy_(base[c0 : c0 + n])  # prev holds base's elements, at its own alignment
+    fast, slow = _both_ways(prev, curr, update_prev=update, checksums=True)
+    _same(fast, slow)
+    for name, d in fast.items():
+        assert d.checksum == tensor_checksum(curr[name]), name
+    assert "same" not in fast
+
+
+def test_compiled_scan_over_threads_and_a_tensor_split_in_tasks() -> None:
+    """A tensor larger than one task of the scan (2**23 elements) is split, its parts joined in order; with
+    ``checksums`` it is read in one task, and its digest is the whole tensor's."""
+    g = torch.Generator().manual_seed(3)
+    n = (1 << 23) + 12345
+    prev = {
+        "big": torch.randn(n, generator=g).to(torch.bfloat16),
+        "small": torch.randn(7, generator=g).to(torch.bfloat16),
+    }
+    curr = {k: v.clone() for k, v in prev.items()}
+    at = torch.randint(0, n, (5000,), generator=g)
+    curr["big"][at] = curr["big"][at] + 1
+    curr["big"][-1] = -curr["big"][-1]
+    curr["small"][0] = 5
+    for workers in (1, 2):
+        fast, slow = _both_ways(prev, curr, max_workers=workers)
+        _same(fast, slow)
+        assert fast["big"].checksum is None
+    fast = compute_delta(prev, curr, checksums=True)
+    assert fast["big"].checksum == tensor_checksum(curr["big"])
+    assert fast["small"].checksum == tensor_checksum(curr["small"])

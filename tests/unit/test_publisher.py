@@ -25,7 +25,7 @@ from deltasync._sharding import TensorView, dense_entries, globalize
 from deltasync.config import PublisherConfig
 from deltasync.names import NameMap, checkpoint_state
 from deltasync.publisher import Publisher
-from deltasync.sketch import tensor_sketch
+from deltasync.sketch import parse_sketch, tensor_sketch
 from deltasync.testing.models import TINY_QWEN3_CONFIG, qwen3_shapes
 from deltasync.testing.stream import UpdateStream
 from tests.conftest import SMALL_QWEN3, assert_bit_equal
@@ -171,10 +171,16 @@ def test_two_ranks_spans_sum_to_each_tensors_sketch(local_store: LocalStore, mon
     def rank(r: int) -> None:  # what Publisher._process does on each rank
         commit = _commit.RankCommit(ObjectWriter(store=local_store), None, None, rank=r, world=2, group="gloo")
         anchor = dense_entries(local(r, 0), views[r])
+        served = {d.ckpt_name: parse_sketch(str(d.sketch)) for d in anchor}
         commit.publish(0, "anchor", anchor, base_version=None, views=views[r], dtype_name="BF16")
         for v in range(1, len(truth)):
             prev, new = local(r, v - 1), local(r, v)
-            deltas = [globalize(d, new[d.ckpt_name], views[r][d.ckpt_name]) for d in compute_delta(prev, new).values()]
+            deltas = []
+            # the span's sketch moved by the changes only, as the publisher keeps it (checked whole below)
+            for d in compute_delta(prev, new, checksums=True).values():
+                name = d.ckpt_name
+                entry, served[name] = globalize(d, new[name], views[r][name], served=served[name])
+                deltas.append(entry)
             commit.publish(v, "delta", deltas, base_version=v - 1, views=views[r], dtype_name="BF16")
 
     ranks.run(spans, rank, lambda _, exc: errors.append(exc))
