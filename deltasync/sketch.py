@@ -39,6 +39,7 @@ from collections.abc import Iterable
 import numpy as np
 import torch
 
+from ._cpus import parallel_map
 from ._kernels import kernels
 
 __all__ = [
@@ -95,6 +96,9 @@ _W_T = _W_F64.t().contiguous()  # (LANES + 1, chunk): F.linear's layout, ~3x fas
 
 _W_NP = _W_INT.numpy()
 _W_NP_T_F64 = np.ascontiguousarray(_W_NP.T.astype(np.float64))  # (LANES, chunk): a matrix-vector product in BLAS
+_W_NP_T_F64.flags.writeable = False  # shared by every thread (the compiled pass takes it read-only)
+_THREAD_CHUNKS = 64
+"""Chunks (2**22 words, 8 MiB) per task of a whole tensor's compiled sketch."""
 _ROWS_F64 = float(1 << 16)
 """Row sums below this in magnitude make the weighted row product exact in float64, in any order: 2**16 rows of
 |sum| < 2**16 times weights < 2**19 add up to less than 2**51."""
@@ -138,6 +142,26 @@ def _lanes(acc: Iterable[int]) -> Sketch:
     return a, b, c, d
 
 
+def _whole_chunks(words: np.ndarray, chunk: int) -> list[int]:
+    """Exact lane sums of whole chunks of words (uint16, a multiple of ``2**16``), the first one chunk ``chunk``:
+    the compiled pass (:mod:`deltasync._kernels` ``sketch_chunks``) on blocks of chunks spread over deltasync's
+    threads (:func:`~deltasync._cpus.parallel_map`)."""
+    compiled = kernels()
+    assert compiled is not None
+    count = words.size >> _CHUNK_BITS
+    per_chunk = np.empty((count, LANES + 1), dtype=np.int64)
+    blocks = range(0, count, _THREAD_CHUNKS)
+
+    def run(first: int) -> None:
+        stop = min(first + _THREAD_CHUNKS, count)
+        compiled.sketch_chunks(words[first << _CHUNK_BITS : stop << _CHUNK_BITS], _W_NP_T_F64, per_chunk[first:stop])
+
+    parallel_map(run, blocks, elements=words.size)
+    with np.errstate(over="ignore"):  # int64: wraps mod 2**64, as the lanes do
+        lanes = per_chunk[:, :LANES].sum(0) + (per_chunk[:, LANES:] * _v_span(chunk, chunk + count)).sum(0)
+    return [int(x) for x in lanes]
+
+
 def _sum_words(words: torch.Tensor, start: int) -> list[int]:
     """Exact lane sums of ``words`` (uint16, 1-D) placed at word indices ``start, start + 1, ...``."""
     total = [0] * LANES
@@ -145,6 +169,11 @@ def _sum_words(words: torch.Tensor, start: int) -> list[int]:
     while pos < n:
         word = start + pos
         chunk, offset = word >> _CHUNK_BITS, word & (_CHUNK - 1)
+        if offset == 0 and n - pos >= _CHUNK and kernels() is not None:  # every whole chunk in one compiled pass
+            take = ((n - pos) >> _CHUNK_BITS) << _CHUNK_BITS
+            total = [a + b for a, b in zip(total, _whole_chunks(words[pos : pos + take].numpy(), chunk), strict=True)]
+            pos += take
+            continue
         if offset == 0 and n - pos >= _CHUNK:  # whole chunks: one matrix-vector product per block
             count = min((n - pos) >> _CHUNK_BITS, _BLOCK_CHUNKS)
             block = words[pos : pos + count * _CHUNK].view(count, _CHUNK).to(torch.float64)

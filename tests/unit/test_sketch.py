@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from deltasync.sketch import (
+    _THREAD_CHUNKS,
     ZERO,
     ChangeProof,
     Sketch,
@@ -384,3 +385,16 @@ def test_change_proof_takes_adds_from_many_threads_at_once() -> None:
         for t in threads:
             t.join()
         assert proof.holds() is (wrong_in is None), wrong_in
+
+
+def test_whole_chunks_at_the_largest_words_are_exact() -> None:
+    """The compiled whole-chunk pass sums in float64: with every word 0xFFFF (each product near 2**35, a chunk's
+    sum near 2**51, the most float64 must hold exactly) and spread over threads, it gives the plain-Python
+    definition's lanes, in the chunks far into a huge tensor too."""
+    words = torch.full((3 * 2**16 + 5,), -1, dtype=torch.int16).view(torch.bfloat16)  # 0xFFFF: a NaN's bits
+    big = torch.full((_THREAD_CHUNKS * 2**16 + 2**16,), -1, dtype=torch.int16).view(torch.bfloat16)
+    for values, start in ((words, 0), (words, 2**32), (words, 2**16 - 5)):
+        assert sketch_range(values, start) == _reference(values, start)
+    with_threads = sketch_range(big)  # more than one task of the pass
+    assert with_threads == add_sketches(sketch_range(big[: 2**16]), sketch_range(big[2**16 :], 2**16))
+    assert with_threads == sketch_at(big, torch.arange(big.numel()))
