@@ -96,7 +96,8 @@ _W_T = _W_F64.t().contiguous()  # (LANES + 1, chunk): F.linear's layout, ~3x fas
 
 _W_NP = _W_INT.numpy()
 _W_NP_T_F64 = np.ascontiguousarray(_W_NP.T.astype(np.float64))  # (LANES, chunk): a matrix-vector product in BLAS
-_W_NP_T_F64.flags.writeable = False  # shared by every thread (the compiled pass takes it read-only)
+_W_NP_T_F32 = _W_NP_T_F64.astype(np.float32)  # exact (below 2**19): the compiled pass's table, 1 MiB
+_W_NP_T_F32.flags.writeable = False  # shared by every thread (the compiled pass takes it read-only)
 _THREAD_CHUNKS = 64
 """Chunks (2**22 words, 8 MiB) per task of a whole tensor's compiled sketch."""
 _ROWS_F64 = float(1 << 16)
@@ -154,7 +155,7 @@ def _whole_chunks(words: np.ndarray, chunk: int) -> list[int]:
 
     def run(first: int) -> None:
         stop = min(first + _THREAD_CHUNKS, count)
-        compiled.sketch_chunks(words[first << _CHUNK_BITS : stop << _CHUNK_BITS], _W_NP_T_F64, per_chunk[first:stop])
+        compiled.sketch_chunks(words[first << _CHUNK_BITS : stop << _CHUNK_BITS], _W_NP_T_F32, per_chunk[first:stop])
 
     parallel_map(run, blocks, elements=words.size)
     with np.errstate(over="ignore"):  # int64: wraps mod 2**64, as the lanes do
