@@ -205,6 +205,50 @@ class Bench:
             )
         return rows
 
+    def audit(self, stall_s: float) -> dict[str, Any]:
+        """The whole-state proof, once in one call per rank and once sliced into calls of about ``stall_s``: how
+        long each holds the engine's worker (the slowest rank), against a warm memcpy of the model here."""
+        import torch
+
+        target = self.agent.target
+        t0 = time.perf_counter()
+        whole = self.llm.collective_rpc("deltasync_prove")
+        whole_wall = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        unproven = target.prove(stall_s=stall_s)
+        sliced_wall = time.perf_counter() - t0
+        stalls = list(target.audit_stalls)
+        copies = {k: torch.empty_like(v) for k, v in self.curr.items()}
+        for k, v in self.curr.items():  # warm: the pages exist, as the engine's parameters do
+            copies[k].copy_(v)
+        t0 = time.perf_counter()
+        for k, v in self.curr.items():
+            copies[k].copy_(v)
+        memcpy = time.perf_counter() - t0
+        row = {
+            "engine": self.label,
+            "whole_call_s": max(float(r.get("prove_s") or 0) for r in whole),
+            "whole_call_wall_s": whole_wall,
+            "sliced_calls": len(stalls),
+            "sliced_max_stall_s": max(stalls),
+            "sliced_last_call_s": stalls[-1],  # beside the tensors: the repacked kernels read back, padding
+            "sliced_total_s": sum(stalls),
+            "sliced_wall_s": sliced_wall,
+            "stall_bound_s": stall_s,
+            "memcpy_s": memcpy,
+            "unproven": unproven[:3],
+        }
+        print(
+            f"{self.label}: audit of the whole state: one call {row['whole_call_s'] * 1e3:.0f} ms "
+            f"({row['whole_call_s'] / memcpy:.1f}x a memcpy of the model, {memcpy * 1e3:.0f} ms); sliced at "
+            f"{stall_s * 1e3:.0f} ms: {len(stalls)} calls, the longest {row['sliced_max_stall_s'] * 1e3:.0f} ms "
+            f"(the last, beside the tensors: {stalls[-1] * 1e3:.0f} ms), {row['sliced_total_s'] * 1e3:.0f} ms in "
+            f"all, {sliced_wall * 1e3:.0f} ms wall; unproven {unproven[:3]}; each call (ms): "
+            f"{[round(x * 1e3) for x in stalls]}",
+            flush=True,
+        )
+        return row
+
     def full_reload(self) -> float:
         from deltasync import write_anchor
 
@@ -242,11 +286,13 @@ def run_engine(tmp: Path, model: Path, label: str, args: argparse.Namespace, fig
             print(f"{label}: {figures[f'{label}_tokens_per_s']:.1f} tokens/s (4 prompts x {args.tokens} tokens)")
             if label == "packed":
                 rows += bench.updates("reload", args.lr[0], args.steps)
+                figures["packed_audit"] = bench.audit(args.audit_stall_s)
             else:
                 if "patches" in args.modes:
                     rows += bench.updates("patches", args.lr[0], args.steps)
                 for lr in args.lr:
                     rows += bench.updates("inplace", lr, args.steps)
+                figures["plain_audit"] = bench.audit(args.audit_stall_s)
                 figures["map"] = llm.collective_rpc("deltasync_status")[0].get("map")
                 figures["full_reload_pause_ms"] = bench.full_reload()
     finally:
@@ -284,6 +330,7 @@ def main() -> None:
     parser.add_argument("--engines", nargs="+", choices=("packed", "plain"), default=["packed", "plain"])
     parser.add_argument("--anchor-encoding", choices=("packed", "raw"), default="packed", help="the first sync's")
     parser.add_argument("--modes", nargs="+", choices=("patches", "inplace"), default=["patches", "inplace"])
+    parser.add_argument("--audit-stall-s", type=float, default=0.05, help="the sliced audit's bound per call")
     args = parser.parse_args()
 
     from deltasync.testing.models import write_config_only_model

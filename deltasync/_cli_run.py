@@ -272,6 +272,12 @@ def add_agent_parser(sub: Any) -> None:
         help="prove the engine's whole served state at least this often (default 60); drift unlabels it and an "
         "anchor restores it",
     )
+    agent.add_argument(
+        "--audit-stall-s",
+        type=float,
+        help="hold the engine's workers at most about this long per call of that proof (default 0.05): the state is "
+        "proven in windows, vLLM serves between them; 0: the whole state in one call",
+    )
     agent.add_argument("--staging-dir", help="where shards are cached and staged (default: a temporary dir)")
     agent.add_argument("--fetch-workers", type=int, help="shards fetched in parallel (default 4)")
     agent.add_argument("--retries", type=int, help="retries of a fetch or checksum mismatch (default 5)")

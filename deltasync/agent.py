@@ -362,7 +362,7 @@ class Agent:
         if self._proved_at is not None and time.monotonic() - self._proved_at < interval:
             return st
         try:
-            unproven = prove()
+            unproven = prove(stall_s=self.config.audit_stall_s or None)
         except ApplyError as exc:
             self.drift = str(exc)
             self._hold_for_anchor()  # never serve weights that differ from their version

@@ -46,6 +46,10 @@ class AgentConfig:
     audit_interval_s: float | None = 60.0
     """Prove the engine's whole served state against its version's published checksums at least this often
     (``None``: only what each update writes); drift unlabels the engine and restores it through an anchor."""
+    audit_stall_s: float | None = 0.05
+    """How long that proof may hold the engine's workers per call: the state is proven in windows sized to it
+    (from the time the last window took), and vLLM serves between them; every element is still proven in each
+    pass. ``None`` or 0: the whole state in one call (the workers are held for the whole pass)."""
     apply_mode: Literal["auto", "inplace", "patches", "reload", "lora"] | None = None
     """How a vLLM engine applies updates (``None``: the engine's own ``auto``: ``inplace`` where parameters
     are plain, else ``reload``; ``lora``: the run publishes a LoRA adapter, which the engine serves under
@@ -64,6 +68,8 @@ class AgentConfig:
             raise ValueError(f"max_lag must be >= 0 or None, got {self.max_lag}")
         if self.audit_interval_s is not None and not self.audit_interval_s > 0:
             raise ValueError(f"audit_interval_s must be > 0 or None, got {self.audit_interval_s}")
+        if self.audit_stall_s is not None and not self.audit_stall_s >= 0:
+            raise ValueError(f"audit_stall_s must be >= 0 or None, got {self.audit_stall_s}")
         if self.fetch_workers < 1:
             raise ValueError(f"fetch_workers must be >= 1, got {self.fetch_workers}")
         if self.retries < 0 or self.backoff_s < 0:

@@ -39,8 +39,21 @@ WORKER_EXTENSION = "deltasync.vllm.worker_ext.DeltaSyncWorkerExtension"
 """vLLM ``worker_extension_cls`` that adds the ``deltasync_status`` and ``deltasync_effective`` RPCs."""
 
 
+_FIRST_SECONDS_PER_ELEMENT = 4e-9
+"""What a sliced audit's first window assumes a proof costs per element: a slow engine's (numpy's sketch, a
+gathered layout); later windows are sized from the time the last one took."""
+_MIN_WINDOW = 1 << 16
+"""Elements per window at least: a call costs a round trip."""
+_STALL_MARGIN = 0.7
+"""Windows are sized to this fraction of the bound, for the variance between one window and the next (a window's
+cost per element varied by 1.5x over a 0.6B engine's tensors)."""
+
+
 class _VllmTarget:
     """The session logic shared by both targets, over a few primitives."""
+
+    audit_stalls: list[float] = []  # noqa: RUF012 - replaced, never changed in place
+    """Each call of the last sliced whole-state proof: seconds on its slowest rank."""
 
     def _ranks(self) -> list[dict[str, Any]]:
         raise NotImplementedError
@@ -119,9 +132,16 @@ class _VllmTarget:
         if proofs:
             self._judge(proofs)
 
-    def prove(self, names: list[str] | None = None) -> list[str]:
+    def prove(self, names: list[str] | None = None, *, stall_s: float | None = None) -> list[str]:
         """Prove the engine's whole served state (or ``names``) against its version's published checksums: each
         rank proves what it holds whole, and the sketches of what ranks hold in part are added up here.
+
+        ``stall_s`` (the whole state only): prove it in windows, one call each, sized so that a call holds the
+        workers about that long (from the time the last one took per element; the first assumes a slow engine),
+        and vLLM serves between the calls. The sketches of every window and rank are added up here, and a
+        tensor is proven only when its windows cover it exactly once, all from one served version; the state
+        beside the tensors (repacked kernels, padding, adapter directories) is proven in a last call.
+        :attr:`audit_stalls` keeps each call's time on its slowest rank.
 
         Returns:
             the tensors that could not be proven (no published sketch, or a layout whose parts overlap).
@@ -130,7 +150,46 @@ class _VllmTarget:
             ApplyError: drift: the engine is marked unhealthy on every rank and unlabelled; only an anchor
                 restores it.
         """
-        return self._judge(self._rpc("deltasync_prove", names=names))
+        if stall_s is None or names is not None:
+            return self._judge(self._rpc("deltasync_prove", names=names))
+        plan = self._rpc("deltasync_prove", windows=[], extras=False)
+        tensors = plan[0].get("tensors") if plan and all(r.get("ok") and r.get("proven") for r in plan) else None
+        if not isinstance(tensors, dict):  # nothing to prove in windows (no version, no published checksums)
+            return self._judge(plan)
+        version = plan[0].get("version")
+        answers, stalls = [], []
+        queue = [(str(name), 0, int(numel)) for name, numel in sorted(tensors.items()) if int(numel) > 0]
+        per_element = _FIRST_SECONDS_PER_ELEMENT
+        last = 0
+        while queue:
+            budget = max(int(stall_s / per_element), _MIN_WINDOW)
+            if last:  # no more than twice the last window: the cost per element varies with the tensors' layout
+                budget = min(budget, 2 * last)
+            windows, elements = [], 0
+            while queue and elements < budget:
+                name, lo, hi = queue[0]
+                take = min(hi - lo, budget - elements)
+                windows.append([name, lo, lo + take])
+                elements += take
+                if lo + take == hi:
+                    queue.pop(0)
+                else:
+                    queue[0] = (name, lo + take, hi)
+            ranks = self._rpc("deltasync_prove", windows=windows, extras=False)
+            if any(r.get("version") != version for r in ranks):  # the engine was updated meanwhile: next pass
+                return [f"the served version changed during the audit (v{version})"]
+            took = max(float(r.get("prove_s") or 0.0) for r in ranks)
+            stalls.append(took)
+            answers.extend(ranks)
+            if took > 0:
+                per_element = took / elements / _STALL_MARGIN
+            last = elements
+        extras = self._rpc("deltasync_prove", windows=[], extras=True)
+        stalls.append(max(float(r.get("prove_s") or 0.0) for r in extras))
+        self.audit_stalls = stalls
+        if any(r.get("version") != version for r in extras):
+            return [f"the served version changed during the audit (v{version})"]
+        return self._judge([*answers, *extras])
 
     def _judge(self, ranks: list[dict[str, Any]]) -> list[str]:
         drifted, unproven = combine_proofs(ranks)

@@ -257,10 +257,15 @@ class DeltaSyncWeightTransferEngine(WeightTransferEngine[DeltaSyncInitInfo, Delt
         """The last update read back (the ``deltasync_audit`` RPC): :meth:`Prover.audit`."""
         return self.prover.audit(self.applier.take_written(), proven)
 
-    def prove_state(self, names: list[str] | None = None) -> dict[str, Any]:
-        """What this rank serves, proven against the published checksums (the ``deltasync_prove`` RPC):
-        :meth:`Prover.prove_state`. Never raises."""
-        return self.prover.prove_state(names)
+    def prove_state(
+        self,
+        names: list[str] | None = None,
+        windows: list[tuple[str, int, int]] | None = None,
+        extras: bool | None = None,
+    ) -> dict[str, Any]:
+        """What this rank serves, proven against the published checksums (the ``deltasync_prove`` RPC), whole or
+        in a sliced audit's windows: :meth:`Prover.prove_state`. Never raises."""
+        return self.prover.prove_state(names, windows, extras)
 
     def prove_slots(self, worker: Any) -> tuple[list[str], int]:
         """``lora`` mode: the served adapter's slots in vLLM's LoRA buffers (:meth:`Prover.prove_slots`)."""

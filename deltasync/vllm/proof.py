@@ -12,6 +12,7 @@ it, and the whole served state proven against the published checksums (drift).
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -287,7 +288,12 @@ class Prover:
             self.label.fail_unhealthy(f"the live parameters {bad[:3]} differ from what was written (read back)")
         return {"ok": not bad and self.label.healthy, "checked": len(written.writes), "bad": bad[:8], "proof": proof}
 
-    def prove_state(self, names: list[str] | None = None) -> dict[str, Any]:
+    def prove_state(
+        self,
+        names: list[str] | None = None,
+        windows: list[tuple[str, int, int]] | None = None,
+        extras: bool | None = None,
+    ) -> dict[str, Any]:
         """Prove what this rank holds against the served version's published checksums (the ``deltasync_prove``
         RPC): every element of every tensor (``names``: only these), read from the live parameters through the
         patch map (``inplace``; in ``reload`` mode from the shadow the reloads are made from). A tensor this rank
@@ -295,6 +301,13 @@ class Prover:
         part is returned as per-parameter sketches for the agent to add up over the ranks
         (:func:`deltasync.targets.base.combine_proofs`): sketches add up over any partition, whatever the
         TP layout. Never raises.
+
+        A sliced audit (the agent's ``audit_stall_s``) proves the state in many short calls, each holding the
+        worker for a bounded time: ``windows`` (instead of ``names``) are ``(tensor, lo, hi)`` checkpoint flat
+        index ranges, each returned as parts for the agent to add up over the windows and the ranks; ``extras``
+        (default: ``names is None and windows is None``) also proves what is beside the tensors (the kernels of
+        repacked modules, a MoE kernel's padding, the adapter directories vLLM loads). An answer with no windows
+        and no names lists the served version's tensors and their sizes (``tensors``), for the agent to plan.
         """
         t0 = time.perf_counter()
         manifest, version = self.label.manifest, self.label.version
@@ -302,12 +315,18 @@ class Prover:
             return {"ok": False, "version": None, "reason": self.label.detail or "no known version", "parts": {}}
         if manifest is None or manifest.version != version:
             return {"ok": True, "version": version, "proven": False, "reason": f"no published checksums for v{version}"}
-        wanted = list(manifest.tensors) if names is None else [n for n in names if n in manifest.tensors]
+        extras = (names is None and windows is None) if extras is None else extras
+        if windows is not None:
+            wanted = []
+        else:
+            wanted = list(manifest.tensors) if names is None else [n for n in names if n in manifest.tensors]
         try:
             bad, parts, unproven = self._prove_tensors(manifest, wanted)
-            if names is None and self.served.mode == "lora":  # the whole state: also the directories vLLM loads
+            if windows:
+                self._prove_windows(manifest, windows, parts, unproven)
+            if extras and self.served.mode == "lora":  # the whole state: also the directories vLLM loads
                 bad += self.adapter.prove_dirs(manifest)
-            elif names is None:  # the whole state: also what the kernels of repacked modules compute with
+            elif extras:  # the whole state: also what the kernels of repacked modules compute with
                 kernel_bad, kernel_unproven = self._prove_kernels()
                 bad += kernel_bad
                 unproven += kernel_unproven
@@ -317,10 +336,13 @@ class Prover:
         except Exception as exc:  # noqa: BLE001 - a proof that cannot run proves nothing: said, never raised
             return {"ok": False, "version": version, "reason": f"{type(exc).__name__}: {exc}", "parts": {}}
         elapsed = time.perf_counter() - t0
-        self.proofs = {"at": time.time(), "s": round(elapsed, 4), "tensors": len(wanted), "whole": names is None}
+        if windows is None:
+            self.proofs = {"at": time.time(), "s": round(elapsed, 4), "tensors": len(wanted), "whole": names is None}
+        elif extras:  # the last call of a sliced whole-state proof
+            self.proofs = {"at": time.time(), "s": round(elapsed, 4), "tensors": 0, "whole": True, "sliced": True}
         if bad:
             self.report_drift(bad, by="this rank")
-        return {
+        answer = {
             "ok": not bad,
             "version": version,
             "proven": True,
@@ -331,6 +353,42 @@ class Prover:
             "unproven": unproven[:16],
             "prove_s": round(elapsed, 4),
         }
+        if windows is not None and not windows and names is None:
+            answer["tensors"] = {n: e.numel for n, e in manifest.tensors.items()}
+        return answer
+
+    def _prove_windows(
+        self,
+        manifest: DeltaManifest,
+        windows: list[tuple[str, int, int]],
+        parts: dict[str, list[list[Any]]],
+        unproven: list[str],
+    ) -> None:
+        """The parts of each window ``(tensor, lo, hi)`` this rank holds, added to ``parts`` (the agent adds them
+        up over the windows and the ranks and compares the sums with the published sketches); a tensor this rank
+        cannot read, or with no published sketch, goes to ``unproven``."""
+        pm = self.served.proof_map()
+        shadow = self.served.loaded_shadow()
+        for name, lo, hi in windows:
+            entry = manifest.tensors.get(name)
+            if entry is None or entry.sketch is None or not 0 <= lo < hi <= entry.numel:
+                unproven.append(name)
+                continue
+            dtype = DTYPES[entry.dtype]
+            if pm is not None and name in pm:
+                held = pm.sketch_parts(name, dtype, window=(lo, hi))
+                whole = pm.holds_whole(name, entry.numel)
+            elif self.served.mode != "patches" and shadow is not None and not shadow.empty and name in shadow.spec():
+                held = [("shadow", sketch_range(shadow.get(name).reshape(-1)[lo:hi], lo), hi - lo)]
+                whole = True
+            else:
+                unproven.append(name)
+                continue
+            for param, sk, count in held:
+                # a tensor this rank holds whole (a replicated one at TP > 1: every rank does) adds up over the
+                # windows on this rank alone: its parts are named for this process, never added to another rank's
+                key = f"{param}@pid{os.getpid()}" if whole else param
+                parts.setdefault(name, []).append([key, format_sketch(sk), count])
 
     def _prove_tensors(
         self, manifest: DeltaManifest, wanted: list[str]

@@ -56,17 +56,28 @@ class DeltaSyncWorkerExtension:
         result: dict[str, Any] = engine.audit(proven)
         return result
 
-    def deltasync_prove(self, names: list[str] | None = None) -> dict[str, Any]:
+    def deltasync_prove(
+        self, names: list[str] | None = None, windows: list[list[Any]] | None = None, extras: bool | None = None
+    ) -> dict[str, Any]:
         """Prove what this rank holds against the served version's published checksums (every tensor, or
-        ``names``); parts of tensors held in part come back for the agent to add up over the ranks. In ``lora``
-        mode the whole state is also what vLLM computes with: every loaded copy of the served adapter and its
-        slot in the layers' buffers (:func:`~deltasync.vllm.lora_slots.prove_served_slots`), read back once the
-        served directory is proven (``"slots"``: how many loaded copies were read)."""
+        ``names``, or a sliced audit's ``windows`` ``[tensor, lo, hi]``); parts of tensors held in part (and every
+        window) come back for the agent to add up over the ranks. ``extras`` (default: neither names nor windows):
+        also what is beside the tensors. In ``lora`` mode that is also what vLLM computes with: every loaded copy
+        of the served adapter and its slot in the layers' buffers
+        (:func:`~deltasync.vllm.lora_slots.prove_served_slots`), read back once the served directory is proven
+        (``"slots"``: how many loaded copies were read)."""
         engine = getattr(self, "weight_transfer_engine", None)
         if engine is None or not hasattr(engine, "prove_state"):
             return {"ok": False, "version": None, "reason": "no deltasync weight-transfer engine", "parts": {}}
-        result: dict[str, Any] = engine.prove_state(names)
-        if names is None and result.get("ok") and _track_served_adapter(self, engine):
+        spans = None
+        if windows is not None:
+            try:
+                spans = [(str(name), int(lo), int(hi)) for name, lo, hi in windows]
+            except (TypeError, ValueError) as exc:
+                return {"ok": False, "version": None, "reason": f"windows must be [tensor, lo, hi]: {exc}", "parts": {}}
+        extras = (names is None and windows is None) if extras is None else bool(extras)
+        result: dict[str, Any] = engine.prove_state(names, spans, extras)
+        if extras and result.get("ok") and _track_served_adapter(self, engine):
             try:
                 bad, result["slots"] = engine.prove_slots(self)
             except Exception as exc:  # noqa: BLE001 - a proof that cannot run proves nothing: said, never raised

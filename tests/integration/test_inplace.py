@@ -139,9 +139,15 @@ def test_inplace_through_the_map_is_bit_exact_against_a_fresh_engine(
         ):
             store = LocalStore(tmp_path / "store")
             publisher = StreamPublisher(store, pub, load_file(model_dir / "model.safetensors"), lr=1e-5)
+            # a whole-state proof at every sync, in the smallest windows (65,536 elements: tensors split across
+            # calls, parts added up over windows and ranks): no false drift over the whole stream
             config = AgentConfig(
-                agent_id="inplace", staging_dir=str(tmp_path / "staging"), tp_size=tp, audit_interval_s=1e-6
-            )  # a whole-state proof at every sync: no false drift over the whole stream
+                agent_id="inplace",
+                staging_dir=str(tmp_path / "staging"),
+                tp_size=tp,
+                audit_interval_s=1e-6,
+                audit_stall_s=1e-9,
+            )
             agent = Agent.for_llm(llm, store=store, coordinator=agt, config=config)
             assert agent.sync().route == "anchor"  # an anchor, scattered in place as well
             for st in _statuses(llm):
@@ -160,6 +166,9 @@ def test_inplace_through_the_map_is_bit_exact_against_a_fresh_engine(
                     for st in _statuses(llm):
                         proofs, tensors = st["proofs"], st["history"][-1]["tensors"]
                         assert not proofs["whole"] and proofs["tensors"] < tensors, (proofs, tensors)
+            numel = sum(t.numel() for t in publisher.truth[0].values())
+            assert len(agent.target.audit_stalls) > numel // (1 << 16), "the audit was not sliced into windows"
+            assert agent.target.prove(stall_s=1e-9) == [], "windows that do not cover every element once"
             # every rank decodes the published objects against its live parameters (at TP=2 the elements it holds:
             # the ranks' changes are added up before the pause): the agent holds no copy of the model
             assert [st["decodes"] for st in _statuses(llm)] == [True] * tp

@@ -344,35 +344,55 @@ class PatchMap:
         return torch.cat(parts) if len(parts) > 1 else parts[0].clone()
 
     def sketch_parts(
-        self, name: str, dtype: torch.dtype, source: Mapping[str, torch.Tensor] | None = None
+        self,
+        name: str,
+        dtype: torch.dtype,
+        source: Mapping[str, torch.Tensor] | None = None,
+        window: tuple[int, int] | None = None,
     ) -> list[tuple[str, Sketch, int]]:
         """The :mod:`~deltasync.sketch` of the elements of checkpoint tensor ``name`` that each live parameter on
         this rank holds (read as ``dtype``, the checkpoint's), at their checkpoint flat indices:
         ``(parameter, sketch, elements)`` per parameter. Parts from every rank add up to the whole tensor's
-        sketch, whatever the TP layout."""
+        sketch, whatever the TP layout. ``window``: only the checkpoint flat indices in ``[lo, hi)`` (a sliced
+        audit proves a large tensor in windows: parts from every window and rank add up alike); a parameter
+        holding none of them gives no part (without a window, every parameter gives one)."""
+        lo, hi = window if window is not None else (0, 1 << 62)
         out = []
         with torch.no_grad():
             for r in self.runs[name]:
                 flat = source[r.param] if source is not None else self.param(r.param).data.view(-1)
                 if isinstance(r, Placed):  # elements placed one by one: one gather
                     idx, where = r.everything()
-                    values = flat.index_select(0, where.to(flat.device)).cpu().to(dtype)
-                    out.append((r.param, sketch_at(values, idx), r.held))
+                    if window is not None:
+                        keep = (idx >= lo) & (idx < hi)
+                        idx, where = idx[keep], where[keep]
+                    if idx.numel() or window is None:
+                        values = flat.index_select(0, where.to(flat.device)).cpu().to(dtype)
+                        out.append((r.param, sketch_at(values, idx), int(idx.numel())))
                     continue
                 n = r.ckpt_start.numel()
                 if n <= 4096:  # runs (whole tensors, rows, a row-parallel slice's rows): sliced, no index arrays
-                    s = ZERO
+                    s, count = ZERO, 0
                     for c, p, length in zip(
                         r.ckpt_start.tolist(), r.param_start.tolist(), r.length.tolist(), strict=True
                     ):
-                        s = add_sketches(s, sketch_range(flat[p : p + length].to(dtype), c))
+                        a, b = max(c, lo), min(c + length, hi)  # the run's part inside the window
+                        if a < b:
+                            s = add_sketches(s, sketch_range(flat[p + a - c : p + b - c].to(dtype), a))
+                            count += b - a
                 else:  # very many short runs: one gather
                     total = int(r.length.sum())
                     run_of = torch.repeat_interleave(torch.arange(n), r.length)
                     within = torch.arange(total) - (torch.cumsum(r.length, 0) - r.length)[run_of]
-                    values = flat[(r.param_start[run_of] + within).to(flat.device)].to(dtype)
-                    s = sketch_at(values, r.ckpt_start[run_of] + within)
-                out.append((r.param, s, int(r.length.sum())))
+                    at = r.ckpt_start[run_of] + within
+                    where = r.param_start[run_of] + within
+                    if window is not None:
+                        keep = (at >= lo) & (at < hi)
+                        at, where = at[keep], where[keep]
+                    count = int(at.numel())
+                    s = sketch_at(flat[where.to(flat.device)].to(dtype), at) if count else ZERO
+                if count or window is None:
+                    out.append((r.param, s, count))
         return out
 
     def holds_whole(self, name: str, numel: int) -> bool:
