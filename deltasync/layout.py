@@ -12,12 +12,9 @@
 from __future__ import annotations
 
 import re
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from .vocab import MAX_VERSION, Kind, ObjectKind
-
-if TYPE_CHECKING:
-    from .manifest import DeltaManifest
 
 __all__ = [
     "MANIFEST_FILE",
@@ -63,7 +60,21 @@ def object_prefix(version: int, kind: ObjectKind, base_version: int | None = Non
     return f"v{version:08d}/" + ("anchor/" if kind == "anchor" else "")
 
 
-def prefix_of(manifest: DeltaManifest) -> str:
+class _Located(Protocol):
+    """What :func:`prefix_of` reads of a :class:`~deltasync.manifest.DeltaManifest` (the layout sits beside the
+    manifest, below it in no way)."""
+
+    @property
+    def version(self) -> int: ...
+    @property
+    def kind(self) -> Kind: ...
+    @property
+    def base_version(self) -> int | None: ...
+    @property
+    def squash(self) -> bool: ...
+
+
+def prefix_of(manifest: _Located) -> str:
     """Key prefix of the object a manifest describes: its kind's, or a squash's when it was read from (or is
     written to) a squash's keys (:attr:`~deltasync.manifest.DeltaManifest.squash`)."""
     if manifest.squash:

@@ -184,7 +184,7 @@ def test_databases_that_are_not_this_ledger_are_refused_clearly_on_postgres(pg_u
     with pytest.raises(DamagedLedger, match="schema version 4 was written by a newer deltasync"):
         PgDatabase(pg_url, PG_MIGRATIONS)
     with psycopg.connect(pg_url, autocommit=True) as con:
-        con.execute("DELETE FROM schema_migrations WHERE version = 3")
+        con.execute("DELETE FROM schema_migrations WHERE version = 4")
         con.execute("DROP TABLE agents")
     with pytest.raises(DamagedLedger, match=r"migrations are recorded but tables \['agents'\] are missing"):
         PgDatabase(pg_url, PG_MIGRATIONS)
