@@ -4,6 +4,7 @@ manifest last and registers it under the run's publisher lease, which a thread k
 from __future__ import annotations
 
 import collections
+import dataclasses
 import logging
 import re
 import threading
@@ -16,11 +17,11 @@ from ._sharding import TensorView
 from .client import CoordinatorClient, Lease
 from .errors import LeaseError, ObjectNotFound, StoreError, VersionTaken
 from .format import TensorDelta
-from .layout import manifest_key, signature_key
+from .layout import MANIFEST_FILE, SIGNATURE_FILE, prefix_of
 from .manifest import ChecksumPart, DeltaManifest, TensorEntry
 from .schemas import VersionCreate
 from .sketch import Sketch, add_sketches, format_sketch, parse_sketch
-from .vocab import MAX_VERSION, Kind
+from .vocab import MAX_VERSION, ObjectKind
 from .writer import ObjectWriter
 
 __all__ = ["LeaseKeeper", "RankCommit", "first_free_version", "taken_versions"]
@@ -127,11 +128,13 @@ class RankCommit:
         """Rank 0: the sketch of every span of every tensor at the last committed version; a tensor's sketch is
         their sum, so an unchanged span is carried forward and never recomputed."""
         self.published: list[DeltaManifest] = []
+        self.squashes: list[DeltaManifest] = []
+        """Rank 0: the squashes committed so far (deltas over several versions, beside the chain)."""
 
     def publish(
         self,
         version: int,
-        kind: Kind,
+        kind: ObjectKind,
         deltas: list[TensorDelta],
         *,
         base_version: int | None,
@@ -140,13 +143,16 @@ class RankCommit:
     ) -> int:
         """Write this rank's shards; rank 0 writes the manifest last and registers. Returns the object's bytes.
 
+        A ``squash`` is a delta ``base_version -> version`` written at the squash's keys and registered as one: a
+        taken key skips it (``VersionTaken`` without ``next_free``), never the version.
+
         Raises:
             RuntimeError: rank 0 could not commit (every rank raises it).
             LeaseError: the publisher was fenced (rank 0; every rank raises it).
         """
         shards = self.writer.encode(
             deltas,
-            kind=kind,
+            kind="delta" if kind == "squash" else kind,
             version=version,
             base_version=base_version,
             first_index=self.rank,
@@ -154,7 +160,8 @@ class RankCommit:
         )
         taken: tuple[str, str] | None = None
         try:
-            self.writer.put_shards(version, kind, shards)  # this rank's shards in one batch; rank 0 commits later
+            # this rank's shards in one batch; rank 0 commits later
+            self.writer.put_shards(version, kind, shards, base_version=base_version)
         except VersionTaken as exc:  # every rank must hear of it: rank 0 decides for all
             taken = (str(exc), exc.key)
         meta = {
@@ -174,7 +181,7 @@ class RankCommit:
                     raise VersionTaken(first[0], key=first[1], version=version)
                 status = [("ok", self._commit(version, kind, base_version, metas, views, dtype_name))]
             except VersionTaken as exc:
-                decided = self._decide(exc)
+                decided = self._decide(exc) if kind != "squash" else exc  # a squash is skipped, never moved
                 status = [("taken", (str(decided), decided.key, decided.next_free))]
                 if self.group is None:
                     raise decided from None
@@ -240,7 +247,7 @@ class RankCommit:
     def _commit(
         self,
         version: int,
-        kind: Kind,
+        kind: ObjectKind,
         base_version: int | None,
         metas: list[dict[str, Any]],
         views: Mapping[str, TensorView],
@@ -267,12 +274,14 @@ class RankCommit:
             for name, view in views.items()
         }
         manifest = self.writer.manifest(
-            kind=kind,
+            kind="delta" if kind == "squash" else kind,
             version=version,
             base_version=base_version,
             shards=[(entry, names) for _, entry, names in shards],
             tensors=tensors,
         )
+        if kind == "squash":
+            manifest = dataclasses.replace(manifest, squash=True)
         # a fenced publisher never commits into another's run: the lease is proven at the last moment before
         # the commit marker, and an object committed while the lease moved on is withdrawn (its epoch, older
         # than the next publisher's recorded one, makes readers refuse it and gc delete it if this process
@@ -290,14 +299,15 @@ class RankCommit:
             except LeaseError:
                 self._withdraw(manifest, committed=True)
                 raise
-        self.published.append(manifest)
+        (self.squashes if manifest.squash else self.published).append(manifest)
         return manifest.total_bytes
 
     def _withdraw(self, manifest: DeltaManifest, *, committed: bool) -> None:
         """Take back a fenced commit: the manifest (the commit marker) first, then its signature."""
         store, what = self.writer.store, f"{manifest.kind} v{manifest.version}"
-        keys = [manifest_key(manifest.version, manifest.kind)] if committed else []
-        keys.append(signature_key(manifest.version, manifest.kind))
+        prefix = prefix_of(manifest)
+        keys = [prefix + MANIFEST_FILE] if committed else []
+        keys.append(prefix + SIGNATURE_FILE)
         for key in keys:
             try:
                 store.delete(key)

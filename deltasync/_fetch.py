@@ -15,13 +15,13 @@ from pathlib import Path
 
 from ._localfs import ensure_dir, link_readable, read_regular, write_new
 from .errors import FormatError, IntegrityError, StoreError
-from .layout import manifest_key, object_prefix
+from .layout import manifest_key, prefix_of
 from .manifest import MAX_MANIFEST_BYTES, DeltaManifest, ShardEntry
-from .reader import Trust, check_shard
+from .reader import Trust, check_shard, check_squash_manifest
 from .signing import VerifyKey
 from .store.base import Store
 from .store.local import LocalStore
-from .vocab import Kind
+from .vocab import ObjectKind
 
 __all__ = ["ObjectFetcher"]
 
@@ -55,13 +55,18 @@ class ObjectFetcher:
         self.store, self.cache, self.verify_key = store, cache, verify_key
         self.retries, self.backoff_s, self.workers, self.name = retries, backoff_s, workers, name
 
-    def manifest(self, version: int, kind: Kind, checksum: str) -> tuple[DeltaManifest, bytes]:
-        """An object's manifest (and its bytes), whose sha256 must be ``checksum`` (the registered digest).
+    def manifest(
+        self, version: int, kind: ObjectKind, checksum: str, base_version: int | None = None
+    ) -> tuple[DeltaManifest, bytes]:
+        """An object's manifest (and its bytes), whose sha256 must be ``checksum`` (the registered digest). A
+        squash (``kind`` ``squash``, with its ``base_version``) comes back as the delta it is, marked as lying at
+        the squash's keys.
 
         Raises:
             IntegrityError: another digest; SignatureError: not signed by the trusted key.
+            FormatError: a squash's manifest describes another object than its key.
         """
-        key = manifest_key(version, kind)
+        key = manifest_key(version, kind, base_version)
         name = f"{self.store.uri}/{key}"
 
         def get() -> bytes:
@@ -73,8 +78,12 @@ class ObjectFetcher:
 
         data = self._with_retries(get, name)
         if self.verify_key is not None:
-            Trust(verify_key=self.verify_key).check(self.store, version, kind, data)
-        return DeltaManifest.from_json(data, name=name), data
+            Trust(verify_key=self.verify_key).check(self.store, version, kind, data, base_version)
+        manifest = DeltaManifest.from_json(data, name=name)
+        if kind == "squash":
+            assert base_version is not None  # manifest_key raised otherwise
+            manifest = check_squash_manifest(manifest, version, base_version, name=name)
+        return manifest, data
 
     def shards(self, manifests: list[DeltaManifest], skip: list[list[bool]] | None = None) -> list[list[bytes]]:
         """Every shard of every object (``skip[i][j]``: not shard ``j`` of object ``i``, ``b""`` in its place), in
@@ -89,7 +98,7 @@ class ObjectFetcher:
 
         def fetch(job: tuple[int, int, DeltaManifest, ShardEntry]) -> None:
             i, j, m, entry = job
-            out[i][j] = self._shard(object_prefix(m.version, m.kind) + entry.file, entry)
+            out[i][j] = self._shard(prefix_of(m) + entry.file, entry)
 
         with ThreadPoolExecutor(max_workers=self.workers) as pool:
             list(pool.map(fetch, jobs))
@@ -100,7 +109,7 @@ class ObjectFetcher:
         or this fetcher's cached copy. ``False`` when neither can be linked (the caller writes the bytes). Whoever
         reads ``dst`` checks its sha256 again (an engine does, before it decodes)."""
         if isinstance(self.store, LocalStore):
-            return self.store.link_to(object_prefix(manifest.version, manifest.kind) + entry.file, dst, entry.bytes)
+            return self.store.link_to(prefix_of(manifest) + entry.file, dst, entry.bytes)
         return link_readable(self.cache / entry.sha256, dst, entry.bytes)
 
     def link_unread(self, manifest: DeltaManifest, entry: ShardEntry, dst: Path) -> bool:
@@ -109,7 +118,7 @@ class ObjectFetcher:
         read and hashed once, there, and no copy of a large anchor passes through this process."""
         if not isinstance(self.store, LocalStore):
             return False
-        return self.store.link_to(object_prefix(manifest.version, manifest.kind) + entry.file, dst, entry.bytes)
+        return self.store.link_to(prefix_of(manifest) + entry.file, dst, entry.bytes)
 
     def _shard(self, key: str, entry: ShardEntry) -> bytes:
         """A shard, size- and sha256-verified; refetched on a mismatch; cached by sha256 so a retry resumes."""

@@ -24,7 +24,7 @@ from .client import SyncPlan
 from .config import AgentConfig
 from .errors import DeltaSyncError, IntegrityError
 from .format import TensorDelta
-from .layout import object_prefix
+from .layout import prefix_of
 from .manifest import DeltaManifest, ShardEntry
 from .reader import Trust, decode_object, read_weights
 from .signing import VerifyKey
@@ -124,7 +124,9 @@ class Stager:
                 single shard is fetched).
         """
         t0 = time.perf_counter()
-        manifests = [self.fetcher.manifest(step.version, step.kind, step.checksum) for step in plan.steps]
+        manifests = [
+            self.fetcher.manifest(step.version, step.kind, step.checksum, step.base_version) for step in plan.steps
+        ]
         self._admit([m for m, _ in manifests], plan, st)
         if self.stages_published(st):
             return self._stage_published(manifests, timings, t0)
@@ -133,7 +135,7 @@ class Stager:
     def _admit(self, manifests: list[DeltaManifest], plan: SyncPlan, st: EngineState) -> None:
         """Refuse another model's or run's objects, and any the engine's state does not admit in turn."""
         apply.admit_all(
-            ((m, f"{self.store.uri}/{object_prefix(m.version, m.kind)}") for m in manifests),
+            ((m, f"{self.store.uri}/{prefix_of(m)}") for m in manifests),
             st.holding(),
             target=plan.to_version,
             allow_rollback=self.config.allow_rollback,
@@ -172,7 +174,7 @@ class Stager:
         into = _HostCopy(self)
         steps = []
         for (m, data), blobs in zip(manifests, shards, strict=True):
-            where = f"{self.store.uri}/{object_prefix(m.version, m.kind)}"
+            where = f"{self.store.uri}/{prefix_of(m)}"
             into.manifest_bytes[m.version, m.kind] = data
 
             def read(m: DeltaManifest = m, blobs: list[bytes] = blobs, where: str = where) -> list[TensorDelta]:
@@ -201,7 +203,9 @@ class Stager:
 
     def _staging_dir(self, m: DeltaManifest) -> Path:
         """A fresh directory of this agent's own (unpredictable name): nothing planted can redirect its writes."""
-        name = f"v{m.version:08d}" + ("-anchor-" if m.kind == "anchor" else "-")
+        name = f"v{m.version:08d}" + (
+            "-anchor-" if m.kind == "anchor" else f"-squash-{m.base_version}-" if m.squash else "-"
+        )
         directory = Path(tempfile.mkdtemp(prefix=name, dir=ensure_dir(self.staging)))
         directory.chmod(0o755)  # the engine may run as another user
         return directory

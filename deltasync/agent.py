@@ -78,7 +78,7 @@ class SyncResult:
     to_version: int | None
     """The engine's version after."""
     route: str
-    """``none``, ``deltas`` or ``anchor``."""
+    """``none``, ``deltas``, ``anchor`` or ``squash`` (the route the coordinator planned: the fewest bytes)."""
     timings: dict[str, float]
     """Seconds: fetch, decode (incl. checksums), stage, pause (the serving gap), apply."""
     bytes: int
@@ -395,8 +395,8 @@ class Agent:
                 ) from None
             raise
         stager = self.stager
-        if plan.route == "deltas" and held is not None and not stager.stages_published(st):
-            # the delta route needs the engine's version in host memory
+        if plan.route in ("deltas", "squash") and held is not None and not stager.stages_published(st):
+            # the delta and squash routes need the engine's version in host memory
             if stager.host_version != held and not stager.rebuild_host(held, self._trust()):
                 plan = self.coordinator.plan(None)
         return plan

@@ -29,7 +29,7 @@ from .schemas import (
     VersionPublic,
     VersionsPublic,
 )
-from .vocab import Kind
+from .vocab import Kind, ObjectKind
 
 __all__ = ["AgentStatus", "CoordinatorClient", "GcReport", "Lease", "PublishedVersion", "RetryPolicy", "SyncPlan"]
 
@@ -40,10 +40,10 @@ class PublishedVersion:
 
     version: int
     """The version it produces."""
-    kind: Kind
-    """``delta`` or ``anchor``."""
+    kind: ObjectKind
+    """``delta``, ``anchor`` or ``squash`` (a delta over several versions, at its own keys)."""
     base_version: int | None
-    """What a delta applies to."""
+    """What a delta or a squash applies to."""
     manifest_key: str
     """Store key of its manifest."""
     bytes: int
@@ -67,11 +67,11 @@ class SyncPlan:
     to_version: int
     """The target."""
     steps: tuple[PublishedVersion, ...]
-    """An anchor first (route ``anchor``), then deltas."""
+    """An anchor first (route ``anchor``) or a squash first (route ``squash``), then deltas."""
     bytes: int
     """Total bytes to fetch."""
-    route: Literal["none", "deltas", "anchor"]
-    """``none`` when already at the target."""
+    route: Literal["none", "deltas", "anchor", "squash"]
+    """``none`` when already at the target; else the cheapest route in registered bytes."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -105,8 +105,21 @@ class PublisherConfig:
     """The published (inference) dtype; weights are cast while copied."""
     anchor_every: int | None = 20
     """Also write an anchor every this many versions; ``None``: never by count."""
-    anchor_bytes_fraction: float | None = 0.5
-    """Also write an anchor when the deltas since the last anchor exceed this fraction of its bytes."""
+    anchor_bytes_fraction: float | Literal["auto"] | None = "auto"
+    """Also write an anchor when the deltas since the last anchor exceed this fraction of its bytes. ``auto``: 0.5
+    for a model's weights; 4.0 for a LoRA adapter (``Publisher(adapter=...)``), whose deltas are near-dense, each
+    about an anchor's size: 0.5 would write an anchor every other version (a new agent then fetches at most
+    about five anchors' bytes, and the ``anchor_every`` cadence still applies)."""
+    squash_window: int | None = 64
+    """Write squashes (one delta from a lagging agent's version to the latest, in one object) for agents at most
+    this many versions behind; ``None``: never. Needs a coordinator (its fleet view says where the agents are)."""
+    squash_bases: int = 4
+    """Agent versions squashed from at once (those most agents hold); each costs a squash per version while an
+    agent stays there."""
+    squash_max_fraction: float = 0.25
+    """Stop squashing from a version once the elements changed since pass this fraction of the model (the anchor
+    route is about as cheap); bounds the publisher's extra memory to ``(squash_bases + 2) x this x elements x
+    (8 + dtype bytes)``."""
     queue_size: int = 2
     """Versions copied and waiting while another is written; a full queue blocks ``publish`` (or coalesces)."""
     coalesce: bool = False
@@ -135,8 +148,16 @@ class PublisherConfig:
             raise ValueError(f"dtype must be bfloat16, float16 or float32, got {self.dtype!r}")
         if self.anchor_every is not None and self.anchor_every < 1:
             raise ValueError(f"anchor_every must be >= 1 or None, got {self.anchor_every}")
-        if self.anchor_bytes_fraction is not None and self.anchor_bytes_fraction <= 0:
-            raise ValueError(f"anchor_bytes_fraction must be > 0 or None, got {self.anchor_bytes_fraction}")
+        if self.anchor_bytes_fraction not in (None, "auto") and not (
+            isinstance(self.anchor_bytes_fraction, int | float) and self.anchor_bytes_fraction > 0
+        ):
+            raise ValueError(f"anchor_bytes_fraction must be > 0, 'auto' or None, got {self.anchor_bytes_fraction!r}")
+        if self.squash_window is not None and self.squash_window < 2:
+            raise ValueError(f"squash_window must be >= 2 or None, got {self.squash_window}")
+        if self.squash_bases < 1:
+            raise ValueError(f"squash_bases must be >= 1, got {self.squash_bases}")
+        if not 0 < self.squash_max_fraction <= 1:
+            raise ValueError(f"squash_max_fraction must be in (0, 1], got {self.squash_max_fraction}")
         if self.queue_size < 1:
             raise ValueError(f"queue_size must be >= 1, got {self.queue_size}")
         if self.max_shard_bytes < 1:

@@ -229,6 +229,10 @@ class DeltaManifest:
     """The LoRA adapter the tensors are (since 1.4); ``None``: a model's own weights."""
     format_version: str = FORMAT_VERSION
     """``major.minor`` of the format."""
+    squash: bool = field(default=False, compare=False)
+    """Where the object lies, not what it is (never in the JSON): ``True`` for a delta read from, or written to, a
+    squash's keys (``v{version}/squash-{base_version}/``, see :func:`deltasync.layout.prefix_of`). A squash's bytes
+    are a delta's; the signature and the ledger's digest vouch for them wherever they lie."""
 
     @property
     def total_bytes(self) -> int:

@@ -27,10 +27,11 @@ import torch.distributed as dist
 
 from ._commit import LeaseKeeper, RankCommit, first_free_version, taken_versions
 from ._sharding import TensorView, dense_entries, globalize, local_tensors
+from ._squash import SquashTracker, fleet_bases
 from .client import CoordinatorClient, Lease
 from .config import PublisherConfig
 from .diff import compute_delta
-from .errors import LeaseError, VersionTaken
+from .errors import CoordinatorError, DeltaSyncError, LeaseError, VersionTaken
 from .format import TensorDelta
 from .lora import ADAPTER_PREFIX, AdapterNames, adapter_state, lora_merged_state
 from .manifest import AdapterEntry, DeltaManifest
@@ -42,7 +43,14 @@ from .store import Store, open_store
 from .vocab import DTYPE_NAMES, MAX_VERSION, Kind
 from .writer import ObjectWriter
 
-__all__ = ["Publisher"]
+__all__ = ["ADAPTER_ANCHOR_BYTES_FRACTION", "MODEL_ANCHOR_BYTES_FRACTION", "Publisher"]
+
+MODEL_ANCHOR_BYTES_FRACTION = 0.5
+"""``anchor_bytes_fraction="auto"`` for a model's weights: an anchor once the deltas since the last one pass half
+its bytes (a new agent fetches at most 1.5 anchors' bytes)."""
+ADAPTER_ANCHOR_BYTES_FRACTION = 4.0
+"""``anchor_bytes_fraction="auto"`` for a LoRA adapter: its deltas are near-dense (each about an anchor's bytes),
+so 0.5 would write an anchor every other version; at 4 a new agent fetches at most about five anchors' bytes."""
 
 _T = TypeVar("_T")
 
@@ -164,6 +172,7 @@ class Publisher:
         self._last_version: int | None = None
         self._last_anchor: tuple[int, int] = (0, 0)  # (version, bytes)
         self._bytes_since_anchor = 0
+        self._squashes: SquashTracker | None = None  # made at the first delta, once the views are known
         self._worker = threading.Thread(target=self._run, name="deltasync-publisher", daemon=True)
         self._worker.start()
 
@@ -171,6 +180,11 @@ class Publisher:
     def published(self) -> list[DeltaManifest]:
         """Rank 0: the manifests committed so far (deltas and anchors), in order."""
         return self._commit.published
+
+    @property
+    def squashes(self) -> list[DeltaManifest]:
+        """Rank 0: the squashes committed so far (deltas from a lagging agent's version, beside the chain)."""
+        return self._commit.squashes
 
     @property
     def lease(self) -> Lease | None:
@@ -455,6 +469,7 @@ class Publisher:
                 self._publish_object(
                     item, "anchor", dense_entries(new, self._views), base_version=None, beside_delta=True
                 )
+            self._squash(item.version, self._last_version, changes, new)
         self._last_version = item.version
         logger.info(
             "published v%d (step %s%s) in %.0f ms",
@@ -527,8 +542,71 @@ class Publisher:
             exc.version,
         )
 
+    def _squash(
+        self,
+        version: int,
+        base_version: int | None,
+        changes: Mapping[str, TensorDelta],
+        new: dict[str, torch.Tensor],
+    ) -> None:
+        """After ``version`` is registered: track its delta, then write a squash to it from each version a lagging
+        agent holds (:mod:`deltasync._squash`). Every rank writes its own span, rank 0 commits, as for a delta.
+
+        Best effort: a squash that cannot be written (a taken key, a store fault, a coordinator that does not
+        answer) is logged and skipped, never failing the version (agents then take the chain or an anchor). A lost
+        lease is raised (the publisher must stop)."""
+        window = self.config.squash_window
+        if window is None or self.coordinator is None and self.world == 1 or base_version is None:
+            return
+        assert self._views is not None
+        if self._squashes is None:
+            self._squashes = SquashTracker(
+                window=window,
+                max_bases=self.config.squash_bases,
+                max_fraction=self.config.squash_max_fraction,
+                elements=sum(t.numel() for t in new.values()),
+            )
+        self._squashes.observe(base_version, changes)
+        held = None
+        if self.rank == 0 and self.coordinator is not None:
+            try:
+                held = fleet_bases([a.applied_version for a in self.coordinator.agents() if not a.stale])
+            except CoordinatorError as exc:
+                logger.warning("no squashes at v%d: the fleet view is unavailable (%s)", version, exc)
+        held = self._broadcast(held)  # every rank tracks and writes the same bases
+        if held is None:
+            return
+        stamped: dict[str, TensorDelta] = {}  # checksum and sketch at `version`, computed once for every squash
+        for base in self._squashes.keep(version, held):
+            entries = []
+            for d in self._squashes.deltas(base, new):
+                first = stamped.get(d.ckpt_name)
+                if first is None:
+                    entries.append(
+                        stamped.setdefault(d.ckpt_name, globalize(d, new[d.ckpt_name], self._views[d.ckpt_name]))
+                    )
+                else:  # the same tensor at the same version: only its elements differ
+                    span = self._views[d.ckpt_name].span
+                    assert d.indices is not None
+                    offset = 0 if span is None else span[0]
+                    entries.append(
+                        dataclasses.replace(
+                            first, indices=d.indices + offset, values=d.values, base_values=d.base_values
+                        )
+                    )
+            try:
+                self._commit.publish(
+                    version, "squash", entries, base_version=base, views=self._views, dtype_name=DTYPE_NAMES[self.dtype]
+                )
+            except LeaseError:
+                raise
+            except (DeltaSyncError, RuntimeError, OSError) as exc:  # an optimization: the chain still serves
+                logger.warning("squash v%d -> v%d not written: %s", base, version, exc)
+
     def _anchor_due(self, version: int) -> bool:
         every, fraction = self.config.anchor_every, self.config.anchor_bytes_fraction
+        if fraction == "auto":
+            fraction = ADAPTER_ANCHOR_BYTES_FRACTION if self.adapter is not None else MODEL_ANCHOR_BYTES_FRACTION
         last_version, last_bytes = self._last_anchor
         due = every is not None and version - last_version >= every
         due = due or (fraction is not None and self._bytes_since_anchor > fraction * last_bytes)

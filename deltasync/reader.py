@@ -12,6 +12,7 @@ digest the publisher registered) and the publisher's public key (each manifest m
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import logging
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -25,18 +26,19 @@ from ._shard_header import ShardHeader
 from ._shard_header import parse_shard as _parse_shard
 from .errors import FormatError, IntegrityError, ObjectNotFound, StoreError
 from .format import BaseValues, TensorDelta, decode_shard
-from .layout import manifest_key, object_prefix, parse_manifest_key, signature_key
+from .layout import manifest_key, parse_manifest_key, prefix_of, signature_key
 from .manifest import MAX_MANIFEST_BYTES, DeltaManifest, ShardEntry
 from .runrecord import RunView, read_run_view
 from .signing import MAX_SIGNATURE_BYTES, VerifyKey
 from .store.base import Store
-from .vocab import Kind
+from .vocab import Kind, ObjectKind
 
 __all__ = [
     "LedgerLookup",
     "Trust",
     "VersionListing",
     "check_shard",
+    "check_squash_manifest",
     "decode_object",
     "fetch_object",
     "iter_weights",
@@ -45,6 +47,7 @@ __all__ = [
     "prove_object",
     "read_chain",
     "read_manifest",
+    "read_squash_manifest",
     "read_weights",
 ]
 
@@ -84,15 +87,16 @@ class Trust:
             return RunView(run_id=None)
         return read_run_view(store, run_id=self.run_id, verify_key=self.verify_key)
 
-    def check(self, store: Store, version: int, kind: Kind, data: bytes) -> None:
-        """Authenticate a manifest's bytes.
+    def check(self, store: Store, version: int, kind: ObjectKind, data: bytes, base_version: int | None = None) -> None:
+        """Authenticate a manifest's bytes (a squash's: ``kind`` ``squash`` and its ``base_version``; the ledger
+        lookup is the caller's, who has its registered digest, so only the signature is checked here).
 
         Raises:
             IntegrityError: the sha256 is not the registered digest.
             SignatureError: no valid signature by :attr:`verify_key`.
         """
-        name = f"{store.uri}/{manifest_key(version, kind)}"
-        if self.ledger is not None:
+        name = f"{store.uri}/{manifest_key(version, kind, base_version)}"
+        if self.ledger is not None and kind != "squash":
             registered = self.ledger(version, kind)
             digest = "sha256:" + hashlib.sha256(data).hexdigest()
             if digest != registered:
@@ -102,7 +106,7 @@ class Trust:
                 )
         if self.verify_key is not None:
             try:
-                sig: bytes | None = store.get(signature_key(version, kind), max_bytes=MAX_SIGNATURE_BYTES)
+                sig: bytes | None = store.get(signature_key(version, kind, base_version), max_bytes=MAX_SIGNATURE_BYTES)
             except ObjectNotFound:
                 sig = None
             self.verify_key.verify(data, sig, name=name)
@@ -147,6 +151,56 @@ def read_manifest(store: Store, version: int, kind: Kind = "delta", *, trust: Tr
     return _read_manifest(store, version, kind, trust, None if trust is None else trust.run_view(store))
 
 
+def read_squash_manifest(
+    store: Store, version: int, base_version: int, *, checksum: str | None = None, trust: Trust | None = None
+) -> DeltaManifest:
+    """Read and authenticate the manifest of the squash ``base_version -> version``: a delta in every byte, read
+    from the squash's own keys, so it must be exactly that delta (kind ``delta``, these versions).
+
+    Args:
+        checksum: the digest the coordinator registered for it (``sha256:...``); checked when given.
+        trust: its signature (and run) are checked as a delta's; its ledger is not asked (pass ``checksum``).
+
+    Raises:
+        ObjectNotFound: no squash is committed there.
+        IntegrityError: its sha256 is not ``checksum``.
+        FormatError: it is malformed, or describes another object than its key says.
+        SignatureError, ForeignObject, FencedObject: ``trust`` refused it.
+    """
+    key = manifest_key(version, "squash", base_version)
+    name = f"{store.uri}/{key}"
+    data = store.get(key, max_bytes=MAX_MANIFEST_BYTES)
+    if checksum is not None:
+        digest = "sha256:" + hashlib.sha256(data).hexdigest()
+        if digest != checksum:
+            raise IntegrityError(
+                f"{name}: sha256 is {digest}, the coordinator registered {checksum}; the store holds other bytes "
+                "than the publisher registered (a forged or corrupted squash)"
+            )
+    if trust is not None:
+        trust.check(store, version, "squash", data, base_version)
+    manifest = check_squash_manifest(DeltaManifest.from_json(data, name=name), version, base_version, name=name)
+    if trust is not None:
+        trust.run_view(store).admit(manifest, name=name)
+    return manifest
+
+
+def check_squash_manifest(manifest: DeltaManifest, version: int, base_version: int, *, name: str) -> DeltaManifest:
+    """``manifest`` (read from the squash ``base_version -> version``'s key) marked as a squash, once it is proven to
+    be that delta.
+
+    Raises:
+        FormatError: it describes another object (an anchor, or a delta of other versions: copied there?).
+    """
+    got = (manifest.kind, manifest.base_version, manifest.version)
+    if got != ("delta", base_version, version):
+        raise FormatError(
+            f"{name}: manifest describes {manifest.kind} v{manifest.base_version} -> v{manifest.version}, expected "
+            f"the delta v{base_version} -> v{version} of this squash's key (a file copied to the wrong place?)"
+        )
+    return dataclasses.replace(manifest, squash=True)
+
+
 def _read_manifest(store: Store, version: int, kind: Kind, trust: Trust | None, view: RunView | None) -> DeltaManifest:
     key = manifest_key(version, kind)
     data = store.get(key, max_bytes=MAX_MANIFEST_BYTES)
@@ -180,7 +234,7 @@ def fetch_object(store: Store, manifest: DeltaManifest) -> list[bytes]:
         ObjectTooLarge: a shard is larger than its manifest says (nothing read).
         IntegrityError: a shard's size or sha256 differs.
     """
-    prefix = object_prefix(manifest.version, manifest.kind)
+    prefix = prefix_of(manifest)
     out = []
     for entry in manifest.shards:
         data = store.get(prefix + entry.file, max_bytes=entry.bytes)
@@ -197,7 +251,7 @@ def prove_object(store: Store, manifest: DeltaManifest) -> None:
         ObjectNotFound: a shard is missing.
         IntegrityError: a shard's size or sha256 differs.
     """
-    prefix = object_prefix(manifest.version, manifest.kind)
+    prefix = prefix_of(manifest)
     for entry in manifest.shards:
         key = prefix + entry.file
         size = store.size(key)
@@ -283,7 +337,7 @@ def load_object(
     store: Store, manifest: DeltaManifest, base: Mapping[str, torch.Tensor] | None = None
 ) -> list[TensorDelta]:
     """Fetch, check and decode every shard of an object (see :func:`decode_object`); nothing is applied."""
-    prefix = object_prefix(manifest.version, manifest.kind)
+    prefix = prefix_of(manifest)
     return decode_object(manifest, fetch_object(store, manifest), where=f"{store.uri}/{prefix}", base=base)
 
 
@@ -353,7 +407,7 @@ def iter_weights(
     chain = read_chain(store, version, trust=trust)
     into = apply.TensorsReceiver(verify=verify)
     for m in chain:
-        where = f"{store.uri}/{object_prefix(m.version, m.kind)}"
+        where = f"{store.uri}/{prefix_of(m)}"
 
         def read(m: DeltaManifest = m) -> list[TensorDelta]:  # decoded against the objects before it
             return load_object(store, m, base=into.tensors)

@@ -16,7 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validat
 
 from .layout import manifest_key
 from .manifest import DeltaManifest
-from .vocab import MAX_INT, MAX_VERSION, AgentState, Kind
+from .vocab import MAX_INT, MAX_VERSION, AgentState, ObjectKind
 
 __all__ = [
     "AGENT_ID_PATTERN",
@@ -55,13 +55,16 @@ class _Model(BaseModel):
 
 
 class VersionCreate(_Model):
-    """``POST /v1/versions``: a published object (a delta or an anchor) the publisher committed."""
+    """``POST /v1/versions``: a published object (a delta, an anchor, or a squash: a delta over several versions
+    beside the chain) the publisher committed."""
 
     version: Version
-    kind: Kind
-    base_version: Version | None = Field(None, description="what a delta applies to; null for an anchor")
+    kind: ObjectKind
+    base_version: Version | None = Field(None, description="what a delta or squash applies to; null for an anchor")
     manifest_key: str = Field(
-        max_length=256, pattern=r"^v\d{8}/(anchor/)?manifest\.json$", description="store key of the manifest"
+        max_length=256,
+        pattern=r"^v\d{8}/(anchor/|squash-\d{8}/)?manifest\.json$",
+        description="store key of the manifest",
     )
     bytes: Count = Field(description="bytes of all shard files")
     nnz: Count = Field(description="elements stored (changed ones, or all for an anchor)")
@@ -72,8 +75,8 @@ class VersionCreate(_Model):
     @classmethod
     def _base_matches_kind(cls, base: int | None, info: ValidationInfo) -> int | None:
         kind, version = info.data.get("kind"), info.data.get("version")
-        if kind == "delta" and (base is None or (version is not None and base >= version)):
-            raise ValueError(f"a delta needs base_version < version ({version}), got {base}")
+        if kind in ("delta", "squash") and (base is None or (version is not None and base >= version)):
+            raise ValueError(f"a {kind} needs base_version < version ({version}), got {base}")
         if kind == "anchor" and base is not None:
             raise ValueError(f"an anchor has no base_version, got {base}")
         return base
@@ -81,9 +84,9 @@ class VersionCreate(_Model):
     @field_validator("manifest_key")
     @classmethod
     def _key_matches_version(cls, key: str, info: ValidationInfo) -> str:
-        kind, version = info.data.get("kind"), info.data.get("version")
-        if version is not None and kind is not None:
-            expected = manifest_key(version, kind)
+        kind, version, base = info.data.get("kind"), info.data.get("version"), info.data.get("base_version")
+        if version is not None and kind is not None and (kind != "squash" or base is not None):
+            expected = manifest_key(version, kind, base)
             if key != expected:
                 raise ValueError(f"manifest_key must be {expected} for {kind} v{version}")
         return key
@@ -92,11 +95,12 @@ class VersionCreate(_Model):
     def for_manifest(cls, manifest: DeltaManifest, manifest_bytes: builtins.bytes | None = None) -> VersionCreate:
         """The registration of a committed object (``checksum``: sha256 of its ``manifest.json`` bytes)."""
         data = manifest.to_json() if manifest_bytes is None else manifest_bytes
+        kind: ObjectKind = "squash" if manifest.squash else manifest.kind
         return cls(
             version=manifest.version,
-            kind=manifest.kind,
+            kind=kind,
             base_version=manifest.base_version,
-            manifest_key=manifest_key(manifest.version, manifest.kind),
+            manifest_key=manifest_key(manifest.version, kind, manifest.base_version),
             bytes=manifest.total_bytes,
             nnz=manifest.nnz,
             tensors=len(manifest.tensors),
@@ -122,9 +126,11 @@ class PlanPublic(_Model):
 
     from_version: int | None
     to_version: int
-    steps: list[VersionPublic] = Field(description="an anchor first (if any), then deltas, in apply order")
+    steps: list[VersionPublic] = Field(
+        description="an anchor first (if any), or a squash first (if any), then deltas, in apply order"
+    )
     bytes: int = Field(description="total bytes to fetch")
-    route: Literal["none", "deltas", "anchor"] = Field(description="none: already there")
+    route: Literal["none", "deltas", "anchor", "squash"] = Field(description="none: already there")
 
 
 class LeaseCreate(_Model):

@@ -24,11 +24,13 @@ __all__ = [
     "MAX_TENSOR_NUMEL",
     "MAX_VERSION",
     "META_PREFIX",
+    "OBJECT_KINDS",
     "CHECKPOINT_NAME",
     "AgentState",
     "Encoding",
     "Kind",
     "Layout",
+    "ObjectKind",
     "bits_dtype",
     "wide_dtypes",
 ]
@@ -54,6 +56,12 @@ META_PREFIX = "deltasync."
 Kind = Literal["delta", "anchor"]
 """A published object: a ``delta`` (applies on exactly its base version) or an ``anchor`` (every tensor)."""
 KINDS: tuple[Kind, ...] = ("delta", "anchor")
+
+ObjectKind = Literal["delta", "anchor", "squash"]
+"""Where an object lies in the store and the ledger: a :data:`Kind`, or a ``squash``, a delta ``base_version ->
+version`` over several versions that the publisher writes beside the chain (its manifest and shards are a delta's,
+``kind`` ``delta``; only its keys and its ledger table differ, so it never collides with the version's own delta)."""
+OBJECT_KINDS: tuple[ObjectKind, ...] = ("delta", "anchor", "squash")
 
 Encoding = Literal["raw", "packed"]
 """A shard's encoding: ``raw`` (any safetensors reader) or ``packed`` (gap-coded, byte planes, zstd)."""

@@ -19,12 +19,12 @@ import torch
 
 from .errors import ObjectExists, ObjectNotFound, StoreError, UnsafeObject, VersionTaken
 from .format import DEFAULT_ZSTD_LEVEL, TensorDelta, encode_shard, tensor_checksum
-from .layout import manifest_key, object_prefix, shard_file, signature_key
+from .layout import MANIFEST_FILE, SIGNATURE_FILE, object_prefix, prefix_of, shard_file
 from .manifest import AdapterEntry, ChecksumPart, DeltaManifest, ShardEntry, TensorEntry
 from .signing import SigningKey
 from .sketch import tensor_sketch
 from .store.base import Store
-from .vocab import DTYPE_NAMES, Encoding, Kind
+from .vocab import DTYPE_NAMES, Encoding, Kind, ObjectKind
 
 __all__ = [
     "DEFAULT_MAX_SHARD_BYTES",
@@ -132,20 +132,22 @@ class ObjectWriter:
             out.append(EncodedShard(index=index, entry=entry, data=data, tensors=tensors))
         return out
 
-    def put_shards(self, version: int, kind: Kind, shards: list[EncodedShard]) -> None:
-        """Create the shard files (one batch where the store has batches).
+    def put_shards(
+        self, version: int, kind: ObjectKind, shards: list[EncodedShard], *, base_version: int | None = None
+    ) -> None:
+        """Create the shard files (one batch where the store has batches); a squash's need its ``base_version``.
 
         Raises:
             VersionTaken: a shard's key is taken (nothing of the object is committed).
         """
-        prefix = object_prefix(version, kind)
+        prefix = object_prefix(version, kind, base_version if kind == "squash" else None)
         items = [(prefix + s.entry.file, s.data) for s in shards]
         try:
             self.store.put_many(items)
         except (ObjectExists, UnsafeObject) as exc:
             raise self._taken(version, kind, [key for key, _ in items], exc) from None
 
-    def _taken(self, version: int, kind: Kind, keys: list[str], exc: StoreError) -> VersionTaken:
+    def _taken(self, version: int, kind: ObjectKind, keys: list[str], exc: StoreError) -> VersionTaken:
         """The error for a create-only write that found one of ``keys`` taken, naming the key that is."""
         key = keys[0]
         for k in keys:
@@ -210,7 +212,8 @@ class ObjectWriter:
         data = manifest.to_json()
         DeltaManifest.from_json(data, name=f"{manifest.kind} v{manifest.version}")  # never commit what readers refuse
         version, kind = manifest.version, manifest.kind
-        sig_key, key = signature_key(version, kind), manifest_key(version, kind)
+        prefix = prefix_of(manifest)  # a squash's own keys, never its version's delta's
+        sig_key, key = prefix + SIGNATURE_FILE, prefix + MANIFEST_FILE
         if self.signing_key is not None:
             try:
                 self.store.put(sig_key, self.signing_key.sign(data))

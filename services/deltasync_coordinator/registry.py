@@ -72,6 +72,22 @@ _SCHEMA: list[str] = [
     ALTER TABLE versions ADD COLUMN epoch {BIGINT};
     CREATE INDEX agents_seen ON agents (last_seen);
     """,
+    # 3: squashes, deltas over several versions beside the chain (one per base and target)
+    """
+    CREATE TABLE squashes (
+        version {BIGINT} NOT NULL,
+        base_version {BIGINT} NOT NULL,
+        manifest_key TEXT NOT NULL,
+        bytes {BIGINT} NOT NULL,
+        nnz {BIGINT} NOT NULL,
+        tensors {BIGINT} NOT NULL,
+        checksum TEXT NOT NULL,
+        created_at {DOUBLE} NOT NULL,
+        deleted_at {DOUBLE},
+        epoch {BIGINT},
+        PRIMARY KEY (base_version, version)
+    );
+    """,
 ]
 """The ledger's numbered schema migrations, written once for both backends: each ``{NAME}`` is a type that the
 two dialects spell differently (:data:`_SQLITE`, :data:`_POSTGRES`). Append, never edit: a ledger records the
@@ -104,6 +120,12 @@ Row = Any
 """A result row of either backend (``Row`` or the PostgreSQL one): by column name or position."""
 
 _FIELDS = ("version", "kind", "base_version", "manifest_key", "bytes", "nnz", "tensors", "checksum")
+_SQUASH_FIELDS = tuple(f for f in _FIELDS if f != "kind")
+SQUASH_ROWS = "SELECT *, 'squash' AS kind FROM squashes"
+"""The ``squashes`` table's rows with the ``kind`` column a ``versions`` row has (:func:`public` reads either)."""
+MAX_SQUASHES_PLANNED = 4
+"""A plan weighs at most this many squashes from the agent's version (the newest): each costs a walk of the
+delta chain from its target to the plan's."""
 
 
 class Conflict(Exception):
@@ -124,6 +146,11 @@ class Invalid(Exception):
 
 def _dt(ts: float) -> datetime:
     return datetime.fromtimestamp(ts, tz=UTC)
+
+
+def _planned(row: Row) -> list[Any]:
+    """How a plan records an object: ``[version, kind]``, and a squash's base too."""
+    return [row["version"], row["kind"]] + ([row["base_version"]] if row["kind"] == "squash" else [])
 
 
 def public(row: Row) -> VersionPublic:
@@ -156,8 +183,10 @@ class Registry:
             Fenced: ``lease_id`` is not the live lease (none, expired, or another publisher's).
             Conflict: the same (version, kind) was registered with other fields; a delta's base is not
                 registered; or the version is stale (a delta at or below the latest version, an anchor below it
-                at a version that has no delta).
+                at a version that has no delta); a squash's target is not registered, or its base never was.
         """
+        if v.kind == "squash":
+            return self._register_squash(v, lease_id)
         with self.db.tx() as c:
             row = c.execute("SELECT * FROM versions WHERE version=? AND kind=?", (v.version, v.kind)).fetchone()
             if row is not None:
@@ -167,18 +196,8 @@ class Registry:
                     f"{v.kind} v{v.version} is already registered with other fields "
                     f"(checksum {row['checksum']}); a version is never re-published differently"
                 )
+            lease = self._check_lease(c, v, lease_id)
             now = self._clock()
-            lease = c.execute("SELECT * FROM lease WHERE id=1").fetchone()
-            if lease is None or lease_id is None or lease["lease_id"] != lease_id or lease["expires_at"] < now:
-                holder = (
-                    "no publisher holds the run"
-                    if lease is None or lease["expires_at"] < now
-                    else (f"the lease is held by {lease['holder']!r} (epoch {lease['epoch']})")
-                )
-                raise Fenced(
-                    f"{v.kind} v{v.version} refused: registering needs the run's publisher lease, and {holder}; "
-                    "a publisher takes it with POST /v1/lease (the Publisher does this at start)"
-                )
             latest = c.execute("SELECT MAX(version) FROM versions").fetchone()[0]  # deleted ones count too
             if v.kind == "delta":
                 base = c.execute(
@@ -204,6 +223,54 @@ class Registry:
             if self.db.shared:  # the truth is the database's; every other coordinator hears of it at commit
                 self._latest = c.execute("SELECT MAX(version) FROM versions WHERE deleted_at IS NULL").fetchone()[0]
                 self.db.notify_versions(c, self._latest)
+            return VersionPublic(**v.model_dump(), created_at=_dt(now)), True
+
+    def _check_lease(self, c: Any, v: VersionCreate, lease_id: str | None) -> Row:
+        """The live lease's row, if ``lease_id`` is it.
+
+        Raises:
+            Fenced: it is not.
+        """
+        now = self._clock()
+        lease = c.execute("SELECT * FROM lease WHERE id=1").fetchone()
+        if lease is None or lease_id is None or lease["lease_id"] != lease_id or lease["expires_at"] < now:
+            holder = (
+                "no publisher holds the run"
+                if lease is None or lease["expires_at"] < now
+                else (f"the lease is held by {lease['holder']!r} (epoch {lease['epoch']})")
+            )
+            raise Fenced(
+                f"{v.kind} v{v.version} refused: registering needs the run's publisher lease, and {holder}; "
+                "a publisher takes it with POST /v1/lease (the Publisher does this at start)"
+            )
+        return lease
+
+    def _register_squash(self, v: VersionCreate, lease_id: str | None) -> tuple[VersionPublic, bool]:
+        """Record a squash ``base_version -> version``: a delta over several versions, kept beside the chain (its
+        own table, so that it never stands for the version's delta, nor moves the latest version)."""
+        with self.db.tx() as c:
+            row = c.execute(f"{SQUASH_ROWS} WHERE version=? AND base_version=?", (v.version, v.base_version)).fetchone()
+            if row is not None:
+                if {k: row[k] for k in _FIELDS} == v.model_dump(include=set(_FIELDS)):
+                    return public(row), False
+                raise Conflict(
+                    f"squash v{v.base_version} -> v{v.version} is already registered with other fields "
+                    f"(checksum {row['checksum']}); an object is never re-published differently"
+                )
+            lease = self._check_lease(c, v, lease_id)
+            target = c.execute("SELECT 1 FROM versions WHERE version=? AND deleted_at IS NULL", (v.version,)).fetchone()
+            base = c.execute("SELECT 1 FROM versions WHERE version=?", (v.base_version,)).fetchone()
+            if target is None or base is None:
+                missing = v.version if target is None else v.base_version
+                raise Conflict(
+                    f"squash v{v.base_version} -> v{v.version}: v{missing} is not registered; a squash goes from a "
+                    "registered version to one whose delta or anchor is registered"
+                )
+            now = self._clock()
+            c.execute(
+                f"INSERT INTO squashes ({', '.join(_SQUASH_FIELDS)}, created_at, epoch) VALUES ({', '.join('?' * 9)})",
+                (*(getattr(v, k) for k in _SQUASH_FIELDS), now, lease["epoch"]),
+            )
             return VersionPublic(**v.model_dump(), created_at=_dt(now)), True
 
     def latest_version(self) -> int | None:
@@ -262,11 +329,12 @@ class Registry:
     def plan(self, from_version: int | None, to_version: int | None, agent_id: str | None = None) -> PlanPublic:
         """What an agent at ``from_version`` (or holding nothing) fetches to reach ``to_version``.
 
-        The cheaper (in bytes) of the delta chain from ``from_version`` and the newest anchor on the target's
-        chain plus the deltas after it. The walk goes back from the target along base pointers, one indexed
-        lookup per step, and stops as soon as the delta route can no longer be the cheaper: its cost grows
-        with the plan, not with the ledger. An agent's latest plan is recorded (GC keeps its objects for the
-        plan lease); a reader's is not.
+        The cheapest (in bytes; on a tie, in objects) of the delta chain from ``from_version``, the newest anchor
+        on the target's chain plus the deltas after it, and a squash from exactly ``from_version`` (one of the
+        newest :data:`MAX_SQUASHES_PLANNED`) plus the deltas after it. The walk goes back from the target along
+        base pointers, one indexed lookup per step, and stops as soon as the delta route can no longer be the
+        cheaper: its cost grows with the plan, not with the ledger. An agent's latest plan is recorded (GC keeps
+        its objects for the plan lease); a reader's is not.
 
         Raises:
             Conflict: ``from_version`` is above the latest version (an agent ahead of this ledger).
@@ -317,19 +385,34 @@ class Registry:
                 chain.append(at["delta"])
                 chain_bytes += at["delta"]["bytes"]
                 v = at["delta"]["base_version"]
-            candidates: list[tuple[list[Row] | None, Literal["deltas", "anchor"]]] = [
+            candidates: list[tuple[list[Row] | None, Literal["deltas", "anchor", "squash"]]] = [
                 (delta_route, "deltas"),
                 (anchor_route, "anchor"),
             ]
             routes = [(r, name) for r, name in candidates if r is not None]
+            if from_version is not None:
+                budget = min((sum(r["bytes"] for r in route) for route, _ in routes), default=MAX_INT)
+                squashes = c.execute(
+                    f"{SQUASH_ROWS} WHERE base_version=? AND version<=? AND deleted_at IS NULL "
+                    "ORDER BY version DESC LIMIT ?",
+                    (from_version, target, MAX_SQUASHES_PLANNED),
+                ).fetchall()
+                for sq in squashes:
+                    if sq["bytes"] > budget:
+                        continue
+                    tail = self._tail(rows_at, here, sq["version"], target, budget - sq["bytes"])
+                    if tail is not None:
+                        routes.append(([sq, *tail], "squash"))
+                        budget = min(budget, sq["bytes"] + sum(r["bytes"] for r in tail))
             if not routes:
                 raise NotFound(f"no route from v{from_version} to v{target}: the deltas and anchors it needs are gone")
-            best, name = min(routes, key=lambda rn: sum(r["bytes"] for r in rn[0]))
+            # the fewest bytes; on a tie, the fewest objects (one round trip rather than several)
+            best, name = min(routes, key=lambda rn: (sum(r["bytes"] for r in rn[0]), len(rn[0])))
             if agent_id is not None:  # an agent's latest plan only: one row per agent, whatever it asks
                 c.execute("DELETE FROM plans WHERE agent_id=?", (agent_id,))
                 c.execute(
                     "INSERT INTO plans (agent_id, issued_at, objects) VALUES (?, ?, ?)",
-                    (agent_id, self._clock(), json.dumps([[r["version"], r["kind"]] for r in best])),
+                    (agent_id, self._clock(), json.dumps([_planned(r) for r in best])),
                 )
         return PlanPublic(
             from_version=from_version,
@@ -338,6 +421,25 @@ class Registry:
             bytes=min(sum(r["bytes"] for r in best), MAX_INT),  # saturates: each object is capped, not the sum
             route=name,
         )
+
+    @staticmethod
+    def _tail(rows_at: Any, here: dict[str, Row], start: int, target: int, budget: int) -> list[Row] | None:
+        """The deltas from ``start`` to ``target`` in apply order, walking base pointers back from the target; ``None``
+        when there is no such chain or it costs more than ``budget`` bytes (the walk stops there: its cost grows
+        with the route, never with the ledger)."""
+        back: list[Row] = []
+        spent = 0
+        v = target
+        while v != start:
+            delta = (here if v == target else rows_at(v)).get("delta")
+            if v < start or delta is None:
+                return None
+            spent += delta["bytes"]
+            if spent > budget:
+                return None
+            back.append(delta)
+            v = delta["base_version"]
+        return back[::-1]
 
     # ------------------------------------------------------------------ the publisher lease
 
@@ -399,9 +501,17 @@ class Registry:
             return bool(cur.rowcount == 1)
 
     def recent_plan_objects(self, window_s: float) -> set[tuple[int, str]]:
-        """(version, kind) of every object in a plan issued within ``window_s``; older plans are forgotten."""
+        """(version, kind) of every delta and anchor in a plan issued within ``window_s``; older plans are
+        forgotten."""
+        return {(o[0], o[1]) for o in self._recent_plans(window_s) if o[1] != "squash"}
+
+    def recent_plan_squashes(self, window_s: float) -> set[tuple[int, int]]:
+        """(version, base_version) of every squash in a plan issued within ``window_s``."""
+        return {(o[0], o[2]) for o in self._recent_plans(window_s) if o[1] == "squash"}
+
+    def _recent_plans(self, window_s: float) -> list[list[Any]]:
         now = self._clock()
         with self.db.tx() as c:
             c.execute("DELETE FROM plans WHERE issued_at < ?", (now - window_s,))
             rows = c.execute("SELECT objects FROM plans").fetchall()
-        return {(v, k) for r in rows for v, k in json.loads(r["objects"])}
+        return [o for r in rows for o in json.loads(r["objects"])]

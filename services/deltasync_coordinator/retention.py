@@ -6,6 +6,11 @@ live agent has applied, and every object of a plan issued within ``plan_lease_s`
 it). Nothing is deleted while no anchor can be proven. Deletion goes through the store, which never follows a
 link nor leaves its root; the manifest goes first, so an object stops being committed before its shards do.
 
+**Squashes** (deltas over several versions, beside the chain) are kept while one may still be the cheapest
+route of a live agent: a squash goes once no live agent holds its base, or once a newer squash from the same
+base is registered (the publisher writes one per version from each base it tracks), unless a recent plan names
+it. Deleting a delta never touches the squashes (nor the anchor) under its version's prefix.
+
 **Leftovers**, objects the ledger never registered, go too: one committed under an older publisher lease epoch
 than the live one (a fenced publisher's late write; readers already refuse it), and any unregistered object
 below the newest registered version (a crashed publisher's shards). The live publisher only ever writes above
@@ -19,16 +24,16 @@ import json
 import logging
 
 from deltasync.errors import ObjectNotFound
-from deltasync.layout import MANIFEST_FILE, manifest_key, object_prefix, version_of_key
+from deltasync.layout import MANIFEST_FILE, manifest_key, object_prefix, parse_squash_key, version_of_key
 from deltasync.manifest import MAX_MANIFEST_BYTES, DeltaManifest
 from deltasync.reader import prove_object
 from deltasync.schemas import GcPublic, VersionPublic
 from deltasync.store import Store
-from deltasync.vocab import Kind
+from deltasync.vocab import ObjectKind
 
 from .fleet import Fleet
 from .ledger import LedgerDatabase
-from .registry import Registry, Row, public
+from .registry import SQUASH_ROWS, Registry, Row, public
 
 __all__ = ["Retention"]
 
@@ -73,7 +78,24 @@ class Retention:
                 or (r["kind"] == "delta" and r["version"] <= keep_from)
             )
         ]
+        candidates += self._squash_candidates(set(live))
         return GcPublic(candidates=candidates, keep_from=keep_from, kept_anchor=kept_anchor)
+
+    def _squash_candidates(self, live: set[int]) -> list[VersionPublic]:
+        """Squashes no live agent can still want: its base is held by none, or a newer squash from its base is
+        registered (the publisher writes one per version while an agent stays there); a recent plan's stay."""
+        with self.db.read() as c:
+            rows = c.execute(f"{SQUASH_ROWS} WHERE deleted_at IS NULL ORDER BY base_version, version").fetchall()
+        planned = self.registry.recent_plan_squashes(self.plan_lease_s)
+        newest: dict[int, int] = {}
+        for r in rows:
+            newest[r["base_version"]] = max(newest.get(r["base_version"], -1), r["version"])
+        return [
+            public(r)
+            for r in rows
+            if (r["version"], r["base_version"]) not in planned
+            and (r["base_version"] not in live or r["version"] < newest[r["base_version"]])
+        ]
 
     def _prove(self, store: Store, row: Row) -> str | None:
         """``None`` if the anchor is present and intact in the store, else what is wrong."""
@@ -133,7 +155,13 @@ class Retention:
     def _leftovers(self, store: Store, problems: list[str]) -> dict[str, tuple[list[str], str]]:
         """Unregistered objects no live publisher can still commit: object prefix -> (its keys, why)."""
         with self.db.read() as c:
-            registered = {(r["version"], r["kind"]) for r in c.execute("SELECT version, kind FROM versions")}
+            registered: set[tuple[int, ObjectKind, int | None]] = {
+                (r["version"], r["kind"], None) for r in c.execute("SELECT version, kind FROM versions")
+            }
+            registered |= {
+                (r["version"], "squash", r["base_version"])
+                for r in c.execute("SELECT version, base_version FROM squashes")
+            }
             top = c.execute("SELECT MAX(version) FROM versions").fetchone()[0]
             lease = c.execute("SELECT epoch FROM lease WHERE id=1").fetchone()
         epoch = None if lease is None else lease["epoch"]
@@ -142,17 +170,22 @@ class Retention:
         except Exception as exc:  # noqa: BLE001 - a store we cannot list deletes nothing; reported, never a 500
             problems.append(f"leftovers not collected: {type(exc).__name__}: {exc}")
             return {}
-        objects: dict[tuple[int, Kind], list[str]] = {}
+        objects: dict[tuple[int, ObjectKind, int | None], list[str]] = {}
         for key in keys:
             version = version_of_key(key)
-            if version is not None:
-                kind: Kind = "anchor" if key.startswith(object_prefix(version, "anchor")) else "delta"
-                objects.setdefault((version, kind), []).append(key)
-        out: dict[str, tuple[list[str], str]] = {}
-        for (version, kind), found in objects.items():
-            if (version, kind) in registered:
+            if version is None:
                 continue
-            prefix, key, why = object_prefix(version, kind), manifest_key(version, kind), None
+            squash = parse_squash_key(key)
+            if squash is not None:
+                objects.setdefault((version, "squash", squash[1]), []).append(key)
+                continue
+            kind: ObjectKind = "anchor" if key.startswith(object_prefix(version, "anchor")) else "delta"
+            objects.setdefault((version, kind, None), []).append(key)
+        out: dict[str, tuple[list[str], str]] = {}
+        for (version, kind, base), found in objects.items():
+            if (version, kind, base) in registered:
+                continue
+            prefix, key, why = object_prefix(version, kind, base), manifest_key(version, kind, base), None
             manifest = self._manifest(store, key) if key in found else None
             if manifest is not None and manifest.lease_epoch is not None and epoch is not None:
                 if manifest.lease_epoch < epoch:
@@ -183,9 +216,13 @@ class Retention:
         return None
 
     def _delete(self, store: Store, obj: VersionPublic) -> str | None:
-        prefix = object_prefix(obj.version, obj.kind)
+        prefix = object_prefix(obj.version, obj.kind, obj.base_version if obj.kind == "squash" else None)
+
+        def own(k: str) -> bool:  # a delta's prefix holds the anchor's and the squashes' too: never theirs
+            return obj.kind != "delta" or not (k.startswith(prefix + "anchor/") or parse_squash_key(k) is not None)
+
         try:
-            keys = [k for k in store.list(prefix) if obj.kind == "anchor" or not k.startswith(prefix + "anchor/")]
+            keys = [k for k in store.list(prefix) if own(k)]
         except Exception as exc:  # noqa: BLE001 - a store we cannot list deletes nothing; reported, never a 500
             return f"{obj.kind} v{obj.version} not deleted: {type(exc).__name__}: {exc}"
         ordered = sorted(keys, key=lambda k: k != obj.manifest_key)  # the manifest first: uncommit, then delete
@@ -207,7 +244,13 @@ class Retention:
     def _mark_deleted(self, obj: VersionPublic, keys: list[str], reason: str) -> None:
         now = self.db.clock()
         with self.db.tx() as c:
-            c.execute("UPDATE versions SET deleted_at=? WHERE version=? AND kind=?", (now, obj.version, obj.kind))
+            if obj.kind == "squash":
+                c.execute(
+                    "UPDATE squashes SET deleted_at=? WHERE version=? AND base_version=?",
+                    (now, obj.version, obj.base_version),
+                )
+            else:
+                c.execute("UPDATE versions SET deleted_at=? WHERE version=? AND kind=?", (now, obj.version, obj.kind))
             c.execute(
                 "INSERT INTO deletions (version, kind, keys, reason, deleted_at) VALUES (?, ?, ?, ?, ?)",
                 (obj.version, obj.kind, json.dumps(keys), reason, now),

@@ -552,4 +552,4 @@ def test_a_newer_schema_on_postgres_is_refused_at_start(pg_url: str) -> None:
         con.execute("INSERT INTO schema_migrations VALUES (99, 0)")
     proc = _coordinator(pg_url, env=TOKENS_ENV)  # type: ignore[arg-type]
     assert proc.returncode == 1
-    assert "schema version 99 was written by a newer deltasync (this one knows 2)" in proc.stderr, proc.stderr[-2000:]
+    assert "schema version 99 was written by a newer deltasync (this one knows 3)" in proc.stderr, proc.stderr[-2000:]

@@ -337,7 +337,7 @@ async def test_health_answers_from_memory_and_names_the_run(coord: Coordinator) 
     await coord.publish(0, "anchor")
     health = (await coord.http.get("/healthz")).json()
     run = coord.app.state.registry.run_id
-    assert health == {"status": "ok", "latest": 0, "run_id": run, "schema_version": 2, "reasons": []}
+    assert health == {"status": "ok", "latest": 0, "run_id": run, "schema_version": 3, "reasons": []}
     r = await coord.http.get("/v1/versions/0", headers=AGT)
     assert r.headers["deltasync-run-id"] == run
 

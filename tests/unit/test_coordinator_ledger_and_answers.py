@@ -153,8 +153,8 @@ def test_files_that_are_not_this_ledger_are_refused_clearly(tmp_path: Path) -> N
     with pytest.raises(DamagedLedger, match="is a directory; pass a database file path"):
         _db(tmp_path / "dir.db")
     _db(tmp_path / "new.db").close()
-    _sql(tmp_path / "new.db", "INSERT INTO schema_migrations VALUES (3, 0)")
-    with pytest.raises(DamagedLedger, match="schema version 3 was written by a newer deltasync"):
+    _sql(tmp_path / "new.db", "INSERT INTO schema_migrations VALUES (4, 0)")
+    with pytest.raises(DamagedLedger, match="schema version 4 was written by a newer deltasync"):
         _db(tmp_path / "new.db")
     _db(tmp_path / "lost.db").close()
     _sql(tmp_path / "lost.db", "DROP TABLE agents")
@@ -180,11 +180,11 @@ def test_databases_that_are_not_this_ledger_are_refused_clearly_on_postgres(pg_u
         con.execute("DROP TABLE users")
     PgDatabase(pg_url, PG_MIGRATIONS).close()
     with psycopg.connect(pg_url, autocommit=True) as con:
-        con.execute("INSERT INTO schema_migrations VALUES (3, 0)")
-    with pytest.raises(DamagedLedger, match="schema version 3 was written by a newer deltasync"):
+        con.execute("INSERT INTO schema_migrations VALUES (4, 0)")
+    with pytest.raises(DamagedLedger, match="schema version 4 was written by a newer deltasync"):
         PgDatabase(pg_url, PG_MIGRATIONS)
     with psycopg.connect(pg_url, autocommit=True) as con:
-        con.execute("DELETE FROM schema_migrations WHERE version = 3")
+        con.execute("DELETE FROM schema_migrations WHERE version = 4")
         con.execute("DROP TABLE agents")
     with pytest.raises(DamagedLedger, match=r"migrations are recorded but tables \['agents'\] are missing"):
         PgDatabase(pg_url, PG_MIGRATIONS)

@@ -117,7 +117,7 @@ async def register_version(body: VersionCreate, request: Request) -> Response:
     registry: Registry = request.app.state.registry
     lease = request.headers.get(LEASE_HEADER)
     record, created = await run_in_threadpool(registry.register, body, lease)
-    if created:
+    if created and body.kind != "squash":  # a squash is no new version: nothing for a long-poll
         request.app.state.notifier.notify(registry.latest_version())
     return Response(record.model_dump_json(), status_code=201 if created else 200, media_type="application/json")
 
