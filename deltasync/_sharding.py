@@ -153,7 +153,7 @@ def dense_entries(buffers: Mapping[str, torch.Tensor], views: Mapping[str, Tenso
 
 
 def globalize(
-    d: TensorDelta, new: torch.Tensor, view: TensorView, *, served: Sketch | None = None
+    d: TensorDelta, new: torch.Tensor, view: TensorView, *, served: Sketch | None = None, sketch: Sketch | None = None
 ) -> tuple[TensorDelta, Sketch]:
     """A local delta (this rank's rows) in global flat coordinates, with the checksum and sketch of its new span,
     and that sketch's lanes.
@@ -161,17 +161,20 @@ def globalize(
     The checksum is ``d.checksum`` where the diff took it (:func:`~deltasync.diff.compute_delta`'s
     ``checksums``), else read from ``new``. The sketch is ``served`` (the span's sketch before the change) moved
     by the change, read from the changed elements only (the sketch is linear), where ``d`` is sparse and
-    ``served`` is given; else read from ``new``."""
+    ``served`` is given; ``sketch`` where the caller knows it (a squash: the version's own); else read from
+    ``new``."""
     checksum = d.checksum if d.checksum is not None else tensor_checksum(new)
     start = 0 if view.span is None else view.span[0]
     indices = None if d.indices is None else d.indices + start if start else d.indices
-    if indices is not None and served is not None and d.base_values is not None:
+    if sketch is not None:
+        lanes = sketch
+    elif indices is not None and served is not None and d.base_values is not None:
         lanes = add_sketches(served, sketch_change(d.values, d.base_values, indices, increasing=True))
     else:
         lanes = sketch_range(new, start)
-    sketch = format_sketch(lanes)
+    text = format_sketch(lanes)
     if view.span is None:
-        return dataclasses.replace(d, checksum=checksum, sketch=sketch), lanes
+        return dataclasses.replace(d, checksum=checksum, sketch=text), lanes
     if d.indices is None:
         base = d.base_values.reshape(-1) if d.base_values is not None else None
         return dataclasses.replace(
@@ -181,8 +184,8 @@ def globalize(
             base_values=base,
             span=view.span,
             checksum=checksum,
-            sketch=sketch,
+            sketch=text,
         ), lanes
     return dataclasses.replace(
-        d, shape=view.shape, indices=indices, span=view.span, checksum=checksum, sketch=sketch
+        d, shape=view.shape, indices=indices, span=view.span, checksum=checksum, sketch=text
     ), lanes

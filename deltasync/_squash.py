@@ -52,8 +52,8 @@ class _Base:
         """Merge one delta's changed elements (sorted local indices, their values before it): an element seen
         before keeps its value at the base; a new one takes the value before this delta, which is the base's."""
         held = self.tensors.get(name)
-        if held is None:
-            self.tensors[name] = (idx.copy(), old.copy())
+        if held is None:  # by reference: a delta's arrays are never written after the diff made them
+            self.tensors[name] = (idx, old)
             self.elements += idx.size
             return
         have, base = held

@@ -168,6 +168,8 @@ class Publisher:
         # worker-only state
         self._snapshot: dict[str, torch.Tensor] | None = None
         self._sketches: dict[str, Sketch] = {}
+        self._checksums: dict[str, str] = {}
+        """The checksum of each tensor (this rank's span) in ``_snapshot``: a squash's entries carry them."""
         """The sketch of each tensor (this rank's span) in ``_snapshot``, moved by each delta's changes."""
         self._last_version: int | None = None
         self._last_anchor: tuple[int, int] = (0, 0)  # (version, bytes)
@@ -452,6 +454,7 @@ class Publisher:
         if self._snapshot is None:
             entries = dense_entries(new, self._views)
             self._sketches = {d.ckpt_name: parse_sketch(str(d.sketch)) for d in entries}
+            self._checksums = {d.ckpt_name: str(d.checksum) for d in entries}
             self._publish_object(item, "anchor", entries, base_version=None)
             self._snapshot, spare = new, None
         else:
@@ -462,6 +465,7 @@ class Publisher:
             for d in changes.values():
                 name = d.ckpt_name
                 entry, self._sketches[name] = globalize(d, new[name], self._views[name], served=self._sketches[name])
+                self._checksums[name] = str(entry.checksum)
                 deltas.append(entry)
             self._bytes_since_anchor += self._publish_object(item, "delta", deltas, base_version=self._last_version)
             self._snapshot, spare = new, self._snapshot  # double buffering: no copy, no scatter
@@ -566,7 +570,6 @@ class Publisher:
                 max_fraction=self.config.squash_max_fraction,
                 elements=sum(t.numel() for t in new.values()),
             )
-        self._squashes.observe(base_version, changes)
         held = None
         if self.rank == 0 and self.coordinator is not None:
             try:
@@ -574,26 +577,20 @@ class Publisher:
             except CoordinatorError as exc:
                 logger.warning("no squashes at v%d: the fleet view is unavailable (%s)", version, exc)
         held = self._broadcast(held)  # every rank tracks and writes the same bases
+        # bases no agent needs are dropped before this delta is merged into the rest: with no agent behind, the
+        # only base is the version before this one, whose union is this delta itself (kept by reference)
+        if held is not None:
+            self._squashes.keep(version, held)
+        self._squashes.observe(base_version, changes)
         if held is None:
             return
-        stamped: dict[str, TensorDelta] = {}  # checksum and sketch at `version`, computed once for every squash
         for base in self._squashes.keep(version, held):
             entries = []
             for d in self._squashes.deltas(base, new):
-                first = stamped.get(d.ckpt_name)
-                if first is None:
-                    entries.append(
-                        stamped.setdefault(d.ckpt_name, globalize(d, new[d.ckpt_name], self._views[d.ckpt_name]))
-                    )
-                else:  # the same tensor at the same version: only its elements differ
-                    span = self._views[d.ckpt_name].span
-                    assert d.indices is not None
-                    offset = 0 if span is None else span[0]
-                    entries.append(
-                        dataclasses.replace(
-                            first, indices=d.indices + offset, values=d.values, base_values=d.base_values
-                        )
-                    )
+                # each tensor's checksum and sketch at ``version`` are kept up to date by the deltas: no pass
+                name = d.ckpt_name
+                stamped = dataclasses.replace(d, checksum=self._checksums[name])
+                entries.append(globalize(stamped, new[name], self._views[name], sketch=self._sketches[name])[0])
             try:
                 self._commit.publish(
                     version, "squash", entries, base_version=base, views=self._views, dtype_name=DTYPE_NAMES[self.dtype]
