@@ -42,11 +42,18 @@ WORKER_EXTENSION = "deltasync.vllm.worker_ext.DeltaSyncWorkerExtension"
 _FIRST_SECONDS_PER_ELEMENT = 4e-9
 """What a sliced audit's first window assumes a proof costs per element: a slow engine's (numpy's sketch, a
 gathered layout); later windows are sized from the time the last one took."""
+_FIRST_SECONDS_PER_MAC = 2e-11
+"""What a sliced audit's first kernel read-back assumes a multiply-add costs (50 GMAC/s: a slow CPU GEMM)."""
 _MIN_WINDOW = 1 << 16
 """Elements per window at least: a call costs a round trip."""
 _STALL_MARGIN = 0.7
 """Windows are sized to this fraction of the bound, for the variance between one window and the next (a window's
 cost per element varied by 1.5x over a 0.6B engine's tensors)."""
+
+
+def _stops(ranks: list[dict[str, Any]], version: Any) -> bool:
+    """Whether a sliced audit stops after these answers: a rank found drift or failed, or serves another version."""
+    return any(r.get("bad") or not r.get("ok") or r.get("version") != version for r in ranks)
 
 
 class _VllmTarget:
@@ -176,20 +183,54 @@ class _VllmTarget:
                 else:
                     queue[0] = (name, lo + take, hi)
             ranks = self._rpc("deltasync_prove", windows=windows, extras=False)
-            if any(r.get("version") != version for r in ranks):  # the engine was updated meanwhile: next pass
-                return [f"the served version changed during the audit (v{version})"]
             took = max(float(r.get("prove_s") or 0.0) for r in ranks)
             stalls.append(took)
             answers.extend(ranks)
+            if _stops(ranks, version):
+                break
             if took > 0:
                 per_element = took / elements / _STALL_MARGIN
             last = elements
-        extras = self._rpc("deltasync_prove", windows=[], extras=True)
-        stalls.append(max(float(r.get("prove_s") or 0.0) for r in extras))
+        kernels = plan[0].get("kernels") or {}
+        if not _stops(answers, version):
+            answers += self._prove_kernels_sliced(kernels, version, stall_s, stalls)
+        if not _stops(answers, version):
+            extras = self._rpc("deltasync_prove", windows=[], extras=True, kernels=not kernels)
+            stalls.append(max(float(r.get("prove_s") or 0.0) for r in extras))
+            answers.extend(extras)
         self.audit_stalls = stalls
-        if any(r.get("version") != version for r in extras):
+        # a rank that found drift (it unlabelled itself) or failed is judged at once, on what was proven so far
+        if any(r.get("bad") or not r.get("ok") for r in answers):
+            return self._judge(answers)
+        if any(r.get("version") != version for r in answers):  # the engine was updated meanwhile: next pass
             return [f"the served version changed during the audit (v{version})"]
-        return self._judge([*answers, *extras])
+        return self._judge(answers)
+
+    def _prove_kernels_sliced(
+        self, kernels: dict[str, int], version: Any, stall_s: float, stalls: list[float]
+    ) -> list[dict[str, Any]]:
+        """The repacked modules read back through their kernels, as many per call as fit ``stall_s`` by their
+        multiply-adds (from the time the last call took per one): each rank's answers. A module is read whole: one
+        that takes longer than the bound alone (a large vocabulary's ``lm_head``) holds the workers that long."""
+        answers: list[dict[str, Any]] = []
+        queue = sorted(kernels.items())
+        per_mac = _FIRST_SECONDS_PER_MAC
+        while queue:
+            batch: list[list[Any]] = []
+            macs = 0
+            while queue and (not batch or (macs + queue[0][1]) * per_mac <= stall_s):
+                name, cost = queue.pop(0)
+                batch.append([f"kernel:{name}", 0, 0])
+                macs += int(cost)
+            ranks = self._rpc("deltasync_prove", windows=batch, extras=False)
+            took = max(float(r.get("prove_s") or 0.0) for r in ranks)
+            stalls.append(took)
+            answers.extend(ranks)
+            if _stops(ranks, version):
+                break
+            if took > 0 and macs:
+                per_mac = took / macs / _STALL_MARGIN
+        return answers
 
     def _judge(self, ranks: list[dict[str, Any]]) -> list[str]:
         drifted, unproven = combine_proofs(ranks)

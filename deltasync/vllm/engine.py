@@ -262,10 +262,11 @@ class DeltaSyncWeightTransferEngine(WeightTransferEngine[DeltaSyncInitInfo, Delt
         names: list[str] | None = None,
         windows: list[tuple[str, int, int]] | None = None,
         extras: bool | None = None,
+        kernels: bool = True,
     ) -> dict[str, Any]:
         """What this rank serves, proven against the published checksums (the ``deltasync_prove`` RPC), whole or
         in a sliced audit's windows: :meth:`Prover.prove_state`. Never raises."""
-        return self.prover.prove_state(names, windows, extras)
+        return self.prover.prove_state(names, windows, extras, kernels)
 
     def prove_slots(self, worker: Any) -> tuple[list[str], int]:
         """``lora`` mode: the served adapter's slots in vLLM's LoRA buffers (:meth:`Prover.prove_slots`)."""

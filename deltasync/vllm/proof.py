@@ -37,6 +37,10 @@ __all__ = ["Prover", "Written", "change_parts", "prove_update"]
 
 logger = logging.getLogger("vllm.deltasync.engine")
 
+_KERNEL = "kernel:"
+"""A sliced audit's window that reads one repacked module back through its kernel: ``kernel:<module>`` (a
+checkpoint name has no ``:``)."""
+
 _BLOCK = 1 << 20
 """Changed elements proven at a time (:func:`_changes`)."""
 
@@ -293,6 +297,7 @@ class Prover:
         names: list[str] | None = None,
         windows: list[tuple[str, int, int]] | None = None,
         extras: bool | None = None,
+        kernels: bool = True,
     ) -> dict[str, Any]:
         """Prove what this rank holds against the served version's published checksums (the ``deltasync_prove``
         RPC): every element of every tensor (``names``: only these), read from the live parameters through the
@@ -306,8 +311,11 @@ class Prover:
         worker for a bounded time: ``windows`` (instead of ``names``) are ``(tensor, lo, hi)`` checkpoint flat
         index ranges, each returned as parts for the agent to add up over the windows and the ranks; ``extras``
         (default: ``names is None and windows is None``) also proves what is beside the tensors (the kernels of
-        repacked modules, a MoE kernel's padding, the adapter directories vLLM loads). An answer with no windows
-        and no names lists the served version's tensors and their sizes (``tensors``), for the agent to plan.
+        repacked modules, a MoE kernel's padding, the adapter directories vLLM loads; ``kernels=False``: not the
+        kernels, which a sliced audit reads back in windows of their own, ``("kernel:<module>", 0, 0)``, a module
+        each). An answer with no windows and no names lists the served version's tensors and their sizes
+        (``tensors``), and the repacked modules and the multiply-adds that read each back (``kernels``), for the
+        agent to plan.
         """
         t0 = time.perf_counter()
         manifest, version = self.label.manifest, self.label.version
@@ -323,13 +331,19 @@ class Prover:
         try:
             bad, parts, unproven = self._prove_tensors(manifest, wanted)
             if windows:
-                self._prove_windows(manifest, windows, parts, unproven)
+                modules = {w[0].removeprefix(_KERNEL) for w in windows if w[0].startswith(_KERNEL)}
+                if modules:
+                    kernel_bad, kernel_unproven = self._prove_kernels(modules)
+                    bad += kernel_bad
+                    unproven += kernel_unproven
+                self._prove_windows(manifest, [w for w in windows if not w[0].startswith(_KERNEL)], parts, unproven)
             if extras and self.served.mode == "lora":  # the whole state: also the directories vLLM loads
                 bad += self.adapter.prove_dirs(manifest)
             elif extras:  # the whole state: also what the kernels of repacked modules compute with
-                kernel_bad, kernel_unproven = self._prove_kernels()
-                bad += kernel_bad
-                unproven += kernel_unproven
+                if kernels:
+                    kernel_bad, kernel_unproven = self._prove_kernels()
+                    bad += kernel_bad
+                    unproven += kernel_unproven
                 pm = self.served.proof_map()
                 if pm is not None:  # and the padding a MoE kernel computes with beside the experts' elements
                     bad += pm.padding_drift()
@@ -355,6 +369,7 @@ class Prover:
         }
         if windows is not None and not windows and names is None:
             answer["tensors"] = {n: e.numel for n, e in manifest.tensors.items()}
+            answer["kernels"] = self._kernel_costs()
         return answer
 
     def _prove_windows(
@@ -429,7 +444,23 @@ class Prover:
                     (bad if whole is not None else unproven).append(name)
         return bad, parts, unproven
 
-    def _prove_kernels(self) -> tuple[list[str], list[str]]:
+    def _kernel_costs(self) -> dict[str, int]:
+        """Each repacked module this rank would read back through its kernel (the whole-state proof), and the
+        multiply-adds that costs (an identity of its input size through its GEMM: ``inputs**2 x outputs``)."""
+        if self.served.mode == "patches":
+            return {}
+        refs = self.served.reloader.kernel_refs
+        costs = {}
+        for qualname, module in kernel_modules(self.served.model):
+            weight = getattr(module, "weight", None)
+            if not isinstance(weight, torch.Tensor) or (qualname not in refs and weight.numel()):
+                continue  # a plain weight, proven as a tensor: nothing to read back
+            k = int(getattr(module, "input_size_per_partition", 0) or (weight.shape[1] if weight.dim() == 2 else 0))
+            out = int(getattr(module, "output_size_per_partition", 0) or (weight.shape[0] if weight.dim() == 2 else 0))
+            costs[qualname] = max(k * k * out, 1)
+        return costs
+
+    def _prove_kernels(self, only: set[str] | None = None) -> tuple[list[str], list[str]]:
         """vLLM's CPU build repacks linear weights after loading (the parameter left empty, the kernel holding
         its own copy): read each such module back through its kernel (an identity matrix: one non-zero term per
         output, exact) and compare with the weight its loader built from the proven shadow, recorded right before
@@ -441,7 +472,7 @@ class Prover:
         with torch.no_grad():
             for qualname, module in kernel_modules(self.served.model):
                 weight = getattr(module, "weight", None)
-                if not isinstance(weight, torch.Tensor):
+                if not isinstance(weight, torch.Tensor) or only is not None and qualname not in only:
                     continue
                 ref = refs.get(qualname)
                 if ref is None:

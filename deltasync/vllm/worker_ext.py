@@ -57,12 +57,17 @@ class DeltaSyncWorkerExtension:
         return result
 
     def deltasync_prove(
-        self, names: list[str] | None = None, windows: list[list[Any]] | None = None, extras: bool | None = None
+        self,
+        names: list[str] | None = None,
+        windows: list[list[Any]] | None = None,
+        extras: bool | None = None,
+        kernels: bool = True,
     ) -> dict[str, Any]:
         """Prove what this rank holds against the served version's published checksums (every tensor, or
         ``names``, or a sliced audit's ``windows`` ``[tensor, lo, hi]``); parts of tensors held in part (and every
         window) come back for the agent to add up over the ranks. ``extras`` (default: neither names nor windows):
-        also what is beside the tensors. In ``lora`` mode that is also what vLLM computes with: every loaded copy
+        also what is beside the tensors (``kernels=False``: not the repacked kernels, read back in windows
+        ``["kernel:<module>", 0, 0]`` instead). In ``lora`` mode that is also what vLLM computes with: every loaded copy
         of the served adapter and its slot in the layers' buffers
         (:func:`~deltasync.vllm.lora_slots.prove_served_slots`), read back once the served directory is proven
         (``"slots"``: how many loaded copies were read)."""
@@ -76,7 +81,7 @@ class DeltaSyncWorkerExtension:
             except (TypeError, ValueError) as exc:
                 return {"ok": False, "version": None, "reason": f"windows must be [tensor, lo, hi]: {exc}", "parts": {}}
         extras = (names is None and windows is None) if extras is None else bool(extras)
-        result: dict[str, Any] = engine.prove_state(names, spans, extras)
+        result: dict[str, Any] = engine.prove_state(names, spans, extras, bool(kernels))
         if extras and result.get("ok") and _track_served_adapter(self, engine):
             try:
                 bad, result["slots"] = engine.prove_slots(self)

@@ -337,7 +337,7 @@ def _publish_spans(
                 assert prev is not None
                 ch = compute_delta({name: prev[name][r0:r1].clone()}, {name: new}, dense_fraction=0.5)
                 if name in ch:
-                    deltas.append(globalize(ch[name], new, view))
+                    deltas.append(globalize(ch[name], new, view)[0])
         for d in deltas:
             nnz[d.ckpt_name] += d.nnz
         s = writer.encode(

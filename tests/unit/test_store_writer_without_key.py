@@ -441,7 +441,7 @@ def test_every_rank_hears_of_a_key_squatted_on_another_rank_and_moves_on_alike(
         commit.publish(
             0, "anchor", dense_entries(local[0], views[r]), base_version=None, views=views[r], dtype_name="BF16"
         )
-        deltas = [globalize(d, local[1]["w"], views[r]["w"]) for d in compute_delta(local[0], local[1]).values()]
+        deltas = [globalize(d, local[1]["w"], views[r]["w"])[0] for d in compute_delta(local[0], local[1]).values()]
         try:
             commit.publish(1, "delta", deltas, base_version=0, views=views[r], dtype_name="BF16")
             outcomes[r] = "committed"
