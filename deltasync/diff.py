@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 import os
 from collections.abc import Mapping, MutableMapping
@@ -120,8 +121,10 @@ def compute_delta(
         c = currs[name] = c.detach().contiguous()
         pb, cb = _bits(p.detach() if update_prev else p.detach().contiguous()), _bits(c)
         if compiled is not None and _scannable(pb, cb):
-            step = max(pb.size, 1) if checksums else max(chunk_elems, _RANGE_ELEMS)  # a digest reads in order
-            tasks.extend(_Task(name, pb, cb, s, min(s + step, pb.size), True) for s in range(0, pb.size, step))
+            # a digest reads its tensor in order: one task; else tasks that start on an 8-byte word (after the head)
+            step = max(pb.size, 1) if checksums else max(chunk_elems, _RANGE_ELEMS) // 8 * 8
+            cuts = [0, *range(_head(pb) + step, pb.size, step), pb.size]
+            tasks.extend(_Task(name, pb, cb, a, b, True) for a, b in itertools.pairwise(cuts) if a < b)
         else:
             tasks.extend(
                 _Task(name, pb, cb, s, min(s + chunk_elems, pb.size), False) for s in range(0, pb.size, chunk_elems)
@@ -188,6 +191,11 @@ def _scannable(pb: np.ndarray, cb: np.ndarray) -> bool:
     return pb.itemsize in (2, 4) and (pb.ctypes.data - cb.ctypes.data) % 8 == 0
 
 
+def _head(a: np.ndarray) -> int:
+    """The elements of ``a`` before its first 8-byte boundary (the compiled scan's words start there)."""
+    return min(((-a.ctypes.data) % 8) // a.itemsize, a.size)
+
+
 def _scan(compiled: Any, task: _Task, update_prev: bool, checksums: bool) -> _Found:
     """The changes of ``task`` by the compiled scan (:func:`deltasync._kernels` ``diff_words``): elements compared
     8 bytes at a time, the tensor read in steps that stay in cache, and, with ``checksums``, the new tensor's
@@ -195,7 +203,7 @@ def _scan(compiled: Any, task: _Task, update_prev: bool, checksums: bool) -> _Fo
     step with a change (the steps before it are read again then): an unchanged tensor is never hashed."""
     a, b, isz = task.prev, task.curr, task.prev.itemsize
     per = 8 // isz
-    head = min(((-a.ctypes.data) % 8) // isz, a.size)  # elements before the first 8-byte boundary
+    head = _head(a)
     words = (a.size - head) // per
     a64 = a[head : head + words * per].view(np.uint64)
     b64 = b[head : head + words * per].view(np.uint64)
@@ -212,6 +220,8 @@ def _scan(compiled: Any, task: _Task, update_prev: bool, checksums: bool) -> _Fo
             w0 = (pos - head) // per
             w1 = min(w0 + _SCAN_ELEMS // per, (min(task.stop, body_end) - head) // per)
             stop = head + w1 * per
+            if stop <= pos:  # a task that does not start on a word (compute_delta cuts them on words)
+                raise AssertionError(f"compute_delta: a scan task starts at element {pos}, off a word")
             idx, new, old, n = compiled.diff_words(a, b, (a64, b64), (w0, w1, head), (idx, new, old, n), update_prev)
         if checksums and (hasher is not None or n):
             if hasher is None:

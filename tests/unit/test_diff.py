@@ -179,3 +179,18 @@ def test_compiled_scan_over_threads_and_a_tensor_split_in_tasks() -> None:
     fast = compute_delta(prev, curr, checksums=True)
     assert fast["big"].checksum == tensor_checksum(curr["big"])
     assert fast["small"].checksum == tensor_checksum(curr["small"])
+
+
+def test_compiled_scan_tasks_start_on_a_word_of_a_misaligned_tensor() -> None:
+    """A tensor whose data starts off an 8-byte boundary, split into tasks of an odd size: each task after the
+    first starts on a word, so no element is compared by two tasks (no repeated index) or by none."""
+    g = torch.Generator().manual_seed(5)
+    n = (1 << 23) + 1001
+    store = torch.randn(n + 1, generator=g).to(torch.bfloat16)
+    prev = {"t": store[1:]}  # 2 bytes past the storage's start
+    curr = {"t": prev["t"].clone()}
+    at = torch.randint(0, n, (20_000,), generator=g)
+    curr["t"][at] = curr["t"][at] * 2 + 1
+    fast, slow = _both_ways(prev, curr, chunk_elems=(1 << 23) + 3)
+    _same(fast, slow)
+    assert torch.all(fast["t"].indices[1:] > fast["t"].indices[:-1])
