@@ -164,7 +164,8 @@ class _VllmTarget:
         if not isinstance(tensors, dict):  # nothing to prove in windows (no version, no published checksums)
             return self._judge(plan)
         version = plan[0].get("version")
-        answers, stalls = [], []
+        answers: list[dict[str, Any]] = []
+        stalls: list[float] = []
         queue = [(str(name), 0, int(numel)) for name, numel in sorted(tensors.items()) if int(numel) > 0]
         per_element = _FIRST_SECONDS_PER_ELEMENT
         last = 0
@@ -182,10 +183,7 @@ class _VllmTarget:
                     queue.pop(0)
                 else:
                     queue[0] = (name, lo + take, hi)
-            ranks = self._rpc("deltasync_prove", windows=windows, extras=False)
-            took = max(float(r.get("prove_s") or 0.0) for r in ranks)
-            stalls.append(took)
-            answers.extend(ranks)
+            ranks, took = self._prove_call(answers, stalls, windows=windows, extras=False)
             if _stops(ranks, version):
                 break
             if took > 0:
@@ -195,9 +193,7 @@ class _VllmTarget:
         if not _stops(answers, version):
             answers += self._prove_kernels_sliced(kernels, version, stall_s, stalls)
         if not _stops(answers, version):
-            extras = self._rpc("deltasync_prove", windows=[], extras=True, kernels=not kernels)
-            stalls.append(max(float(r.get("prove_s") or 0.0) for r in extras))
-            answers.extend(extras)
+            self._prove_call(answers, stalls, windows=[], extras=True, kernels=not kernels)
         self.audit_stalls = stalls
         # a rank that found drift (it unlabelled itself) or failed is judged at once, on what was proven so far
         if any(r.get("bad") or not r.get("ok") for r in answers):
@@ -205,6 +201,17 @@ class _VllmTarget:
         if any(r.get("version") != version for r in answers):  # the engine was updated meanwhile: next pass
             return [f"the served version changed during the audit (v{version})"]
         return self._judge(answers)
+
+    def _prove_call(
+        self, answers: list[dict[str, Any]], stalls: list[float], **kwargs: Any
+    ) -> tuple[list[dict[str, Any]], float]:
+        """One call of a sliced audit: every rank's answer, added to ``answers``, and the time it held the slowest
+        rank, added to ``stalls``."""
+        ranks = self._rpc("deltasync_prove", **kwargs)
+        took = max(float(r.get("prove_s") or 0.0) for r in ranks)
+        answers.extend(ranks)
+        stalls.append(took)
+        return ranks, took
 
     def _prove_kernels_sliced(
         self, kernels: dict[str, int], version: Any, stall_s: float, stalls: list[float]
@@ -222,10 +229,7 @@ class _VllmTarget:
                 name, cost = queue.pop(0)
                 batch.append([f"kernel:{name}", 0, 0])
                 macs += int(cost)
-            ranks = self._rpc("deltasync_prove", windows=batch, extras=False)
-            took = max(float(r.get("prove_s") or 0.0) for r in ranks)
-            stalls.append(took)
-            answers.extend(ranks)
+            ranks, took = self._prove_call(answers, stalls, windows=batch, extras=False)
             if _stops(ranks, version):
                 break
             if took > 0 and macs:

@@ -372,6 +372,14 @@ class Prover:
             answer["kernels"] = self._kernel_costs()
         return answer
 
+    def _shadow_flat(self, shadow: Any, name: str) -> torch.Tensor | None:
+        """Tensor ``name`` flat in the shadow, where it is proven from there (patches mode never writes the shadow:
+        it proves nothing), else ``None``."""
+        if self.served.mode == "patches" or shadow is None or shadow.empty or name not in shadow.spec():
+            return None
+        flat: torch.Tensor = shadow.get(name).reshape(-1)
+        return flat
+
     def _prove_windows(
         self,
         manifest: DeltaManifest,
@@ -393,8 +401,8 @@ class Prover:
             if pm is not None and name in pm:
                 held = pm.sketch_parts(name, dtype, window=(lo, hi))
                 whole = pm.holds_whole(name, entry.numel)
-            elif self.served.mode != "patches" and shadow is not None and not shadow.empty and name in shadow.spec():
-                held = [("shadow", sketch_range(shadow.get(name).reshape(-1)[lo:hi], lo), hi - lo)]
+            elif (flat := self._shadow_flat(shadow, name)) is not None:
+                held = [("shadow", sketch_range(flat[lo:hi], lo), hi - lo)]
                 whole = True
             else:
                 unproven.append(name)
@@ -422,13 +430,7 @@ class Prover:
             if pm is not None and name in pm:
                 held = pm.sketch_parts(name, dtype)
                 whole = pm.read_whole(name) if published is None else None
-            elif (
-                self.served.mode != "patches"  # patches mode never writes the shadow: it proves nothing there
-                and shadow is not None
-                and not shadow.empty
-                and name in shadow.spec()
-            ):
-                t = shadow.get(name).reshape(-1)
+            elif (t := self._shadow_flat(shadow, name)) is not None:
                 held, whole = [("shadow", sketch_range(t), t.numel())], t
             else:
                 unproven.append(name)
