@@ -190,12 +190,7 @@ class Registry:
         with self.db.tx() as c:
             row = c.execute("SELECT * FROM versions WHERE version=? AND kind=?", (v.version, v.kind)).fetchone()
             if row is not None:
-                if {k: row[k] for k in _FIELDS} == v.model_dump(include=set(_FIELDS)):
-                    return public(row), False
-                raise Conflict(
-                    f"{v.kind} v{v.version} is already registered with other fields "
-                    f"(checksum {row['checksum']}); a version is never re-published differently"
-                )
+                return _registered_again(row, v, f"{v.kind} v{v.version}", "a version"), False
             lease = self._check_lease(c, v, lease_id)
             now = self._clock()
             latest = c.execute("SELECT MAX(version) FROM versions").fetchone()[0]  # deleted ones count too
@@ -251,12 +246,7 @@ class Registry:
         with self.db.tx() as c:
             row = c.execute(f"{SQUASH_ROWS} WHERE version=? AND base_version=?", (v.version, v.base_version)).fetchone()
             if row is not None:
-                if {k: row[k] for k in _FIELDS} == v.model_dump(include=set(_FIELDS)):
-                    return public(row), False
-                raise Conflict(
-                    f"squash v{v.base_version} -> v{v.version} is already registered with other fields "
-                    f"(checksum {row['checksum']}); an object is never re-published differently"
-                )
+                return _registered_again(row, v, f"squash v{v.base_version} -> v{v.version}", "an object"), False
             lease = self._check_lease(c, v, lease_id)
             target = c.execute("SELECT 1 FROM versions WHERE version=? AND deleted_at IS NULL", (v.version,)).fetchone()
             base = c.execute("SELECT 1 FROM versions WHERE version=?", (v.base_version,)).fetchone()
@@ -515,3 +505,18 @@ class Registry:
             c.execute("DELETE FROM plans WHERE issued_at < ?", (now - window_s,))
             rows = c.execute("SELECT objects FROM plans").fetchall()
         return [o for r in rows for o in json.loads(r["objects"])]
+
+
+def _registered_again(row: Row, v: VersionCreate, what: str, kind: str) -> VersionPublic:
+    """A registration repeated for a recorded row: the row again if every field is the same (idempotent).
+
+    Raises:
+        Conflict: the row was recorded with other fields (``what`` names it; a ``kind`` is never re-published
+            differently).
+    """
+    if {k: row[k] for k in _FIELDS} == v.model_dump(include=set(_FIELDS)):
+        return public(row)
+    raise Conflict(
+        f"{what} is already registered with other fields (checksum {row['checksum']}); {kind} is never "
+        "re-published differently"
+    )
