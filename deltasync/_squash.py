@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from .diff import bits_of
 from .format import TensorDelta
 
 __all__ = ["SquashTracker"]
@@ -33,11 +34,6 @@ logger = logging.getLogger(__name__)
 
 _GRACE_VERSIONS = 2
 """The newest versions tracked as bases whoever holds them: an agent applies a version, then says so."""
-_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-
-
-def _bits(t: torch.Tensor) -> np.ndarray:
-    return t.detach().contiguous().reshape(-1).view(_INT[t.element_size()]).numpy()
 
 
 @dataclass
@@ -95,7 +91,7 @@ class SquashTracker:
         self.bases.setdefault(base_version, _Base(base_version))
         for name, d in changes.items():
             assert d.base_values is not None, f"{name}: compute_delta gives base values"
-            new, old = _bits(d.values), _bits(d.base_values)
+            new, old = bits_of(d.values), bits_of(d.base_values)
             if d.indices is None:  # dense: every element in the entry, changed or not
                 idx = np.flatnonzero(new != old)
                 old = old[idx]
@@ -128,7 +124,7 @@ class SquashTracker:
         out = []
         for name, (idx, base_bits) in sorted(self.bases[base_version].tensors.items()):
             t = current[name]
-            now = _bits(t)[idx]
+            now = bits_of(t)[idx]
             changed = now != base_bits
             if not changed.any():
                 continue

@@ -34,8 +34,9 @@ DEFAULT_DENSE_FRACTION = 0.5
 _INT_VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
-def _bits(t: torch.Tensor) -> np.ndarray:
-    return t.reshape(-1).view(_INT_VIEW[t.element_size()]).numpy()
+def bits_of(t: torch.Tensor) -> np.ndarray:
+    """A tensor's elements as flat integers of their width (a view where the tensor is contiguous: writes reach it)."""
+    return t.detach().reshape(-1).view(_INT_VIEW[t.element_size()]).numpy()
 
 
 def _check_pair(name: str, prev: torch.Tensor, curr: torch.Tensor, update_prev: bool) -> None:
@@ -119,7 +120,7 @@ def compute_delta(
         p = prev[name]
         _check_pair(name, p, c, update_prev)
         c = currs[name] = c.detach().contiguous()
-        pb, cb = _bits(p.detach() if update_prev else p.detach().contiguous()), _bits(c)
+        pb, cb = bits_of(p.detach() if update_prev else p.detach().contiguous()), bits_of(c)
         if compiled is not None and _scannable(pb, cb):
             # a digest reads its tensor in order: one task; else tasks that start on an 8-byte word (after the head)
             step = max(pb.size, 1) if checksums else max(chunk_elems, _RANGE_ELEMS) // 8 * 8
@@ -266,7 +267,7 @@ def _tensor_delta(
     if idx.size >= dense_fraction * math.prod(shape):
         values = curr.clone()
         base = values.clone()
-        _bits(base)[idx] = old
+        bits_of(base)[idx] = old
         return TensorDelta(
             ckpt_name=name,
             shape=shape,
