@@ -1,4 +1,5 @@
-"""A realistic update stream: fp32 master weights trained by AdamW on noise, cast to bf16."""
+"""Update streams: a realistic one (fp32 master weights trained by AdamW on noise, cast to bf16), and a light one
+for shapes whose optimizer state does not fit (bf16 weights stepped by one unit in the last place)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["UpdateStream"]
+__all__ = ["UlpStream", "UpdateStream"]
 
 
 class UpdateStream:
@@ -69,3 +70,62 @@ class UpdateStream:
             denom = v.sqrt().div_(math.sqrt(bc2)).add_(self.eps)
             p.addcdiv_(m, denom, value=-self.lr / bc1)
         return self.bf16()
+
+
+class UlpStream:
+    """A light stream of bf16 weights for shapes whose AdamW state (16 bytes per element) does not fit: each step
+    moves ``changed`` of every tensor's elements, drawn at random, by one unit in the last place, up or down (what
+    lr 1e-6 does to most changed elements). It holds the weights alone (2 bytes per element) and steps them in
+    place: :meth:`step` returns the stream's own tensors, which the next step changes. Deterministic for a seed.
+
+    Example:
+        >>> stream = UlpStream.from_shapes({"w": (64, 64)}, changed=0.25, seed=0)
+        >>> before = stream.bf16()["w"]
+        >>> 0 < int((stream.step()["w"] != before).sum()) <= 1024
+        True
+    """
+
+    def __init__(self, weights: Mapping[str, torch.Tensor], *, changed: float = 0.025, seed: int = 0) -> None:
+        if not 0 < changed <= 1:
+            raise ValueError(f"changed must be a fraction in (0, 1], got {changed}")
+        bad = [n for n, t in weights.items() if t.dtype != torch.bfloat16]
+        if bad:
+            raise ValueError(f"UlpStream steps bf16 weights; {bad[:3]} are not bf16 (cast them first)")
+        self.weights = dict(weights)
+        self.changed = changed
+        self.steps = 0
+        self._gen = torch.Generator().manual_seed(seed)
+
+    @classmethod
+    def from_shapes(cls, shapes: Mapping[str, tuple[int, ...]], *, seed: int = 0, **kwargs: Any) -> UlpStream:
+        """Initialise like a model: matrices ~N(0, 0.02), vectors (norms) 1.0, made in bf16 one tensor at a time
+        (no float32 copy of the model)."""
+        gen = torch.Generator().manual_seed(seed + 1_000_003)
+        weights = {}
+        for n, s in shapes.items():
+            if len(s) > 1:
+                t = torch.empty(s, dtype=torch.bfloat16)
+                for row in t.view(s[0], -1):  # float32 one row at a time
+                    row.copy_(torch.randn(row.shape, generator=gen).mul_(0.02))
+            else:
+                t = torch.ones(s, dtype=torch.bfloat16)
+            weights[n] = t
+        return cls(weights, seed=seed, **kwargs)
+
+    def bf16(self) -> dict[str, torch.Tensor]:
+        """The current weights (new tensors)."""
+        return {n: t.clone() for n, t in self.weights.items()}
+
+    def step(self) -> dict[str, torch.Tensor]:
+        """Move about ``changed`` of every tensor's elements (drawn with replacement, then each distinct one once)
+        by one unit in the last place; returns the stream's own tensors."""
+        self.steps += 1
+        for t in self.weights.values():
+            bits = t.view(-1).view(torch.int16)
+            k = max(1, int(bits.numel() * self.changed))
+            idx = torch.randint(bits.numel(), (k,), generator=self._gen).unique()  # each moves once
+            step = torch.randint(0, 2, (idx.numel(),), generator=self._gen, dtype=torch.int16).mul_(2).sub_(1)
+            # |x| moves by one unit either way, but a zero (+0.0 or -0.0) only up: one unit below it is a NaN's bits
+            step[(bits[idx] & 0x7FFF) == 0] = 1
+            bits.index_add_(0, idx, step)
+        return self.weights
