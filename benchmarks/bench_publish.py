@@ -2,9 +2,11 @@
 nothing).
 
 One process: the time ``publish`` blocks the training thread (copy + cast of fp32 master weights to bf16)
-against one memcpy of the bf16 model into an existing buffer, measured in the same run, and the
-publish-to-registered latency with a local store and a real coordinator process. Then 2 FSDP2 ranks (gloo):
-per-rank bytes, blocked time and latency. Ends with one JSON line.
+against one memcpy of the bf16 model into an existing buffer, measured in the same run, the
+publish-to-registered latency with a local store and a real coordinator process, and the background work per
+delta (``Publisher.last_timings``: diff, sketch, encode, write, register) against the same memcpy, with the bytes
+per changed element. Then 2 FSDP2 ranks (gloo): per-rank bytes, blocked time and latency (``--no-fsdp``: skip
+them). Ends with one JSON line.
 
     python benchmarks/bench_publish.py [--steps 5] [--layers 28]
     python benchmarks/bench_publish.py --steps 2 --layers 1     # the smallest real run (about 30 s)
@@ -60,6 +62,8 @@ def single(steps: int, tmp: Path, config: dict) -> dict:
                 pub.flush()
                 latency = time.perf_counter() - t0
                 registered = client.get_version(version).version == version
+                stages = {k: v * 1e3 for k, v in pub.last_timings.items()}
+                manifest = pub.published[-1]
                 rows.append(
                     {
                         "version": version,
@@ -70,7 +74,11 @@ def single(steps: int, tmp: Path, config: dict) -> dict:
                         "blocked_over_memcpy_fp32_master": blocked / memcpy32,
                         "publish_to_registered_ms": latency * 1e3,
                         "registered": registered,
-                        "bytes": pub.published[-1].total_bytes,
+                        "bytes": manifest.total_bytes,
+                        "bytes_per_changed_element": manifest.total_bytes / max(manifest.nnz, 1),
+                        "background_ms": stages["total"],
+                        "background_over_memcpy": stages["total"] / (memcpy * 1e3),
+                        "stages_ms": stages,
                     }
                 )
                 print(
@@ -80,6 +88,13 @@ def single(steps: int, tmp: Path, config: dict) -> dict:
                     f"{rows[-1]['bytes'] / 1e6:7.2f} MB",
                     flush=True,
                 )
+                if step:
+                    print(
+                        f"    background {stages['total']:6.0f} ms = {stages['total'] / (memcpy * 1e3):4.2f}x the "
+                        "memcpy: " + ", ".join(f"{k} {v:.0f}" for k, v in stages.items() if k != "total") + " ms; "
+                        f"{rows[-1]['bytes_per_changed_element']:.4f} B per changed element",
+                        flush=True,
+                    )
     return {"rows": rows}
 
 
@@ -158,12 +173,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=5, help="published deltas after the first anchor (at least 2)")
     parser.add_argument("--layers", type=int, default=28, help="decoder layers of the Qwen3-0.6B shapes (28: all)")
+    parser.add_argument("--no-fsdp", action="store_true", help="skip the 2-rank FSDP2 run (one process only)")
     args = parser.parse_args()
     if args.steps < 2:
         parser.error(f"--steps must be >= 2 (the figures are medians over versions 2..N), got {args.steps}")
     config = {**QWEN3_0_6B_CONFIG, "num_hidden_layers": args.layers}
     with tempfile.TemporaryDirectory(prefix="deltasync-bench-publish-") as tmp:
-        two = fsdp(args.steps, Path(tmp), config)  # first: the ranks are separate processes and need the memory
+        # first: the ranks are separate processes and need the memory
+        two = {} if args.no_fsdp else fsdp(args.steps, Path(tmp), config)
         one = single(args.steps, Path(tmp), config)
     deltas = [r for r in one["rows"] if r["version"] >= 2]
     summary = {
@@ -172,12 +189,20 @@ def main() -> None:
         "blocked_over_memcpy": statistics.median(r["blocked_over_memcpy"] for r in deltas),
         "blocked_over_memcpy_fp32_master": statistics.median(r["blocked_over_memcpy_fp32_master"] for r in deltas),
         "publish_to_registered_ms": statistics.median(r["publish_to_registered_ms"] for r in deltas),
+        "background_ms": statistics.median(r["background_ms"] for r in deltas),
+        "background_over_memcpy": statistics.median(r["background_over_memcpy"] for r in deltas),
+        "bytes_per_changed_element": statistics.median(r["bytes_per_changed_element"] for r in deltas),
+        "stages_ms": {k: statistics.median(r["stages_ms"].get(k, 0.0) for r in deltas) for k in deltas[0]["stages_ms"]},
     }
     print(
         f"\none process: blocked {summary['blocked_ms']:.0f} ms = {summary['blocked_over_memcpy']:.2f}x a memcpy "
         f"of the bf16 model ({summary['memcpy_ms']:.0f} ms), {summary['blocked_over_memcpy_fp32_master']:.2f}x a "
         f"memcpy of the fp32 master weights it reads; publish-to-registered "
         f"{summary['publish_to_registered_ms']:.0f} ms\n"
+        f"background per delta {summary['background_ms']:.0f} ms = {summary['background_over_memcpy']:.2f}x the "
+        f"memcpy (medians; "
+        + ", ".join(f"{k} {v:.0f}" for k, v in summary["stages_ms"].items() if k != "total")
+        + f" ms), {summary['bytes_per_changed_element']:.4f} B per changed element\n"
     )
     print(json.dumps({**summary, "layers": args.layers, "single": one, "fsdp2": two}))
 

@@ -8,6 +8,7 @@ import dataclasses
 import logging
 import re
 import threading
+import time
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -140,8 +141,12 @@ class RankCommit:
         base_version: int | None,
         views: Mapping[str, TensorView],
         dtype_name: str,
+        timings: dict[str, float] | None = None,
     ) -> int:
         """Write this rank's shards; rank 0 writes the manifest last and registers. Returns the object's bytes.
+
+        ``timings``: where the seconds of each stage are added (``encode``, ``write``, ``register``: the ranks'
+        metadata, the lease proof, the manifest and the registration).
 
         A ``squash`` is a delta ``base_version -> version`` written at the squash's keys and registered as one: a
         taken key skips it (``VersionTaken`` without ``next_free``), never the version.
@@ -150,6 +155,7 @@ class RankCommit:
             RuntimeError: rank 0 could not commit (every rank raises it).
             LeaseError: the publisher was fenced (rank 0; every rank raises it).
         """
+        t0 = time.perf_counter()
         shards = self.writer.encode(
             deltas,
             kind="delta" if kind == "squash" else kind,
@@ -158,12 +164,14 @@ class RankCommit:
             first_index=self.rank,
             grouped=self.world == 1,
         )
+        t1 = time.perf_counter()
         taken: tuple[str, str] | None = None
         try:
             # this rank's shards in one batch; rank 0 commits later
             self.writer.put_shards(version, kind, shards, base_version=base_version)
         except VersionTaken as exc:  # every rank must hear of it: rank 0 decides for all
             taken = (str(exc), exc.key)
+        t2 = time.perf_counter()
         meta = {
             "entries": [(s.index, s.entry, list(s.tensors)) for s in shards],
             "tensors": {n: t for s in shards for n, t in s.tensors.items()},
@@ -191,6 +199,9 @@ class RankCommit:
                     raise
         if self.group is not None:
             dist.broadcast_object_list(status, src=0, group=self.group)
+        if timings is not None:
+            for stage, seconds in (("encode", t1 - t0), ("write", t2 - t1), ("register", time.perf_counter() - t2)):
+                timings[stage] = timings.get(stage, 0.0) + seconds
         outcome, detail = status[0]
         if outcome == "taken":
             message, key, next_free = detail

@@ -52,7 +52,7 @@ _ordinal_sum: Any = None
 
 def kernels() -> SimpleNamespace | None:
     """The compiled loops (``undo_ordinal``, ``undo_planes``, ``change_lanes``, ``change_rows``, ``join_gaps``,
-    ``diff_words``, ``sketch_chunks``),
+    ``gap_planes``, ``ordinal_planes``, ``diff_words``, ``sketch_chunks``),
     or ``None`` where numba is missing or turned off. The first call imports numba and compiles or loads the loops
     (~0.5-1.5 s); later calls cost a lookup."""
     if not _WANTED["compiled"]:
@@ -313,6 +313,46 @@ def _build(numba: Any) -> SimpleNamespace:
                 a[idx[i]] = new[i]
         return idx, new, old, n
 
+    plane_rows = t.Array(t.uint8, 2, "C")
+
+    @njit([t.uint64(t.Array(t.int64, 1, "C"), t.uint64, plane_rows)], **opts)
+    def gap_planes(indices: Arr, mask: np.uint64, out: Arr) -> np.uint64:  # pragma: no cover - compiled
+        # the gaps of ``indices`` (i[0], then i[k] - i[k-1] - 1, wrapped to the work type: ``mask`` is its all-ones)
+        # as byte planes, the k-th byte of each gap into out[k] for the out.shape[0] low planes, in one pass with
+        # no gap array; returns the largest gap (whose planes the caller checks it wrote)
+        n = indices.size
+        count = out.shape[0]
+        top = np.uint64(0)
+        prev = np.uint64(0)
+        one = np.uint64(1)
+        for i in range(n):
+            cur = np.uint64(indices[i])
+            g = (cur if i == 0 else cur - prev - one) & mask
+            prev = cur
+            top = max(top, g)
+            for k in range(count):
+                out[k, i] = np.uint8((g >> np.uint64(8 * k)) & np.uint64(0xFF))
+        return top
+
+    @njit([t.uint64(narrow, narrow, t.uint64, plane_rows) for narrow in (i16, i32)], **opts)
+    def ordinal_planes(new: Arr, base: Arr, mask: np.uint64, out: Arr) -> np.uint64:  # pragma: no cover - compiled
+        # zigzag(to_ordinal(new) - to_ordinal(base)) of each element, wrapped to the coded type (``mask`` is its
+        # all-ones), as byte planes into out[k] for the out.shape[0] low planes, in one pass with no temporaries;
+        # returns the largest coded value (whose planes the caller checks it wrote)
+        width_shift = new.itemsize * 8 - 1
+        magnitude = np.int64((1 << width_shift) - 1)
+        count = out.shape[0]
+        top = np.uint64(0)
+        for i in range(new.size):
+            a = np.int64(new[i])
+            b = np.int64(base[i])
+            d = (a ^ ((a >> width_shift) & magnitude)) - (b ^ ((b >> width_shift) & magnitude))
+            z = np.uint64((d << 1) ^ (d >> 63)) & mask
+            top = max(top, z)
+            for k in range(count):
+                out[k, i] = np.uint8((z >> np.uint64(8 * k)) & np.uint64(0xFF))
+        return top
+
     words_types = (t.Array(t.uint16, 1, "C"), t.Array(t.uint16, 1, "C", readonly=True))
     weights_type = t.Array(t.float32, 2, "C", readonly=True)
 
@@ -353,4 +393,6 @@ def _build(numba: Any) -> SimpleNamespace:
         change_lanes=change_lanes,
         change_rows=change_rows,
         join_gaps=join_gaps,
+        gap_planes=gap_planes,
+        ordinal_planes=ordinal_planes,
     )

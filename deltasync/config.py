@@ -126,8 +126,8 @@ class PublisherConfig:
     """With a full queue, merge the new version into the newest queued one (one exact delta) instead of blocking."""
     max_shard_bytes: int = 1 << 30
     """Tensors are grouped into shard files of about this size (single process)."""
-    zstd_level: int = 3
-    """zstd level of ``packed``."""
+    zstd_level: int = 1
+    """zstd level of ``packed`` (its strategy and window; the match finder is set for byte planes)."""
     start_version: int | None = None
     """The first version to publish; ``None``: one above every version the ledger or the store has seen."""
     signing_key: str | None = None

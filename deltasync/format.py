@@ -57,8 +57,9 @@ __all__ = [
     "tensor_checksum",
 ]
 
-DEFAULT_ZSTD_LEVEL = 3
-"""zstd level of ``packed``; benchmarks/bench_codec.py measures the alternatives."""
+DEFAULT_ZSTD_LEVEL = 1
+"""zstd level of ``packed`` (its strategy and window; the match finder is set for byte planes,
+:data:`deltasync._codec.PLANE_MIN_MATCH`); benchmarks/bench_codec.py measures the alternatives."""
 
 _INT_TORCH = {np.int16: torch.int16, np.int32: torch.int32}
 
@@ -239,21 +240,21 @@ def _encode_packed(d: TensorDelta, dtype_name: str, level: int) -> tuple[TensorI
     index_planes = 0
     if d.indices is not None:
         numel = math.prod(d.shape)
-        gaps = _codec.encode_gaps(d.indices.numpy(), np.uint32 if numel <= 2**32 else np.uint64)
-        index_planes = _codec.planes_needed(gaps)
-        blob = _codec.zstd_compress(_codec.split_planes(gaps, index_planes), level)
-        entries.append(_u8_entry(f"{d.ckpt_name}:packed_indices", blob))
+        planes_buf, index_planes = _codec.gap_planes(d.indices.numpy(), np.uint32 if numel <= 2**32 else np.uint64)
+        entries.append(_u8_entry(f"{d.ckpt_name}:packed_indices", _codec.zstd_compress(planes_buf, level)))
     new = _bits_of(d.values, dtype_name)
     coding: Literal["ordinal-delta", "bits"]
     if d.base_values is not None:
-        signed, unsigned = wide_dtypes(dtype_name)
-        diff = _codec.to_ordinal(new).astype(signed)
-        diff -= _codec.to_ordinal(_bits_of(d.base_values, dtype_name))
-        coded, coding = _codec.zigzag_encode(diff, unsigned), "ordinal-delta"
+        _, unsigned = wide_dtypes(dtype_name)
+        base = _bits_of(d.base_values, dtype_name)
+        planes_buf, value_planes = _codec.ordinal_planes(new, base, unsigned)
+        coding = "ordinal-delta"
     else:
-        coded, coding = new.view(np.uint16 if new.dtype == np.int16 else np.uint32), "bits"
-    value_planes = _codec.planes_needed(coded)
-    blob = _codec.zstd_compress(_codec.split_planes(coded, value_planes), level)
+        coded: _codec.UIntArray = new.view(np.uint16 if new.dtype == np.int16 else np.uint32)
+        coding = "bits"
+        value_planes = _codec.planes_needed(coded)
+        planes_buf = np.frombuffer(_codec.split_planes(coded, value_planes), dtype=np.uint8)
+    blob = _codec.zstd_compress(planes_buf, level)
     entries.append(_u8_entry(f"{d.ckpt_name}:packed_values", blob))
     info = _info(d, dtype_name, index_planes=index_planes, value_planes=value_planes, value_coding=coding)
     return info, entries

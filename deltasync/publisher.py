@@ -165,6 +165,11 @@ class Publisher:
         self._error: BaseException | None = None
         self.last_blocked_s = 0.0
         """Seconds the last ``publish`` held the caller (resolve + copy + any back-pressure wait)."""
+        self.last_timings: dict[str, float] = {}
+        """Seconds of each stage of the background work of the last version written (read after :meth:`flush`):
+        ``diff`` (with the changed tensors' checksums), ``sketch`` (the changed tensors' sketches), ``encode``,
+        ``write`` (the shards), ``register`` (the manifest and the registration), ``anchor`` and ``squash`` (the
+        objects beside a delta, when due) and ``total``."""
         # worker-only state
         self._snapshot: dict[str, torch.Tensor] | None = None
         self._sketches: dict[str, Sketch] = {}
@@ -450,37 +455,48 @@ class Publisher:
         """Publish one version; returns the buffer set that is free again."""
         t0 = time.perf_counter()
         new = item.buffers
+        timings: dict[str, float] = {}
         assert self._views is not None
         if self._snapshot is None:
             entries = dense_entries(new, self._views)
             self._sketches = {d.ckpt_name: parse_sketch(str(d.sketch)) for d in entries}
             self._checksums = {d.ckpt_name: str(d.checksum) for d in entries}
-            self._publish_object(item, "anchor", entries, base_version=None)
+            timings["sketch"] = time.perf_counter() - t0
+            self._publish_object(item, "anchor", entries, base_version=None, timings=timings)
             self._snapshot, spare = new, None
         else:
             # one pass over both versions: the changes and each changed tensor's digest; its sketch is the served
             # one moved by the changes (linear), so the background work is that pass plus O(changed)
             changes = compute_delta(self._snapshot, new, checksums=True)
+            t1 = time.perf_counter()
             deltas = []
             for d in changes.values():
                 name = d.ckpt_name
                 entry, self._sketches[name] = globalize(d, new[name], self._views[name], served=self._sketches[name])
                 self._checksums[name] = str(entry.checksum)
                 deltas.append(entry)
-            self._bytes_since_anchor += self._publish_object(item, "delta", deltas, base_version=self._last_version)
+            timings.update(diff=t1 - t0, sketch=time.perf_counter() - t1)
+            self._bytes_since_anchor += self._publish_object(
+                item, "delta", deltas, base_version=self._last_version, timings=timings
+            )
             self._snapshot, spare = new, self._snapshot  # double buffering: no copy, no scatter
+            t2 = time.perf_counter()
             if self._anchor_due(item.version):
                 self._publish_object(
                     item, "anchor", dense_entries(new, self._views), base_version=None, beside_delta=True
                 )
+            t3 = time.perf_counter()
             self._squash(item.version, self._last_version, changes, new)
+            timings.update(anchor=t3 - t2, squash=time.perf_counter() - t3)
         self._last_version = item.version
+        timings["total"] = time.perf_counter() - t0
+        self.last_timings = timings
         logger.info(
             "published v%d (step %s%s) in %.0f ms",
             item.version,
             item.step,
             f", coalesced {item.coalesced}" if item.coalesced else "",
-            (time.perf_counter() - t0) * 1e3,
+            timings["total"] * 1e3,
         )
         return spare
 
@@ -492,8 +508,9 @@ class Publisher:
         *,
         base_version: int | None,
         beside_delta: bool = False,
+        timings: dict[str, float] | None = None,
     ) -> int:
-        """Publish one object of ``item``'s version; returns its bytes.
+        """Publish one object of ``item``'s version; returns its bytes (``timings``: :meth:`RankCommit.publish`'s).
 
         A version whose key a store writer took first is skipped for the next free one, where the publisher holds
         the run's lease (:meth:`RankCommit._decide`): this item and every later one move up alike on every rank.
@@ -512,6 +529,7 @@ class Publisher:
                     base_version=base_version,
                     views=self._views,
                     dtype_name=DTYPE_NAMES[self.dtype],
+                    timings=timings,
                 )
                 break
             except VersionTaken as exc:

@@ -34,6 +34,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from deltasync import _codec, _kernels, sketch
+from deltasync._cpus import PARALLEL_MIN_ELEMENTS, use_cpus
 from deltasync._kernels import kernels, use_compiled, warm
 from deltasync.errors import FormatError
 from deltasync.format import TensorDelta, decode_shard, encode_shard, tensor_checksum
@@ -1073,13 +1074,18 @@ def test_decode_shard_forged_values_and_wrapping_gaps(monkeypatch: pytest.Monkey
     wide = np.uint64 if dtype == torch.float32 else np.uint32
     zero = _Reader(lambda i, dt: torch.zeros(i.numel(), dtype=dt))
     real_zigzag, real_gaps = _codec.zigzag_encode, _codec.encode_gaps
+
+    def forge(*args: Any, **kwargs: Any) -> bytes:  # the forged codes go through the numpy encode's helpers
+        with _numpy_code():
+            return encode_shard(*args, **kwargs)
+
     for top in (1, 2, 3, np.dtype(wide).itemsize):
         forged = rng.integers(0, 1 << (8 * top) if top < 8 else np.iinfo(np.uint64).max, n, dtype=np.uint64)
         forged[::3] = rng.integers(0, 64, forged[::3].size)  # a mix of decodable and hostile
         monkeypatch.setattr(_codec, "zigzag_encode", lambda d, u, f=forged: f.astype(u))
         at = np.sort(rng.choice(1 << 20, n, replace=False)).astype(np.int64)
         vals = torch.zeros(n, dtype=dtype)
-        shard = encode_shard([_packed_delta("w", dtype, vals, vals, at, (1 << 20,))], kind="delta",
+        shard = forge([_packed_delta("w", dtype, vals, vals, at, (1 << 20,))], kind="delta",
                              encoding="packed", target_version=2, base_version=1)  # fmt: skip
         monkeypatch.setattr(_codec, "zigzag_encode", real_zigzag)
         got, want = _decode_both(monkeypatch, shard, zero)
@@ -1087,7 +1093,7 @@ def test_decode_shard_forged_values_and_wrapping_gaps(monkeypatch: pytest.Monkey
         # only decodable codes: equal values, no NaN
         forged_ok = rng.integers(0, 64, n, dtype=np.uint64)
         monkeypatch.setattr(_codec, "zigzag_encode", lambda d, u, f=forged_ok: f.astype(u))
-        shard = encode_shard([_packed_delta("w", dtype, vals, vals, at, (1 << 20,))], kind="delta",
+        shard = forge([_packed_delta("w", dtype, vals, vals, at, (1 << 20,))], kind="delta",
                              encoding="packed", target_version=2, base_version=1)  # fmt: skip
         monkeypatch.setattr(_codec, "zigzag_encode", real_zigzag)
         got, want = _decode_both(monkeypatch, shard, zero)
@@ -1101,7 +1107,7 @@ def test_decode_shard_forged_values_and_wrapping_gaps(monkeypatch: pytest.Monkey
                  [numel - 1, 0, 0, 0], [(1 << 64) - 1, 0, 0, 0]):  # fmt: skip
         forged_gaps = np.array(gaps, dtype=np.uint64)
         monkeypatch.setattr(_codec, "encode_gaps", lambda idx, work, g=forged_gaps: g.copy())
-        shard = encode_shard([_packed_delta("w", dtype, vals, vals, at, (numel,))], kind="delta",
+        shard = forge([_packed_delta("w", dtype, vals, vals, at, (numel,))], kind="delta",
                              encoding="packed", target_version=2, base_version=1)  # fmt: skip
         monkeypatch.setattr(_codec, "encode_gaps", real_gaps)
         got, want = _decode_both(monkeypatch, shard, zero)
@@ -1227,3 +1233,98 @@ def test_no_numba_or_broken_numba_falls_back(monkeypatch: pytest.MonkeyPatch) ->
     monkeypatch.setattr(_kernels, "_build", broken)
     assert kernels() is None
     assert _codec.join_gaps(bytes([1, 2]), 2, 1).tolist() == [1, 4]
+
+
+def _numpy_gap_planes(indices: np.ndarray, work: type) -> tuple[bytes, int]:
+    gaps = _codec.encode_gaps(indices, work)
+    planes = _codec.planes_needed(gaps)
+    return _codec.split_planes(gaps, planes), planes
+
+
+@pytest.mark.parametrize("work", [np.uint32, np.uint64])
+@pytest.mark.parametrize("widest", [0, 8, 16, 24, 31])
+def test_gap_planes_equals_numpy_for_every_plane_count(work: type, widest: int) -> None:
+    """The one-pass encode of gaps into planes against the numpy gaps and planes: the same bytes and count, whether
+    the guessed two planes hold every gap, leave one unused, or must grow late in the run (a wide gap at the end)."""
+    rng = np.random.default_rng(RNG_SEED + widest)
+    for n in (0, 1, 7, 5000):
+        steps = rng.integers(1, 40, size=n).astype(np.int64)
+        if n and widest:
+            steps[-1] += 1 << widest
+        at = np.cumsum(steps) - 1
+        got = _codec.gap_planes(at, work)
+        with _numpy_code():
+            fallback = _codec.gap_planes(at, work)
+        want = _numpy_gap_planes(at, work)
+        assert (got[0].tobytes(), got[1]) == want == (fallback[0].tobytes(), fallback[1]), (n, widest)
+
+
+@pytest.mark.parametrize(("narrow", "wide"), [(np.int16, np.uint32), (np.int32, np.uint64)])
+@pytest.mark.parametrize("spread", [1, 200, 1 << 20, None])
+def test_ordinal_planes_equals_numpy(narrow: type, wide: type, spread: int | None) -> None:
+    """The one-pass ordinal-delta encode into planes against the composed numpy code: one-ulp steps (one plane),
+    wider ones (two and more), and any bit pattern against any other (every sign, NaN payloads, the widest
+    differences), every byte compared."""
+    rng = np.random.default_rng(RNG_SEED + (spread or 0))
+    info = np.iinfo(narrow)
+    for n in (0, 1, 9, 20000):
+        old = rng.integers(info.min, info.max, size=n, endpoint=True, dtype=narrow)
+        if spread is None:
+            new = rng.integers(info.min, info.max, size=n, endpoint=True, dtype=narrow)
+        else:
+            step = rng.integers(-spread, spread, size=n, endpoint=True)
+            new = np.clip(old.astype(np.int64) + step, info.min, info.max).astype(narrow)
+        got = _codec.ordinal_planes(new, old, wide)
+        with _numpy_code():
+            fallback = _codec.ordinal_planes(new, old, wide)
+        signed = np.dtype(f"i{np.dtype(wide).itemsize}")
+        diff = _codec.to_ordinal(new).astype(signed)
+        diff -= _codec.to_ordinal(old)
+        coded = _codec.zigzag_encode(diff, wide)
+        planes = _codec.planes_needed(coded)
+        want = (_codec.split_planes(coded, planes), planes)
+        assert (got[0].tobytes(), got[1]) == want == (fallback[0].tobytes(), fallback[1]), (n, spread)
+
+
+def test_a_packed_shard_encoded_on_threads_is_the_one_thread_numpy_shard() -> None:
+    """A shard big enough for encode_shard's thread pool, encoded by four callers at once (each tensor's planes by
+    the compiled loops on the pool's threads, each thread its own zstd contexts) and by the numpy code on one
+    thread: every byte the same, and it decodes to the values encoded."""
+    rng = np.random.default_rng(RNG_SEED + 47)
+    deltas = []
+    numel = 1 << 21
+    for k, dtype in enumerate((torch.bfloat16, torch.float16, torch.float32, torch.bfloat16, torch.bfloat16)):
+        n = 70000 + 5000 * k
+        at = np.sort(rng.choice(numel, n, replace=False)).astype(np.int64)
+        old = torch.from_numpy(rng.standard_normal(n).astype(np.float32)).to(dtype)
+        new = (old.float() * (1 + 1e-2 * torch.from_numpy(rng.standard_normal(n).astype(np.float32)))).to(dtype)
+        deltas.append(_packed_delta(f"t{k}", dtype, new, old, at, (numel,)))
+    assert sum(d.nnz for d in deltas) >= PARALLEL_MIN_ELEMENTS
+
+    def encode(_: int = 0) -> bytes:
+        barrier.wait()
+        return encode_shard(deltas, kind="delta", encoding="packed", target_version=2, base_version=1)
+
+    barrier = threading.Barrier(4)
+    with ThreadPoolExecutor(4) as pool:
+        shards = list(pool.map(encode, range(4)))
+    barrier = threading.Barrier(1)
+    use_cpus(frozenset({min(os.sched_getaffinity(0))}))
+    try:
+        with _numpy_code():
+            want = encode()
+    finally:
+        use_cpus(None)
+    assert all(s == want for s in shards)
+    _, out = decode_shard(want, name="threads", base={d.ckpt_name: _full(d, numel) for d in deltas})
+    for d in deltas:
+        assert (
+            out[d.ckpt_name].values.view(torch.uint8).numpy().tobytes() == d.values.view(torch.uint8).numpy().tobytes()
+        )
+
+
+def _full(d: TensorDelta, numel: int) -> torch.Tensor:
+    assert d.indices is not None and d.base_values is not None
+    full = torch.zeros(numel, dtype=d.dtype)
+    full[d.indices] = d.base_values
+    return full
