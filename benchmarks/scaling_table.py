@@ -29,8 +29,8 @@ def _f(x: float) -> str:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--changed-fraction", type=float, default=0.02, help="assumption (1-3%% in real RL runs)")
-    p.add_argument("--delta-B-per-elem", type=float, default=1.23, help="measured, packed sparse, 2.0%% changed")
-    p.add_argument("--anchor-B-per-elem", type=float, default=1.42, help="measured, packed anchor")
+    p.add_argument("--delta-B-per-elem", type=float, default=1.20, help="measured, packed sparse, 2.0%% changed")
+    p.add_argument("--anchor-B-per-elem", type=float, default=1.34, help="measured, packed anchor")
     p.add_argument("--anchor-every", type=int, default=20, help="PublisherConfig default")
     p.add_argument("--decode-ns", type=float, default=130.0, help="measured, per changed element, 2 cores")
     p.add_argument("--host-cores", type=int, default=32, help="assumption: decode scales linearly from 2 cores")

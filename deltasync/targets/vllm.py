@@ -39,6 +39,19 @@ WORKER_EXTENSION = "deltasync.vllm.worker_ext.DeltaSyncWorkerExtension"
 """vLLM ``worker_extension_cls`` that adds the ``deltasync_status`` and ``deltasync_effective`` RPCs."""
 
 
+_KERNEL = "kernel:"
+"""A sliced audit's window over a repacked module's kernel: ``[kernel:<module>, b0, b1]``, blocks ``[b0, b1)`` of
+its input columns (``0, 0``: all of them)."""
+
+
+def _kernel_blocks(plan: list[dict[str, Any]]) -> dict[str, int]:
+    """The repacked modules every rank references in the same number of blocks (more than one): read a run of
+    blocks at a time. A module whose ranks disagree is read whole (a window names blocks of one count)."""
+    counts = [r.get("kernel_blocks") or {} for r in plan]
+    names = set(counts[0]) if counts else set()
+    return {n: int(counts[0][n]) for n in names if all(c.get(n) == counts[0][n] for c in counts)}
+
+
 _FIRST_SECONDS_PER_ELEMENT = 4e-9
 """What a sliced audit's first window assumes a proof costs per element: a slow engine's (numpy's sketch, a
 gathered layout); later windows are sized from the time the last one took."""
@@ -191,7 +204,7 @@ class _VllmTarget:
             last = elements
         kernels = plan[0].get("kernels") or {}
         if not _stops(answers, version):
-            answers += self._prove_kernels_sliced(kernels, version, stall_s, stalls)
+            answers += self._prove_kernels_sliced(kernels, _kernel_blocks(plan), version, stall_s, stalls)
         if not _stops(answers, version):
             self._prove_call(answers, stalls, windows=[], extras=True, kernels=not kernels)
         self.audit_stalls = stalls
@@ -214,21 +227,29 @@ class _VllmTarget:
         return ranks, took
 
     def _prove_kernels_sliced(
-        self, kernels: dict[str, int], version: Any, stall_s: float, stalls: list[float]
+        self, kernels: dict[str, int], blocks: dict[str, int], version: Any, stall_s: float, stalls: list[float]
     ) -> list[dict[str, Any]]:
-        """The repacked modules read back through their kernels, as many per call as fit ``stall_s`` by their
-        multiply-adds (from the time the last call took per one): each rank's answers. A module is read whole: one
-        that takes longer than the bound alone (a large vocabulary's ``lm_head``) holds the workers that long."""
+        """The repacked modules read back through their kernels, as many blocks of input columns per call as fit
+        ``stall_s`` by their multiply-adds (from the time the last call took per one): each rank's answers. A
+        module referenced in ``blocks[module]`` blocks is read a run of them at a time, any other whole."""
         answers: list[dict[str, Any]] = []
-        queue = sorted(kernels.items())
+        queue: list[tuple[str, int | None, float]] = []  # (module, block or None: whole, multiply-adds)
+        for module, total in sorted(kernels.items()):
+            n = blocks.get(module, 1)
+            queue += [(module, b, int(total) / n) for b in range(n)] if n > 1 else [(module, None, float(total))]
         per_mac = _FIRST_SECONDS_PER_MAC
         while queue:
             batch: list[list[Any]] = []
-            macs = 0
-            while queue and (not batch or (macs + queue[0][1]) * per_mac <= stall_s):
-                name, cost = queue.pop(0)
-                batch.append([f"kernel:{name}", 0, 0])
-                macs += int(cost)
+            macs = 0.0
+            while queue and (not batch or (macs + queue[0][2]) * per_mac <= stall_s):
+                name, block, cost = queue.pop(0)
+                macs += cost
+                if block is None:
+                    batch.append([f"{_KERNEL}{name}", 0, 0])
+                elif batch and batch[-1][0] == f"{_KERNEL}{name}" and batch[-1][2] == block:
+                    batch[-1][2] = block + 1  # the next block of the same module: one longer run
+                else:
+                    batch.append([f"{_KERNEL}{name}", block, block + 1])
             ranks, took = self._prove_call(answers, stalls, windows=batch, extras=False)
             if _stops(ranks, version):
                 break

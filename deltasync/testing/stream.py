@@ -123,7 +123,7 @@ class UlpStream:
         for t in self.weights.values():
             bits = t.view(-1).view(torch.int16)
             k = max(1, int(bits.numel() * self.changed))
-            idx = torch.randint(bits.numel(), (k,), generator=self._gen).unique()  # each moves once
+            idx = torch.unique(torch.randint(bits.numel(), (k,), generator=self._gen))  # each moves once
             step = torch.randint(0, 2, (idx.numel(),), generator=self._gen, dtype=torch.int16).mul_(2).sub_(1)
             # |x| moves by one unit either way, but a zero (+0.0 or -0.0) only up: one unit below it is a NaN's bits
             step[(bits[idx] & 0x7FFF) == 0] = 1

@@ -19,11 +19,13 @@ from dataclasses import dataclass
 from .._cpus import MAX_CPU_ID, parse_cpu_list
 from .._heap import KEEP_MIB
 from .patch_map import scan
+from .plain import KERNEL_BLOCK_MACS
 
 __all__ = [
     "CPUS_ENV",
     "KEEP_ENV",
     "KERNELS_ENV",
+    "KERNEL_BLOCK_ENV",
     "MAP_AT_START_ENV",
     "PLAIN_ENV",
     "SPLIT_AT_ENV",
@@ -36,6 +38,7 @@ KEEP_ENV = "DELTASYNC_ENGINE_KEEP_MIB"
 KERNELS_ENV = "DELTASYNC_KERNELS"
 CPUS_ENV = "DELTASYNC_CPUS"
 PLAIN_ENV = "DELTASYNC_VLLM_PLAIN_WEIGHTS"
+KERNEL_BLOCK_ENV = "DELTASYNC_KERNEL_BLOCK_MACS"
 
 SPLIT_AT = scan.SPLIT_AT
 """The default of :attr:`EngineConfig.map_split_at`: the embedding of a 0.6B model and up."""
@@ -72,6 +75,11 @@ class EngineConfig:
     plain_weights: bool = False
     """``DELTASYNC_VLLM_PLAIN_WEIGHTS``: on vLLM's CPU build, keep linear weights as the tensors the loader wrote
     (``F.linear``) instead of repacking them, so that ``auto`` patches them in place (:mod:`deltasync.vllm.plain`)."""
+    kernel_block_macs: int = KERNEL_BLOCK_MACS
+    """``DELTASYNC_KERNEL_BLOCK_MACS``: on vLLM's CPU build with repacked weights, the multiply-adds one block of a
+    module's kernel read-back costs at most (the audit reads a repacked module back in blocks of its input columns,
+    a run of blocks per call of a sliced audit): lower it where one block holds the worker longer than the
+    agent's ``--audit-stall-s`` (:func:`deltasync.vllm.plain.kernel_block`)."""
 
     def __post_init__(self) -> None:
         if self.map_split_at < 0:
@@ -80,6 +88,8 @@ class EngineConfig:
             raise ValueError(f"keep_mib must be a whole number of MiB >= 0, got {self.keep_mib}")
         if self.kernels not in ("numba", "numpy"):
             raise ValueError(f"kernels must be numba or numpy, got {self.kernels!r}")
+        if self.kernel_block_macs < 1:
+            raise ValueError(f"kernel_block_macs must be a number of multiply-adds >= 1, got {self.kernel_block_macs}")
         if self.cpus is not None and (not self.cpus or max(self.cpus) > MAX_CPU_ID or min(self.cpus) < 0):
             raise ValueError(f"cpus must name cores 0-{MAX_CPU_ID}, got {sorted(self.cpus)[:8]}")
 
@@ -109,6 +119,11 @@ class EngineConfig:
             fields["kernels"] = raw.lower()
         if (raw := env.get(CPUS_ENV, "").strip()) != "":
             fields["cpus"] = parse_cpu_list(raw, what=CPUS_ENV)
+        if (raw := env.get(KERNEL_BLOCK_ENV, "").strip()) != "":
+            rule = f"a number of multiply-adds >= 1 (default {KERNEL_BLOCK_MACS})"
+            fields["kernel_block_macs"] = _count(KERNEL_BLOCK_ENV, raw, rule)
+            if fields["kernel_block_macs"] == 0:
+                raise ValueError(f"{KERNEL_BLOCK_ENV}={raw!r}: expected {rule}")
         if (raw := env.get(PLAIN_ENV, "").strip()) != "":
             fields["plain_weights"] = _flag(PLAIN_ENV, raw, "1 keeps vLLM's CPU linear weights plain, 0 lets it repack")
         return cls(**fields)  # type: ignore[arg-type]

@@ -76,7 +76,7 @@ class ServedModel:
         weights are taken to be; else (a Hub id) the model as vLLM was given it."""
         self.base_path: str | None = None
         """The checkpoint the shadow reads (default: the served model's path; ``lora`` mode: the adapter's)."""
-        self.reloader = LayerwiseReloader(model, self.model_config, self.shadow)
+        self.reloader = LayerwiseReloader(model, self.model_config, self.shadow, block_macs=settings.kernel_block_macs)
         self._shadow: Shadow | None = None
         self._spec: Spec | None = None
         self._fingerprint: tuple[object, str] = (None, "")

@@ -14,11 +14,22 @@ with the changed elements; ``benchmarks/bench_apply.py`` measures both sides.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Iterator
 from typing import Any
 
-__all__ = ["install", "kernel_modules", "plain_parameters", "read_through_kernel"]
+__all__ = [
+    "KERNEL_BLOCK_MACS",
+    "KernelRef",
+    "install",
+    "kernel_block",
+    "kernel_inputs",
+    "kernel_modules",
+    "kernel_reference",
+    "plain_parameters",
+    "read_through_kernel",
+]
 
 logger = logging.getLogger("vllm.deltasync.plain")
 
@@ -72,16 +83,69 @@ def kernel_modules(model: Any) -> Iterator[tuple[str, Any]]:
             yield qualname, module
 
 
-def read_through_kernel(module: Any, dtype: Any = None) -> Any:
+KERNEL_BLOCK_MACS = 1 << 32
+"""A repacked module whose read-back (an identity of its input size through its GEMM: ``inputs**2 x outputs``
+multiply-adds) costs more than this is referenced, and read back, in blocks of its input columns that cost at most
+this each (~30 ms on the CPU box): a sliced audit's call holds the worker for a block, not for a whole large
+vocabulary's ``lm_head`` (~1.1 s at Qwen3-0.6B)."""
+
+
+def kernel_block(inputs: int, outputs: int, macs: int = KERNEL_BLOCK_MACS) -> int:
+    """The input columns per block of a module with these sizes: all of them where one read-back costs at most
+    ``macs`` multiply-adds, else the largest power of two whose block does (at least 1)."""
+    if inputs * inputs * outputs <= macs:
+        return max(inputs, 1)
+    block = 1
+    while block * 2 * inputs * outputs <= macs:
+        block *= 2
+    return block
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelRef:
+    """What a repacked module's kernel must compute with: the ``xxh3_128`` of each block of ``block`` input
+    columns of the weight its loader built (``weight[:, b * block:(b + 1) * block]``, contiguous; one block:
+    the whole weight), taken right before vLLM's post-load processing repacked it."""
+
+    block: int
+    digests: tuple[str, ...]
+
+
+def kernel_reference(weight: Any, macs: int = KERNEL_BLOCK_MACS) -> KernelRef:
+    """:class:`KernelRef` of a module's freshly loaded ``(out, in)`` weight (:func:`kernel_block` columns a block,
+    for blocks of at most ``macs`` multiply-adds)."""
+    from ..format import tensor_checksum
+
+    weight = weight.detach().cpu()
+    if weight.dim() != 2:
+        return KernelRef(block=0, digests=(tensor_checksum(weight),))
+    out, k = weight.shape
+    block = kernel_block(k, out, macs)
+    if block >= k:
+        return KernelRef(block=k, digests=(tensor_checksum(weight),))
+    return KernelRef(block, tuple(tensor_checksum(weight[:, c : c + block].contiguous()) for c in range(0, k, block)))
+
+
+def kernel_inputs(module: Any) -> int:
+    """The input size of a module whose GEMM goes through ``cpu_linear`` (its weight's columns; a repacked one's
+    partition of the input, or a replicated layer's whole input: a MoE router's GateLinear has no partition)."""
+    weight = getattr(module, "weight", None)
+    if weight is not None and weight.numel():
+        return int(weight.shape[1])
+    return int(getattr(module, "input_size_per_partition", None) or module.input_size)
+
+
+def read_through_kernel(module: Any, dtype: Any = None, columns: tuple[int, int] | None = None) -> Any:
     """The weight ``module``'s kernel really computes with, ``(out, in)`` as the checkpoint lays it out: an identity
     matrix multiplied through ``cpu_linear`` (one non-zero term per output element, so exact), which also reads a
-    repacked copy whose parameter is left empty."""
+    repacked copy whose parameter is left empty. ``columns``: only input columns ``[lo, hi)`` (their rows of the
+    identity: the multiply-adds shrink with them), ``(out, hi - lo)``."""
     import torch
 
     weight = getattr(module, "weight", None)
-    if weight is not None and weight.numel():
-        k = weight.shape[1]
-    else:  # a replicated layer (a MoE router's GateLinear) has no partition: its whole input
-        k = int(getattr(module, "input_size_per_partition", None) or module.input_size)
-    eye = torch.eye(k, dtype=torch.bfloat16 if dtype is None else dtype)
+    k = kernel_inputs(module)
+    lo, hi = (0, k) if columns is None else columns
+    if not 0 <= lo < hi <= k:
+        raise ValueError(f"read_through_kernel: columns [{lo}, {hi}) outside the module's {k} inputs")
+    eye = torch.eye(k, dtype=torch.bfloat16 if dtype is None else dtype)[lo:hi]
     return module.cpu_linear(eye, weight, None).t().contiguous()

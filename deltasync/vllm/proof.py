@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -30,7 +30,7 @@ from .adapter import ServedAdapter
 from .label import Label
 from .model import ServedModel
 from .patch_map import PatchMap
-from .plain import kernel_modules, read_through_kernel
+from .plain import kernel_inputs, kernel_modules, read_through_kernel
 from .served import merge_changes
 
 __all__ = ["Prover", "Written", "change_parts", "prove_update"]
@@ -312,10 +312,11 @@ class Prover:
         index ranges, each returned as parts for the agent to add up over the windows and the ranks; ``extras``
         (default: ``names is None and windows is None``) also proves what is beside the tensors (the kernels of
         repacked modules, a MoE kernel's padding, the adapter directories vLLM loads; ``kernels=False``: not the
-        kernels, which a sliced audit reads back in windows of their own, ``("kernel:<module>", 0, 0)``, a module
-        each). An answer with no windows and no names lists the served version's tensors and their sizes
-        (``tensors``), and the repacked modules and the multiply-adds that read each back (``kernels``), for the
-        agent to plan.
+        kernels, which a sliced audit reads back in windows of their own, ``("kernel:<module>", b0, b1)``: blocks
+        ``[b0, b1)`` of the module's input columns, ``(.., 0, 0)`` all of them). An answer with no windows and no
+        names lists the served version's tensors and their sizes (``tensors``), the repacked modules and the
+        multiply-adds that read each back (``kernels``), and the blocks of those referenced in more than one
+        (``kernel_blocks``), for the agent to plan.
         """
         t0 = time.perf_counter()
         manifest, version = self.label.manifest, self.label.version
@@ -331,7 +332,10 @@ class Prover:
         try:
             bad, parts, unproven = self._prove_tensors(manifest, wanted)
             if windows:
-                modules = {w[0].removeprefix(_KERNEL) for w in windows if w[0].startswith(_KERNEL)}
+                modules: dict[str, list[tuple[int, int]]] = {}
+                for w in windows:
+                    if w[0].startswith(_KERNEL):
+                        modules.setdefault(w[0].removeprefix(_KERNEL), []).append((int(w[1]), int(w[2])))
                 if modules:
                     kernel_bad, kernel_unproven = self._prove_kernels(modules)
                     bad += kernel_bad
@@ -369,7 +373,10 @@ class Prover:
         }
         if windows is not None and not windows and names is None:
             answer["tensors"] = {n: e.numel for n, e in manifest.tensors.items()}
-            answer["kernels"] = self._kernel_costs()
+            costs = self._kernel_costs()
+            refs = self.served.reloader.kernel_refs if self.served.mode != "patches" else {}
+            answer["kernels"] = costs
+            answer["kernel_blocks"] = {q: len(refs[q].digests) for q in costs if q in refs and len(refs[q].digests) > 1}
         return answer
 
     def _shadow_flat(self, shadow: Any, name: str) -> torch.Tensor | None:
@@ -462,11 +469,13 @@ class Prover:
             costs[qualname] = max(k * k * out, 1)
         return costs
 
-    def _prove_kernels(self, only: set[str] | None = None) -> tuple[list[str], list[str]]:
+    def _prove_kernels(self, only: Mapping[str, list[tuple[int, int]]] | None = None) -> tuple[list[str], list[str]]:
         """vLLM's CPU build repacks linear weights after loading (the parameter left empty, the kernel holding
         its own copy): read each such module back through its kernel (an identity matrix: one non-zero term per
         output, exact) and compare with the weight its loader built from the proven shadow, recorded right before
-        the repacking (:attr:`LayerwiseReloader.kernel_refs`). Returns ``(drifted, unproven)`` module names."""
+        the repacking in blocks of its input columns (:attr:`LayerwiseReloader.kernel_refs`). ``only``: these
+        modules, each in its windows of blocks ``(b0, b1)`` (``(0, 0)``: every block). Returns ``(drifted,
+        unproven)`` module names."""
         refs = self.served.reloader.kernel_refs if self.served.mode != "patches" else {}
         config_dtype = self.served.model_config.dtype
         dtype = config_dtype if isinstance(config_dtype, torch.dtype) else None
@@ -481,8 +490,25 @@ class Prover:
                     if weight.numel() == 0:  # repacked, never reloaded by deltasync: nothing to compare with
                         unproven.append(f"{qualname} (kernel)")
                     continue
-                if tensor_checksum(read_through_kernel(module, dtype)) != ref:
-                    bad.append(f"{qualname} (as its kernel computes)")
+                blocks = len(ref.digests)
+                for b0, b1 in (only or {}).get(qualname) or [(0, 0)]:
+                    lo, hi = (0, blocks) if (b0, b1) == (0, 0) else (b0, b1)
+                    if not 0 <= lo < hi <= blocks:
+                        unproven.append(f"{qualname} (kernel blocks [{b0}, {b1}) of {blocks})")
+                        continue
+                    if blocks == 1:
+                        same = tensor_checksum(read_through_kernel(module, dtype)) == ref.digests[0]
+                    else:
+                        columns = (lo * ref.block, min(hi * ref.block, kernel_inputs(module)))
+                        got = read_through_kernel(module, dtype, columns)
+                        same = all(
+                            tensor_checksum(got[:, (b - lo) * ref.block : (b - lo + 1) * ref.block].contiguous())
+                            == ref.digests[b]
+                            for b in range(lo, hi)
+                        )
+                    if not same:
+                        bad.append(f"{qualname} (as its kernel computes)")
+                        break
         return bad, unproven
 
     def prove_slots(self, worker: Any) -> tuple[list[str], int]:

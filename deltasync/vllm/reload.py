@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from ..errors import ApplyError
+from .plain import KERNEL_BLOCK_MACS, KernelRef, kernel_reference
 from .shadow import Shadow
 
 __all__ = ["LayerwiseReloader"]
@@ -31,18 +32,28 @@ class LayerwiseReloader:
         model_config: vLLM's model config (for ``finalize_layerwise_reload``).
         shadow: returns the shadow holding the checkpoint tensors.
         reprocess_tied: re-run post-load processing of modules tied to a reloaded one.
+        block_macs: the multiply-adds of one block of a repacked module's reference
+            (:func:`~deltasync.vllm.plain.kernel_reference`).
     """
 
     def __init__(
-        self, model: torch.nn.Module, model_config: Any, shadow: Callable[[], Shadow], *, reprocess_tied: bool = True
+        self,
+        model: torch.nn.Module,
+        model_config: Any,
+        shadow: Callable[[], Shadow],
+        *,
+        reprocess_tied: bool = True,
+        block_macs: int = KERNEL_BLOCK_MACS,
     ) -> None:
         self.model, self.model_config, self.shadow = model, model_config, shadow
+        self.block_macs = block_macs
         self.reprocess_tied = reprocess_tied
         self._module_of_name: dict[str, str | None] = {}
         self.stats: dict[str, Any] = {}
-        self.kernel_refs: dict[str, str] = {}
-        """Module -> ``xxh3_128`` of the weight its loader built from the shadow, taken right before vLLM's
-        post-load processing repacked it: what its kernel must compute with (the engine's proof reads it back)."""
+        self.kernel_refs: dict[str, KernelRef] = {}
+        """Module -> the ``xxh3_128`` digests of the weight its loader built from the shadow, in blocks of its input
+        columns (:func:`~deltasync.vllm.plain.kernel_reference`), taken right before vLLM's post-load processing
+        repacked it: what its kernel must compute with (the engine's proof reads it back)."""
 
     def _load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         load: Callable[[Iterable[tuple[str, torch.Tensor]]], object] = getattr(self.model, "load_weights")  # noqa: B009
@@ -161,8 +172,6 @@ class LayerwiseReloader:
     def _watch_processing(self, targets: dict[str, torch.nn.Module]) -> Callable[[], None]:
         """Until the returned function is called, record each processed module's freshly loaded weight
         (:attr:`kernel_refs`) before vLLM's post-load processing runs on it."""
-        from ..format import tensor_checksum
-
         inside = [q for q in targets]
         names: dict[int, str] = {}
         methods: dict[int, Any] = {}
@@ -181,7 +190,7 @@ class LayerwiseReloader:
             def process(layer: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
                 weight = getattr(layer, "weight", None)
                 if id(layer) in names and isinstance(weight, torch.Tensor) and weight.numel():
-                    self.kernel_refs[names[id(layer)]] = tensor_checksum(weight.detach().cpu())
+                    self.kernel_refs[names[id(layer)]] = kernel_reference(weight, self.block_macs)
                 return original(layer, *args, **kwargs)
 
             return process
@@ -210,11 +219,9 @@ class LayerwiseReloader:
                 continue
             quant_method = getattr(module, "quant_method", None)
             if quant_method is not None and hasattr(quant_method, "process_weights_after_loading"):
-                from ..format import tensor_checksum
-
                 weight = getattr(module, "weight", None)
                 if isinstance(weight, torch.Tensor) and weight.numel():
-                    self.kernel_refs[qualname] = tensor_checksum(weight.detach().cpu())
+                    self.kernel_refs[qualname] = kernel_reference(weight, self.block_macs)
                 quant_method.process_weights_after_loading(module)
                 count += 1
                 logger.debug("deltasync: re-processed tied module %s", qualname)

@@ -18,6 +18,7 @@ from deltasync import LocalStore
 from deltasync.client import CoordinatorClient, RetryPolicy
 from deltasync.testing.launchers import CoordinatorProcess, VllmServerProcess
 from deltasync.testing.models import qwen3_effective_checksums
+from deltasync.vllm.config import KERNEL_BLOCK_ENV
 from tests.conftest import PUBLISHER_TOKEN, TOKENS_ENV, agent_env
 from tests.support.world import StreamPublisher
 
@@ -161,7 +162,9 @@ def server_stack(tmp: Path, model_dir: Path) -> Iterator[ServerStack]:
     store = LocalStore(tmp / "store")
     with (
         CoordinatorProcess(tmp / "ledger.db", store=str(store.root), env=TOKENS_ENV) as coordinator,
-        VllmServerProcess(model_dir, log=tmp / "vllm.log") as server,
+        # repacked kernels referenced and read back in blocks of their input columns (2^20 multiply-adds: 4-8 per
+        # module of the tiny model), so every audit of these servers goes through the blocks
+        VllmServerProcess(model_dir, log=tmp / "vllm.log", env={KERNEL_BLOCK_ENV: str(1 << 20)}) as server,
         CoordinatorClient(
             coordinator.url, token=PUBLISHER_TOKEN, retry=RetryPolicy(retries=30, backoff_s=0.05)
         ) as client,

@@ -192,6 +192,9 @@ def test_drift_drops_the_label_and_an_anchor_restores_the_engine(stack: ServerSt
     stack.start_sidecar("--audit-interval-s", "2")
     pub.step()
     stack.wait_applied(pub.version, timeout_s=300)
+    plan = {"method": "deltasync_prove", "kwargs": {"windows": [], "extras": False}}
+    [rank] = stack.server.admin_json("POST", "/collective_rpc", plan)["results"]
+    assert rank["kernel_blocks"].get("model.layers.0.self_attn.qkv_proj") == 4, rank  # read back a block at a time
     # vLLM's own reload_weights (a path outside deltasync) with q_proj alone changed: on the CPU build only the
     # repacked copy in the qkv kernel changes (the parameter is empty), which the proof reads back through the kernel
     evil = stack.tmp / "evil"

@@ -14,6 +14,7 @@ from deltasync._heap import KEEP_MIB
 from deltasync.vllm.config import (
     CPUS_ENV,
     KEEP_ENV,
+    KERNEL_BLOCK_ENV,
     KERNELS_ENV,
     MAP_AT_START_ENV,
     PLAIN_ENV,
@@ -21,6 +22,7 @@ from deltasync.vllm.config import (
     SPLIT_AT_ENV,
     EngineConfig,
 )
+from deltasync.vllm.plain import KERNEL_BLOCK_MACS
 
 
 def test_unset_variables_keep_the_defaults() -> None:
@@ -28,7 +30,9 @@ def test_unset_variables_keep_the_defaults() -> None:
     assert config == EngineConfig()
     assert (config.map_at_start, config.map_split_at, config.keep_mib) == (True, SPLIT_AT, KEEP_MIB)
     assert (config.kernels, config.cpus, config.plain_weights) == ("numba", None, False)
-    blank = {name: " " for name in (MAP_AT_START_ENV, SPLIT_AT_ENV, KEEP_ENV, KERNELS_ENV, CPUS_ENV, PLAIN_ENV)}
+    assert config.kernel_block_macs == KERNEL_BLOCK_MACS
+    names = (MAP_AT_START_ENV, SPLIT_AT_ENV, KEEP_ENV, KERNELS_ENV, CPUS_ENV, PLAIN_ENV, KERNEL_BLOCK_ENV)
+    blank = {name: " " for name in names}
     assert EngineConfig.from_env(blank) == EngineConfig()
 
 
@@ -41,6 +45,7 @@ def test_each_variable_sets_its_field() -> None:
             KERNELS_ENV: " NumPy ",
             CPUS_ENV: "0-2,5",
             PLAIN_ENV: "1",
+            KERNEL_BLOCK_ENV: "1048576",
         }
     )
     assert config == EngineConfig(
@@ -50,6 +55,7 @@ def test_each_variable_sets_its_field() -> None:
         kernels="numpy",
         cpus=frozenset({0, 1, 2, 5}),
         plain_weights=True,
+        kernel_block_macs=1 << 20,
     )
     for word, value in (("yes", True), ("On", True), ("true", True), ("no", False), ("OFF", False), ("false", False)):
         assert EngineConfig.from_env({PLAIN_ENV: word}).plain_weights is value
@@ -84,6 +90,12 @@ def test_each_variable_sets_its_field() -> None:
             "DELTASYNC_KERNELS='cuda': expected numba (deltasync's compiled loops, the default) or numpy (the numpy "
             "code they replace)",
         ),
+        (
+            KERNEL_BLOCK_ENV,
+            "0",
+            f"DELTASYNC_KERNEL_BLOCK_MACS='0': expected a number of multiply-adds >= 1 (default {KERNEL_BLOCK_MACS})",
+        ),
+        (KERNEL_BLOCK_ENV, "2**30", "DELTASYNC_KERNEL_BLOCK_MACS='2**30': expected a number of multiply-adds >= 1"),
         (CPUS_ENV, "all", "DELTASYNC_CPUS='all': expected a CPU list such as '0-3,8' (ascending ranges of core ids)"),
         (
             PLAIN_ENV,
