@@ -111,9 +111,17 @@ class KernelRef:
     digests: tuple[str, ...]
 
 
+_REFERENCE_CHUNK_BYTES = 4 << 20
+"""Rows of a weight hashed at once by :func:`kernel_reference` (its column blocks copied out of them in cache)."""
+
+
 def kernel_reference(weight: Any, macs: int = KERNEL_BLOCK_MACS) -> KernelRef:
     """:class:`KernelRef` of a module's freshly loaded ``(out, in)`` weight (:func:`kernel_block` columns a block,
-    for blocks of at most ``macs`` multiply-adds)."""
+    for blocks of at most ``macs`` multiply-adds). The blocks' digests are fed a few MiB of rows at a time, each
+    row chunk's column blocks copied out while it is in cache: one pass over the weight, not one per block."""
+    import torch
+    import xxhash
+
     from ..format import tensor_checksum
 
     weight = weight.detach().cpu()
@@ -123,7 +131,14 @@ def kernel_reference(weight: Any, macs: int = KERNEL_BLOCK_MACS) -> KernelRef:
     block = kernel_block(k, out, macs)
     if block >= k:
         return KernelRef(block=k, digests=(tensor_checksum(weight),))
-    return KernelRef(block, tuple(tensor_checksum(weight[:, c : c + block].contiguous()) for c in range(0, k, block)))
+    starts = range(0, k, block)
+    hashers = [xxhash.xxh3_128() for _ in starts]
+    rows = max(1, _REFERENCE_CHUNK_BYTES // max(k * weight.element_size(), 1))
+    for r in range(0, out, rows):
+        chunk = weight[r : r + rows]
+        for hasher, c in zip(hashers, starts, strict=True):
+            hasher.update(chunk[:, c : c + block].contiguous().view(torch.uint8).numpy().data)
+    return KernelRef(block, tuple("xxh3_128:" + h.hexdigest() for h in hashers))
 
 
 def kernel_inputs(module: Any) -> int:
