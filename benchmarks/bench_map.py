@@ -88,7 +88,7 @@ def _build(worker: Any) -> dict[str, Any]:
         profile = cProfile.Profile()
         profile.enable()
     t0 = time.perf_counter()
-    engine.served.learn_map()
+    again = engine.served.learn_map()
     rebuild_s = time.perf_counter() - t0
     if profile is not None:
         import pstats
@@ -110,6 +110,8 @@ def _build(worker: Any) -> dict[str, Any]:
     return {
         "build_s": round(build_s, 3),
         "rebuild_s": round(rebuild_s, 3),
+        "timings": dict(pm.timings),
+        "rebuild_timings": dict(again.timings),
         "summary": pm.summary(),
         "params": numel,
         "copy_s": round(copy_s, 3),
@@ -137,7 +139,9 @@ def run(name: str, overrides: dict[str, Any], tmp: Path) -> dict[str, Any]:
         f"{name:6s} layers {out['layers']:3d}  params {out['params'] / 1e9:6.2f} B  map build {out['build_s']:7.2f} s"
         f" (again: {out['rebuild_s']:.2f} s)"
         f"  ({out['summary']['layers']}, {out['summary']['unmapped_count']} unmapped)  one copy of the model "
-        f"{out['copy_s']:6.2f} s  = {out['build_over_copy']}x",
+        f"{out['copy_s']:6.2f} s  = {out['build_over_copy']}x\n"
+        f"       steps (s; minor_faults: pages of fresh memory touched): {out['timings']}; "
+        f"again: {out['rebuild_timings']}",
         flush=True,
     )
     return out

@@ -6,6 +6,7 @@ closing check that the model is left as found."""
 from __future__ import annotations
 
 import logging
+import resource
 import time
 from collections.abc import Callable
 from typing import Any
@@ -33,6 +34,11 @@ _SHARED = "it shares memory with another parameter (tied, or across layers): a r
 
 class _Refused(Exception):
     """Why a checkpoint tensor cannot be probed: it is left out of the map (its modules are reloaded instead)."""
+
+
+def _minor_faults() -> int:
+    """This process's minor page faults so far (Linux: pages of fresh memory mapped in as first touched)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 
 
 def build_map(
@@ -107,6 +113,10 @@ class MapBuild:
         self.counts = {"probed": 0, "derived": 0}
         self.split: list[str] = []
         self.bg = Background()
+        self.timings: dict[str, float] = {}
+        """Seconds of each step (``experts_s``, ``outside_s``, ``probed_s``, ``derived_s``, ``check_s``), and the
+        pages the build faulted in (``minor_faults``: fresh memory the kernel zeroed for it)."""
+        self._faults = _minor_faults()
 
     def _param_groups(self) -> tuple[dict[str, list[str]], set[str]]:
         """The float parameters each group swaps for stand-ins (a tied parameter under its first name in a
@@ -140,12 +150,15 @@ class MapBuild:
             try:
                 t0 = time.perf_counter()
                 self.experts.run()
-                experts_s = time.perf_counter() - t0
+                if self.experts.experts:
+                    self.timings["experts_s"] = time.perf_counter() - t0
                 self.each_group()
             except Exception as exc:
                 snapshot.check(exc)
                 raise
+            t0 = time.perf_counter()
             snapshot.check()
+            self.timings["check_s"] = time.perf_counter() - t0
         finally:
             Tree.forget(model)  # it holds the model's modules: also when the check raises
         runs: dict[str, list[Any]] = {**self.runs, **self.experts.runs}
@@ -154,34 +167,47 @@ class MapBuild:
         pm.layers, pm.split = dict(self.counts), self.split
         if self.experts.experts:
             pm.layers.update({f"experts_{k}": v for k, v in self.experts.counts.items()})
-            pm.timings["experts_s"] = experts_s
+        pm.timings.update({k: round(v, 4) for k, v in self.timings.items()})
+        pm.timings["minor_faults"] = _minor_faults() - self._faults
         logger.info("deltasync: patch map built: %s", pm.summary())
         return pm
 
     def each_group(self) -> None:
-        """Each group probed, or derived from the first layer of its kind (then probed if its proof fails)."""
-        subject = self.subject
+        """Each group probed, or derived from the first layer of its kind (then probed if its proof fails); the
+        seconds of each (``outside_s``, ``probed_s``, ``derived_s``) added to :attr:`timings`."""
         for group, names in sorted(self.groups.items()):
-            probed = self.param_groups.get(group, [])
-            if group == "" or not probed:  # outside the layers, names can go anywhere outside them
-                probed = [q for g, qs in self.param_groups.items() if g == "" or g not in self.groups for q in qs]
-            kind = None
-            if group and group in self.param_groups:
-                kind = layer_kind(subject.model, names, probed, subject.params, subject.spec)
-            if kind is not None and kind in self.kinds:
-                layer = DerivedLayer(Swap(subject, probed), self.bg, self.kinds[kind], group, names)
-                why = layer.take(self.untrusted)
-                if why is None:
-                    self.runs.update(layer.runs)
-                    self.unmapped.update(layer.unmapped)
-                    self.counts["derived"] += 1
-                    continue
-                logger.info("deltasync: patch map: %s probed in full (%s)", group, why)
-            self.counts["probed"] += 1
-            if self.probe_group(names, probed):
-                self.split.append(group)
-            if kind is not None and kind not in self.kinds:
-                self.kinds[kind] = LayerKind.learned(names, self.runs, self.unmapped)
+            t0 = time.perf_counter()
+            phase = "outside" if group == "" else "probed"
+            try:
+                done = self.map_group(group, names)
+                phase = done if group else phase
+            finally:
+                self.timings[f"{phase}_s"] = self.timings.get(f"{phase}_s", 0.0) + time.perf_counter() - t0
+
+    def map_group(self, group: str, names: list[str]) -> str:
+        """One group of :meth:`each_group`; whether it was ``derived`` or ``probed``."""
+        subject = self.subject
+        probed = self.param_groups.get(group, [])
+        if group == "" or not probed:  # outside the layers, names can go anywhere outside them
+            probed = [q for g, qs in self.param_groups.items() if g == "" or g not in self.groups for q in qs]
+        kind = None
+        if group and group in self.param_groups:
+            kind = layer_kind(subject.model, names, probed, subject.params, subject.spec)
+        if kind is not None and kind in self.kinds:
+            layer = DerivedLayer(Swap(subject, probed), self.bg, self.kinds[kind], group, names)
+            why = layer.take(self.untrusted)
+            if why is None:
+                self.runs.update(layer.runs)
+                self.unmapped.update(layer.unmapped)
+                self.counts["derived"] += 1
+                return "derived"
+            logger.info("deltasync: patch map: %s probed in full (%s)", group, why)
+        self.counts["probed"] += 1
+        if self.probe_group(names, probed):
+            self.split.append(group)
+        if kind is not None and kind not in self.kinds:
+            self.kinds[kind] = LayerKind.learned(names, self.runs, self.unmapped)
+        return "probed"
 
     def probe_group(self, names: list[str], probed: list[str]) -> bool:
         """Probe a group's checkpoint tensors one at a time, then check the group with real values (a draw with
