@@ -255,6 +255,8 @@ def _build(numba: Any) -> SimpleNamespace:
         for narrow, found in zip((i16, i32), found_types, strict=True)
     ]
 
+    _STEP = 1 << 14  # words: 128 KiB of each tensor, and the step's changed word numbers, stay in a core's cache
+
     @njit(diff_signatures, **opts)
     def diff_words(
         a: Arr,
@@ -286,10 +288,19 @@ def _build(numba: Any) -> SimpleNamespace:
             grown_old[:n] = old[:n]
             old = grown_old
         start = n
-        if per == 4:  # the lanes spelled out: a loop over ``per`` is not unrolled, and costs ~1.5x
-            for j in range(w0, w1):
-                if a64[j] != b64[j]:
-                    at = first + 4 * j
+        # two passes per step of _STEP words, both in cache: the changed words' numbers listed with no branch
+        # (a mispredicted branch per changed word cost more than the compare: ~8% of words differ at 2% changed),
+        # then their elements appended, also with no branch; ~1.6x the speed of one pass branching per word
+        changed = np.empty(min(_STEP, max(w1 - w0, 1)), np.int64)
+        for s in range(w0, w1, _STEP):
+            e = min(s + _STEP, w1)
+            m = 0
+            for j in range(s, e):
+                changed[m] = j
+                m += a64[j] != b64[j]
+            if per == 4:  # the lanes spelled out: a loop over ``per`` is not unrolled, and costs ~1.5x
+                for q in range(m):
+                    at = first + 4 * changed[q]
                     for k in range(4):
                         x = a[at + k]
                         y = b[at + k]
@@ -297,10 +308,9 @@ def _build(numba: Any) -> SimpleNamespace:
                         new[n] = y
                         old[n] = x
                         n += x != y
-        else:
-            for j in range(w0, w1):
-                if a64[j] != b64[j]:
-                    at = first + 2 * j
+            else:
+                for q in range(m):
+                    at = first + 2 * changed[q]
                     for k in range(2):
                         x = a[at + k]
                         y = b[at + k]
