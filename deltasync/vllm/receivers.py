@@ -76,10 +76,11 @@ class MapWrites(apply.Receiver):
         self._next = 0
 
     def write(self, manifest: DeltaManifest, deltas: Sequence[TensorDelta]) -> None:
-        # on the calling thread: with the writes on threads over the worker's cores, one pause step took ~0.5 s
-        # instead of 0.06-0.1 s in two of three benchmark runs (likely: vLLM's engine process busy-waits on the
-        # other core for this RPC; not measured)
-        self.written += self.pm.write(self.ops[self._next], threads=False)
+        # on threads over deltasync's cores (a parameter per thread): 1.10x index_copy_ of the same changes on all
+        # the worker's cores, against 1.87x on the calling thread alone (benchmarks/bench_apply.py's floors, inside
+        # the RPC, 7 tries each and 16 steady updates with no stall; an earlier run saw a 0.5 s step twice, while
+        # vLLM's engine process busy-waited on the other core, and sent the write back to one thread for a while)
+        self.written += self.pm.write(self.ops[self._next], threads=True)
         if self.unmapped is not None:
             self.unmapped.write(manifest, deltas)
 
