@@ -158,7 +158,10 @@ def compute_delta(
         if name not in parts:
             continue
         found = parts[name]
-        idx, new, old = (np.concatenate(cols) for cols in zip(*((f.idx, f.new, f.old) for f in found), strict=True))
+        if len(found) == 1:  # one task: its buffers as they are (np.concatenate copies even one array)
+            idx, new, old = found[0].idx, found[0].new, found[0].old
+        else:
+            idx, new, old = (np.concatenate(cols) for cols in zip(*((f.idx, f.new, f.old) for f in found), strict=True))
         digest = found[0].digest if len(found) == 1 and found[0].digest is not None else None
         if checksums and digest is None:
             digest = tensor_checksum(c)
@@ -231,7 +234,9 @@ def _scan(compiled: Any, task: _Task, update_prev: bool, checksums: bool) -> _Fo
             hasher.update(b[pos:stop].data)
         pos = stop
     digest = None if hasher is None or task.start or task.stop != a.size else "xxh3_128:" + hasher.hexdigest()
-    return _Found(idx[:n].copy(), new[:n].copy(), old[:n].copy(), digest)
+    # views, not copies: the buffers' pages past ``n`` were never touched (never resident), and a copy of the changes
+    # was a second write of fresh memory per changed element
+    return _Found(idx[:n], new[:n], old[:n], digest)
 
 
 def _append_plain(
