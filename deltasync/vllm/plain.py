@@ -22,12 +22,15 @@ from typing import Any
 __all__ = [
     "KERNEL_BLOCK_MACS",
     "KernelRef",
+    "canonical",
+    "digest_of",
     "install",
     "kernel_block",
     "kernel_inputs",
     "kernel_modules",
     "kernel_reference",
     "plain_parameters",
+    "read_block",
     "read_through_kernel",
 ]
 
@@ -104,11 +107,29 @@ def kernel_block(inputs: int, outputs: int, macs: int = KERNEL_BLOCK_MACS) -> in
 @dataclasses.dataclass(frozen=True)
 class KernelRef:
     """What a repacked module's kernel must compute with: the ``xxh3_128`` of each block of ``block`` input
-    columns of the weight its loader built (``weight[:, b * block:(b + 1) * block]``, contiguous; one block:
-    the whole weight), taken right before vLLM's post-load processing repacked it."""
+    columns of the weight its loader built (``weight[:, b * block:(b + 1) * block]``, contiguous, as
+    :func:`canonical`; one block: the whole weight), taken right before vLLM's post-load processing repacked it.
+    ``digests`` is ``None`` where the weight holds an infinity or a NaN: an identity read-back computes ``0 * inf``,
+    a NaN across the whole row, and cannot show such a weight (the module is then unproven, never proven)."""
 
     block: int
-    digests: tuple[str, ...]
+    digests: tuple[str, ...] | None
+
+
+def canonical(t: Any) -> Any:
+    """``t`` as an identity read-back through a CPU kernel returns it: ``-0.0`` as ``+0.0`` (``1 * -0.0 + 0 * w``
+    sums to ``+0.0``) and subnormals as ``+0.0`` (oneDNN flushes them: its GEMM computes with 0); a new tensor.
+    A read-back proves each weight up to these, which no output of the kernel tells apart."""
+    import torch
+
+    return torch.where(t.abs() < torch.finfo(t.dtype).tiny, torch.zeros((), dtype=t.dtype), t)
+
+
+def digest_of(t: Any) -> str:
+    """The ``xxh3_128`` of ``t`` as :func:`canonical` (what a reference and a read-back are compared by)."""
+    from ..format import tensor_checksum
+
+    return tensor_checksum(canonical(t))
 
 
 _REFERENCE_CHUNK_BYTES = 4 << 20
@@ -118,27 +139,37 @@ _REFERENCE_CHUNK_BYTES = 4 << 20
 def kernel_reference(weight: Any, macs: int = KERNEL_BLOCK_MACS) -> KernelRef:
     """:class:`KernelRef` of a module's freshly loaded ``(out, in)`` weight (:func:`kernel_block` columns a block,
     for blocks of at most ``macs`` multiply-adds). The blocks' digests are fed a few MiB of rows at a time, each
-    row chunk's column blocks copied out while it is in cache: one pass over the weight, not one per block."""
+    row chunk made :func:`canonical` and its column blocks copied out while it is in cache: one pass over the
+    weight, not one per block."""
     import torch
     import xxhash
 
-    from ..format import tensor_checksum
-
     weight = weight.detach().cpu()
+    if weight.is_floating_point() and not bool(torch.isfinite(weight).all()):
+        return KernelRef(block=weight.shape[-1] if weight.dim() == 2 else 0, digests=None)
     if weight.dim() != 2:
-        return KernelRef(block=0, digests=(tensor_checksum(weight),))
+        return KernelRef(block=0, digests=(digest_of(weight),))
     out, k = weight.shape
     block = kernel_block(k, out, macs)
     if block >= k:
-        return KernelRef(block=k, digests=(tensor_checksum(weight),))
+        return KernelRef(block=k, digests=(digest_of(weight),))
     starts = range(0, k, block)
     hashers = [xxhash.xxh3_128() for _ in starts]
     rows = max(1, _REFERENCE_CHUNK_BYTES // max(k * weight.element_size(), 1))
     for r in range(0, out, rows):
-        chunk = weight[r : r + rows]
+        chunk = canonical(weight[r : r + rows])
         for hasher, c in zip(hashers, starts, strict=True):
             hasher.update(chunk[:, c : c + block].contiguous().view(torch.uint8).numpy().data)
     return KernelRef(block, tuple("xxh3_128:" + h.hexdigest() for h in hashers))
+
+
+def read_block(module: Any, ref: KernelRef, b: int, dtype: Any = None) -> str:
+    """The digest (:func:`digest_of`) of block ``b`` of ``module``'s weight as its kernel computes with it: the
+    columns :class:`KernelRef` ``ref`` blocks it by, read back through the kernel."""
+    if ref.digests is not None and len(ref.digests) == 1:
+        return digest_of(read_through_kernel(module, dtype))
+    lo = b * ref.block
+    return digest_of(read_through_kernel(module, dtype, (lo, min(lo + ref.block, kernel_inputs(module)))))
 
 
 def kernel_inputs(module: Any) -> int:

@@ -30,7 +30,7 @@ from .adapter import ServedAdapter
 from .label import Label
 from .model import ServedModel
 from .patch_map import PatchMap
-from .plain import kernel_inputs, kernel_modules, read_through_kernel
+from .plain import kernel_modules, read_block
 from .served import merge_changes
 
 __all__ = ["Prover", "Written", "change_parts", "prove_update"]
@@ -376,7 +376,11 @@ class Prover:
             costs = self._kernel_costs()
             refs = self.served.reloader.kernel_refs if self.served.mode != "patches" else {}
             answer["kernels"] = costs
-            answer["kernel_blocks"] = {q: len(refs[q].digests) for q in costs if q in refs and len(refs[q].digests) > 1}
+            answer["kernel_blocks"] = {
+                q: len(digests)
+                for q in costs
+                if q in refs and (digests := refs[q].digests) is not None and len(digests) > 1
+            }
         return answer
 
     def _shadow_flat(self, shadow: Any, name: str) -> torch.Tensor | None:
@@ -480,15 +484,20 @@ class Prover:
         config_dtype = self.served.model_config.dtype
         dtype = config_dtype if isinstance(config_dtype, torch.dtype) else None
         bad, unproven = [], []
+        seen: set[str] = set()
         with torch.no_grad():
             for qualname, module in kernel_modules(self.served.model):
                 weight = getattr(module, "weight", None)
                 if not isinstance(weight, torch.Tensor) or only is not None and qualname not in only:
                     continue
+                seen.add(qualname)
                 ref = refs.get(qualname)
                 if ref is None:
                     if weight.numel() == 0:  # repacked, never reloaded by deltasync: nothing to compare with
                         unproven.append(f"{qualname} (kernel)")
+                    continue
+                if ref.digests is None:
+                    unproven.append(f"{qualname} (kernel: its weight holds an inf or a NaN, which a read-back hides)")
                     continue
                 blocks = len(ref.digests)
                 for b0, b1 in (only or {}).get(qualname) or [(0, 0)]:
@@ -496,19 +505,12 @@ class Prover:
                     if not 0 <= lo < hi <= blocks:
                         unproven.append(f"{qualname} (kernel blocks [{b0}, {b1}) of {blocks})")
                         continue
-                    if blocks == 1:
-                        same = tensor_checksum(read_through_kernel(module, dtype)) == ref.digests[0]
-                    else:  # a block at a time: each read back is its block's columns, contiguous, as referenced
-                        k = kernel_inputs(module)
-                        same = all(
-                            tensor_checksum(read_through_kernel(module, dtype, (c, min(c + ref.block, k))))
-                            == ref.digests[b]
-                            for b in range(lo, hi)
-                            for c in (b * ref.block,)
-                        )
-                    if not same:
+                    # a block at a time: each read back is its block's columns, contiguous, as referenced
+                    if any(read_block(module, ref, b, dtype) != ref.digests[b] for b in range(lo, hi)):
                         bad.append(f"{qualname} (as its kernel computes)")
                         break
+        if only is not None:  # a window naming no module of this rank with a kernel proves nothing: said
+            unproven += [f"{q} (kernel: no such module)" for q in sorted(set(only) - seen)]
         return bad, unproven
 
     def prove_slots(self, worker: Any) -> tuple[list[str], int]:

@@ -1,4 +1,4 @@
-"""Adversarial checks of the repacked-kernel audit (vLLM's CPU build, ``reload`` mode): an engine whose repacked
+"""Adversarial checks of the repacked-kernel audit (written by an adversary briefed with the promise only) (vLLM's CPU build, ``reload`` mode): an engine whose repacked
 kernels are referenced in small blocks (``DELTASYNC_KERNEL_BLOCK_MACS``), including blocks that do not divide the
 input size (a Llama's ``down_proj`` with 200 inputs: blocks of 32, the last of 8; or of 1 column), audited whole
 and sliced.
@@ -15,7 +15,6 @@ and sliced.
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 from typing import Any
 
 import cloudpickle
@@ -192,8 +191,8 @@ def test_crafted_windows_never_prove_what_was_not_read(engine: dict[str, Any]) -
 
 
 def test_crafted_unknown_module_is_not_silently_proven(engine: dict[str, Any]) -> None:
-    """A window naming a module the engine has no kernel for reads nothing: it should say so (unproven), not
-    answer ok with nothing unproven."""
+    """A window naming a module the engine has no kernel for reads nothing: it says so (unproven), not ok with
+    nothing unproven."""
     llm = engine["llm"]
     [rank] = llm.collective_rpc(
         "deltasync_prove", kwargs={"windows": [["kernel:model.layers.9.mlp.down_proj", 0, 0]], "extras": False}
@@ -220,7 +219,7 @@ def test_an_honest_negative_zero_is_not_drift(engine: dict[str, Any]) -> None:
     try:
         agent.sync()  # applied: the update's own checks pass
         assert _healthy(llm) and llm.collective_rpc("deltasync_status")[0]["version"] == publisher.version
-        assert agent.target.prove() == []  # BROKEN: drift (the kernel reads -0.0 back as +0.0)
+        assert agent.target.prove() == []  # the kernel reads -0.0 back as +0.0: compared as canonical()
         assert agent.target.prove(stall_s=1e-9) == []
         assert _healthy(llm)
     finally:
