@@ -119,10 +119,14 @@ class KernelRef:
 def canonical(t: Any) -> Any:
     """``t`` as an identity read-back through a CPU kernel returns it: ``-0.0`` as ``+0.0`` (``1 * -0.0 + 0 * w``
     sums to ``+0.0``) and subnormals as ``+0.0`` (oneDNN flushes them: its GEMM computes with 0); a new tensor.
-    A read-back proves each weight up to these, which no output of the kernel tells apart."""
+    A read-back proves each weight up to these, which no output of the kernel tells apart. ``t`` itself where it
+    holds neither (or is not floating point)."""
     import torch
 
-    return torch.where(t.abs() < torch.finfo(t.dtype).tiny, torch.zeros((), dtype=t.dtype), t)
+    if not t.is_floating_point():
+        return t
+    small = t.abs() < torch.finfo(t.dtype).tiny
+    return t.masked_fill(small, 0.0) if bool(small.any()) else t
 
 
 def digest_of(t: Any) -> str:
