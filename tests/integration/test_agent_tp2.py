@@ -5,21 +5,19 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from deltasync_coordinator.app import create_app
 from safetensors.torch import load_file
 
-from deltasync import LocalStore, RefusalReason, UpdateRefused
+from deltasync import RefusalReason, UpdateRefused
 from deltasync.agent import Agent
-from deltasync.client import CoordinatorClient
 from deltasync.config import AgentConfig
 from deltasync.layout import manifest_key
 from deltasync.reader import load_object, read_manifest
 from deltasync.staging import StagedUpdate, stage_object
 from deltasync.targets import OfflineLLMTarget
 from deltasync.testing.launchers import offline_llm
-from tests.conftest import PUBLISHER_TOKEN, ServerThread, agent_token, coordinator_settings
+from tests.conftest import agent_token
 from tests.integration.fresh_engine import fresh_run, generate
-from tests.support.world import StreamPublisher
+from tests.support.world import world
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 PROMPTS = ["Guess the five letter word:", "crane slate audio raise"]
@@ -30,20 +28,14 @@ def test_tp2_bit_exact_against_a_fresh_tp2_load(
     tmp_path: Path, tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     pytest.importorskip("vllm")
-    settings = coordinator_settings(tmp_path)
     for k, v in TP_ENV.items():
         monkeypatch.setenv(k, v)
     llm = offline_llm(tiny_model_dir, tensor_parallel_size=2)
     try:
-        with (
-            ServerThread(create_app(settings)) as server,
-            CoordinatorClient(server.url, token=PUBLISHER_TOKEN) as pub,
-            CoordinatorClient(server.url, token=agent_token("tp2")) as agt,
-        ):
-            store = LocalStore(tmp_path / "store")
-            publisher = StreamPublisher(store, pub, load_file(tiny_model_dir / "model.safetensors"), lr=1e-5)
+        with world(tmp_path, load_file(tiny_model_dir / "model.safetensors"), lr=1e-5) as w:
+            store, publisher = w.store, w.publisher
             config = AgentConfig(agent_id="tp2", staging_dir=str(tmp_path / "staging"), tp_size=2)
-            agent = Agent.for_llm(llm, store=store, coordinator=agt, config=config)
+            agent = Agent.for_llm(llm, store=store, coordinator=w.client(agent_token("tp2")), config=config)
             assert agent.sync().route == "anchor"
             for _ in range(3):
                 publisher.step()

@@ -15,13 +15,11 @@ from typing import Any
 import cloudpickle
 import pytest
 import torch
-from deltasync_coordinator.app import create_app
 from safetensors.torch import load_file, save_file
 
 from deltasync import ApplyError, LocalStore, RefusalReason, UpdateRefused
 from deltasync._cpus import format_cpu_list
 from deltasync.agent import Agent
-from deltasync.client import CoordinatorClient
 from deltasync.config import AgentConfig
 from deltasync.layout import manifest_key
 from deltasync.reader import load_object, read_manifest
@@ -30,9 +28,9 @@ from deltasync.targets import OfflineLLMTarget
 from deltasync.testing.launchers import offline_llm
 from deltasync.testing.models import build_tiny_model
 from deltasync.vllm.config import PLAIN_ENV, SPLIT_AT_ENV
-from tests.conftest import PUBLISHER_TOKEN, ServerThread, agent_token, coordinator_settings
+from tests.conftest import agent_token
 from tests.integration.fresh_engine import assert_as_fresh, generate
-from tests.support.world import StreamPublisher
+from tests.support.world import world
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 cloudpickle.register_pickle_by_value(sys.modules[__name__])  # workers need not import this module
@@ -132,13 +130,8 @@ def test_inplace_through_the_map_is_bit_exact_against_a_fresh_engine(
     llm = offline_llm(model_dir, tensor_parallel_size=tp)
     try:
         assert [st["map"] is not None for st in _statuses(llm)] == [at_start] * tp
-        with (
-            ServerThread(create_app(coordinator_settings(tmp_path))) as server,
-            CoordinatorClient(server.url, token=PUBLISHER_TOKEN) as pub,
-            CoordinatorClient(server.url, token=agent_token("inplace")) as agt,
-        ):
-            store = LocalStore(tmp_path / "store")
-            publisher = StreamPublisher(store, pub, load_file(model_dir / "model.safetensors"), lr=1e-5)
+        with world(tmp_path, load_file(model_dir / "model.safetensors"), lr=1e-5) as w:
+            store, publisher, agt = w.store, w.publisher, w.client(agent_token("inplace"))
             # a whole-state proof at every sync, in the smallest windows (65,536 elements: tensors split across
             # calls, parts added up over windows and ranks): no false drift over the whole stream
             config = AgentConfig(
@@ -253,15 +246,10 @@ def test_moe_experts_in_reload_mode_are_refused_never_served_wrong(
     llm = offline_llm(model_dir)
     try:
         before, ids = llm.collective_rpc("deltasync_effective"), generate(llm, PROMPTS)
-        with (
-            ServerThread(create_app(coordinator_settings(tmp_path))) as server,
-            CoordinatorClient(server.url, token=PUBLISHER_TOKEN) as pub,
-            CoordinatorClient(server.url, token=agent_token("moe")) as agt,
-        ):
-            store = LocalStore(tmp_path / "store")
-            StreamPublisher(store, pub, load_file(model_dir / "model.safetensors"), lr=1e-5).step()
+        with world(tmp_path, load_file(model_dir / "model.safetensors"), lr=1e-5) as w:
+            w.publisher.step()
             config = AgentConfig(agent_id="moe", staging_dir=str(tmp_path / "staging"), retries=0)
-            agent = Agent.for_llm(llm, store=store, coordinator=agt, config=config)
+            agent = Agent.for_llm(llm, store=w.store, coordinator=w.client(agent_token("moe")), config=config)
             with pytest.raises(UpdateRefused, match="fused MoE expert tensors.*DELTASYNC_VLLM_PLAIN_WEIGHTS=1") as exc:
                 agent.sync()
             assert exc.value.reason is RefusalReason.UNSUPPORTED

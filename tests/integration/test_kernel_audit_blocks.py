@@ -20,19 +20,17 @@ from typing import Any
 import cloudpickle
 import pytest
 import torch
-from deltasync_coordinator.app import create_app
 from safetensors.torch import load_file
 
-from deltasync import ApplyError, LocalStore, compute_delta, write_delta
+from deltasync import ApplyError, compute_delta, write_delta
 from deltasync.agent import Agent
-from deltasync.client import CoordinatorClient
 from deltasync.config import AgentConfig
 from deltasync.testing.launchers import offline_llm
 from deltasync.testing.models import build_tiny_model
 from deltasync.vllm.config import KERNEL_BLOCK_ENV, PLAIN_ENV
 from deltasync.vllm.plain import kernel_block
-from tests.conftest import PUBLISHER_TOKEN, ServerThread, agent_token, coordinator_settings
-from tests.support.world import StreamPublisher
+from tests.conftest import agent_token
+from tests.support.world import world
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 cloudpickle.register_pickle_by_value(sys.modules[__name__])  # workers need not import this module
@@ -84,17 +82,11 @@ def engine(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
     model_dir = build_tiny_model(tmp / "llama", arch="llama", seed=3)
     llm = offline_llm(model_dir)
     try:
-        with (
-            ServerThread(create_app(coordinator_settings(tmp))) as server,
-            CoordinatorClient(server.url, token=PUBLISHER_TOKEN) as pub,
-            CoordinatorClient(server.url, token=agent_token("adv")) as agt,
-        ):
-            store = LocalStore(tmp / "store")
-            publisher = StreamPublisher(store, pub, load_file(model_dir / "model.safetensors"), lr=1e-5)
+        with world(tmp, load_file(model_dir / "model.safetensors"), lr=1e-5) as w:
             config = AgentConfig(agent_id="adv", staging_dir=str(tmp / "staging"), retries=0)
-            agent = Agent.for_llm(llm, store=store, coordinator=agt, config=config)
+            agent = Agent.for_llm(llm, store=w.store, coordinator=w.client(agent_token("adv")), config=config)
             assert agent.sync().route == "anchor"  # every module reloaded by deltasync: every kernel referenced
-            yield dict(llm=llm, agent=agent, publisher=publisher, macs=request.param)
+            yield dict(llm=llm, agent=agent, publisher=w.publisher, macs=request.param)
     finally:
         mp.undo()
         llm.llm_engine.engine_core.shutdown()
