@@ -30,7 +30,7 @@ from .adapter import ServedAdapter
 from .label import Label
 from .model import ServedModel
 from .patch_map import PatchMap
-from .plain import kernel_modules, read_block
+from .plain import kernel_inputs, kernel_modules, read_block
 from .served import merge_changes
 
 __all__ = ["Prover", "Written", "change_parts", "prove_update"]
@@ -468,7 +468,7 @@ class Prover:
             weight = getattr(module, "weight", None)
             if not isinstance(weight, torch.Tensor) or (qualname not in refs and weight.numel()):
                 continue  # a plain weight, proven as a tensor: nothing to read back
-            k = int(getattr(module, "input_size_per_partition", 0) or (weight.shape[1] if weight.dim() == 2 else 0))
+            k = kernel_inputs(module)  # the columns its read-back reads
             out = int(getattr(module, "output_size_per_partition", 0) or (weight.shape[0] if weight.dim() == 2 else 0))
             costs[qualname] = max(k * k * out, 1)
         return costs
