@@ -119,8 +119,9 @@ class KernelRef:
 def canonical(t: Any) -> Any:
     """``t`` as an identity read-back through a CPU kernel returns it: ``-0.0`` as ``+0.0`` (``1 * -0.0 + 0 * w``
     sums to ``+0.0``) and subnormals as ``+0.0`` (oneDNN flushes them: its GEMM computes with 0); a new tensor.
-    A read-back proves each weight up to these, which no output of the kernel tells apart. ``t`` itself where it
-    holds neither (or is not floating point)."""
+    A read-back proves each weight up to these (a kernel that kept subnormals would compute with what a read-back
+    cannot tell apart; the shadow's proof covers the checkpoint's bits). ``t`` itself where it holds neither (or is
+    not floating point)."""
     import torch
 
     if not t.is_floating_point():
